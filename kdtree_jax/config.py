@@ -1,0 +1,246 @@
+"""Model and drafter configuration: presets and the reader of HF `config.json` files.
+
+Every field here changes the math of the DeepSeek-V3 / Kimi K2.x architecture; nothing else is read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-V3-architecture target model (MLA attention + sigmoid-routed MoE)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None  # None: q is projected directly from hidden (DeepSeek-V2-Lite style)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int  # dense MLP (the first `first_k_dense` layers)
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    first_k_dense: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float = 1.0  # YaRN factor; 1.0 means plain RoPE
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    expert_quant: str = "bf16"  # "bf16" | "int4" (compressed-tensors W4A16, symmetric, group 32)
+    quant_group_size: int = 32
+    dtype: str = "bfloat16"  # activations and non-quantized weights
+    name: str = "custom"
+
+    def __post_init__(self):
+        _check(self.num_layers > 0, "num_layers", self.num_layers, "must be positive")
+        _check(0 <= self.first_k_dense <= self.num_layers, "first_k_dense", self.first_k_dense,
+               f"must lie in [0, num_layers={self.num_layers}]")
+        _check(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
+               f"must not exceed num_experts={self.num_experts}")
+        _check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "must be even")
+        _check(self.expert_quant in ("bf16", "int4"), "expert_quant", self.expert_quant, "use 'bf16' or 'int4'")
+        _check(self.dtype in ("bfloat16", "float32"), "dtype", self.dtype, "use 'bfloat16' or 'float32'")
+        if self.expert_quant == "int4":
+            for field in ("hidden_size", "moe_intermediate_size"):
+                value = getattr(self, field)
+                _check(value % self.quant_group_size == 0, field, value,
+                       f"must be a multiple of quant_group_size={self.quant_group_size} for INT4 experts")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def yarn_mscale(self) -> float:
+        """mscale(factor, mscale_all_dim) of YaRN; 1.0 when YaRN is off."""
+        return yarn_get_mscale(self.rope_scaling_factor, self.rope_mscale_all_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5 * mscale^2 (DeepSeek-V3 attention)."""
+        return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2
+
+    @property
+    def cache_bytes_per_token_per_layer(self) -> int:
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * (2 if self.dtype == "bfloat16" else 4)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash block-diffusion drafter attached to a target (DESIGN.md section 4)."""
+
+    num_layers: int
+    block_size: int  # L: the block is [bonus, MASK x (L-1)]
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs feed the context feature
+    mask_token_id: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        _check(self.block_size >= 2, "block_size", self.block_size, "must be at least 2 (bonus + one draft)")
+        _check(len(self.target_layer_ids) > 0, "target_layer_ids", self.target_layer_ids, "must name a layer")
+
+    def replace(self, **kw) -> "DrafterConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _check(ok: bool, field: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"config field {field!r} = {value!r} {why}")
+
+
+# ----------------------------------------------------------------------------------------------- presets
+
+def kimi_k2_6() -> ModelConfig:
+    """Kimi K2.6 text model (DeepSeek-V3 architecture, INT4 routed experts)."""
+    return ModelConfig(
+        name="kimi_k2_6", vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, moe_intermediate_size=2048, num_experts=384, num_experts_per_tok=8,
+        num_shared_experts=1, first_k_dense=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+        rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling_factor=64.0, rope_original_max_position=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        max_position_embeddings=262144, bos_token_id=163584, eos_token_id=163585, expert_quant="int4")
+
+
+def deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3 (671B) with bf16 experts (the FP8 release dequantized)."""
+    return ModelConfig(
+        name="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, moe_intermediate_size=2048, num_experts=256, num_experts_per_tok=8,
+        num_shared_experts=1, first_k_dense=3, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling_factor=40.0, rope_original_max_position=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        max_position_embeddings=163840, bos_token_id=0, eos_token_id=1)
+
+
+def tiny() -> ModelConfig:
+    """A few layers, a few experts, Kimi-like routing and YaRN: fast on CPU, every code path exercised."""
+    return ModelConfig(
+        name="tiny", vocab_size=512, hidden_size=64, num_layers=3, num_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        num_shared_experts=1, first_k_dense=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+        rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling_factor=4.0, rope_original_max_position=64,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        max_position_embeddings=1024, eos_token_id=1, dtype="float32")
+
+
+def tiny_drafter(target: ModelConfig, block_size: int = 8) -> DrafterConfig:
+    return DrafterConfig(num_layers=1, block_size=block_size,
+                         target_layer_ids=tuple(sorted({0, target.num_layers // 2, target.num_layers - 1})),
+                         mask_token_id=target.vocab_size - 1, num_heads=4, head_dim=16,
+                         intermediate_size=128, rms_norm_eps=target.rms_norm_eps)
+
+
+PRESETS = {"kimi_k2_6": kimi_k2_6, "deepseek_v3": deepseek_v3, "tiny": tiny}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown config preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ----------------------------------------------------------------------------------------------- HF reader
+
+_SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
+    """Read a DeepSeek-V3 / Kimi K2 / Kimi K2.5-K2.6 (`text_config`-nested) `config.json` dict.
+
+    Raises ValueError naming the field for anything this engine cannot run exactly.
+    """
+    if "text_config" in hf:
+        hf = hf["text_config"]
+    model_type = hf.get("model_type", "deepseek_v3")
+    if model_type not in _SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config field 'model_type' = {model_type!r} is not supported; "
+                         f"expected one of {_SUPPORTED_MODEL_TYPES}")
+    scoring = hf.get("scoring_func", "sigmoid")
+    _check(scoring == "sigmoid", "scoring_func", scoring, "is not supported; only 'sigmoid' routing is implemented")
+    method = hf.get("topk_method", "noaux_tc")
+    _check(method == "noaux_tc", "topk_method", method, "is not supported; only 'noaux_tc' is implemented")
+    n_group, topk_group = hf.get("n_group", 1), hf.get("topk_group", 1)
+    _check(n_group == 1 or topk_group == n_group, "n_group", n_group,
+           f"with topk_group={topk_group} needs group-limited routing, which is not implemented (use n_group=1)")
+    mtp = hf.get("num_nextn_predict_layers", 0)
+    _check(mtp in (0, 1), "num_nextn_predict_layers", mtp, "is not supported (0 or 1; MTP layers are ignored)")
+    _check(hf.get("hidden_act", "silu") == "silu", "hidden_act", hf.get("hidden_act"), "must be 'silu'")
+    _check(not hf.get("attention_bias", False), "attention_bias", hf.get("attention_bias"), "must be false")
+    freq = hf.get("moe_layer_freq", 1)
+    _check(freq == 1, "moe_layer_freq", freq, "must be 1")
+
+    rope = hf.get("rope_scaling") or {}
+    rope_type = rope.get("type", rope.get("rope_type", "yarn")) if rope else None
+    _check(rope_type in (None, "yarn"), "rope_scaling.type", rope_type, "is not supported; only YaRN is implemented")
+    quant = _expert_quant(hf.get("quantization_config"))
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    return ModelConfig(
+        name=name,
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], intermediate_size=hf["intermediate_size"],
+        moe_intermediate_size=hf["moe_intermediate_size"], num_experts=hf["n_routed_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"], num_shared_experts=hf.get("n_shared_experts", 1) or 0,
+        first_k_dense=hf.get("first_k_dense_replace", 0), routed_scaling_factor=float(hf["routed_scaling_factor"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), rms_norm_eps=float(hf["rms_norm_eps"]),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling_factor=float(rope.get("factor", 1.0)) if rope else 1.0,
+        rope_original_max_position=int(rope.get("original_max_position_embeddings",
+                                                hf.get("max_position_embeddings", 4096))) if rope else 4096,
+        rope_beta_fast=float(rope.get("beta_fast", 32.0)) if rope else 32.0,
+        rope_beta_slow=float(rope.get("beta_slow", 1.0)) if rope else 1.0,
+        rope_mscale=float(rope.get("mscale", 1.0)) if rope else 1.0,
+        rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if rope else 0.0,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, expert_quant=quant)
+
+
+def _expert_quant(qc: Mapping[str, Any] | None) -> str:
+    """'int4' for a compressed-tensors pack-quantized W4A16 group-32 symmetric config, 'bf16' when absent."""
+    if not qc:
+        return "bf16"
+    fmt = qc.get("format", qc.get("quant_method"))
+    _check(fmt in ("pack-quantized", "compressed-tensors"), "quantization_config.format", fmt,
+           "is not supported; only compressed-tensors 'pack-quantized' INT4 is implemented")
+    for group in qc.get("config_groups", {}).values():
+        w = group.get("weights", {})
+        _check(w.get("num_bits") == 4, "quantization_config.weights.num_bits", w.get("num_bits"), "must be 4")
+        _check(w.get("symmetric", True), "quantization_config.weights.symmetric", w.get("symmetric"), "must be true")
+        _check(w.get("group_size") == 32, "quantization_config.weights.group_size", w.get("group_size"), "must be 32")
+    return "int4"
