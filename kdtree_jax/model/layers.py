@@ -1,0 +1,42 @@
+"""Small building blocks shared by the target model and the drafter."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def dtype_of(name: str):
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype) -> nnx.Param:
+    """A weight with the truncated-normal(0, fan_in^-0.5) init."""
+    w = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32) * fan_in ** -0.5
+    return nnx.Param(w.astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, computed in f32."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(x @ gate) * (x @ up)): the dense MLP and the shared expert. Weights [D, I], [D, I], [I, D]."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = init_weight(rngs, (hidden, intermediate), hidden, dtype)
+        self.up_proj = init_weight(rngs, (hidden, intermediate), hidden, dtype)
+        self.down_proj = init_weight(rngs, (intermediate, hidden), intermediate, dtype)
+
+    def __call__(self, x):
+        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        return h @ self.down_proj[...]

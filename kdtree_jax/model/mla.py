@@ -1,0 +1,91 @@
+"""Multi-head latent attention (DeepSeek-V3 MLA) with a naive and an absorbed path over the latent KV cache.
+
+Per token the cache keeps c_kv [C] (after kv_a_layernorm) and k_rope [R] (after RoPE); C = kv_lora_rank, R =
+qk_rope_head_dim. Weights (stored [in, ..., out]):
+  q_a_proj [D, Q], q_a_norm [Q], q_b_proj [Q, H, P+R]   (or q_proj [D, H, P+R] when q_lora_rank is None)
+  kv_a_proj [D, C+R], kv_a_norm [C], kv_b_proj [C, H, P+V], o_proj [H, V, D]
+with P = qk_nope_head_dim and V = v_head_dim. kv_b_proj splits into W_UK [C, H, P] and W_UV [C, H, V].
+Naive: decompress every cached row to per-head K/V. Absorbed (decode, tree verify): q_lat = q_nope . W_UK^T lives in
+the C-wide latent space, scores = q_lat . c_kv + q_rope . k_rope, out_lat = p . c_kv, out = out_lat . W_UV.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.cache import block_attention_mask, write_rows
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight
+from kdtree_jax.model.rope import apply_rope
+from pallas_kernels import ops
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = dtype_of(cfg.dtype)
+        d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = init_weight(rngs, (d, cfg.q_lora_rank), d, dt)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
+            self.q_b_proj = init_weight(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), cfg.q_lora_rank, dt)
+        else:
+            self.q_proj = init_weight(rngs, (d, h, cfg.qk_head_dim), d, dt)
+        self.kv_a_proj = init_weight(rngs, (d, c + r), d, dt)
+        self.kv_a_norm = RMSNorm(c, cfg.rms_norm_eps, dt)
+        self.kv_b_proj = init_weight(rngs, (c, h, cfg.qk_nope_head_dim + cfg.v_head_dim), c, dt)
+        self.o_proj = init_weight(rngs, (h, cfg.v_head_dim, d), h * cfg.v_head_dim, dt)
+        self.cfg = cfg
+
+    def queries(self, x, positions):
+        """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated)."""
+        if self.cfg.q_lora_rank:
+            q = jnp.einsum("std,dq->stq", x, self.q_a_proj[...])
+            q = jnp.einsum("stq,qhk->sthk", self.q_a_norm(q), self.q_b_proj[...])
+        else:
+            q = jnp.einsum("std,dhk->sthk", x, self.q_proj[...])
+        p = self.cfg.qk_nope_head_dim
+        return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
+
+    def latents(self, x, positions):
+        """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores."""
+        kv = x @ self.kv_a_proj[...]
+        c = self.cfg.kv_lora_rank
+        return self.kv_a_norm(kv[..., :c]), apply_rope(kv[..., c:], positions, self.cfg)
+
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, absorbed: bool = True):
+        """One block of T tokens per stream.
+
+        x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T].
+        The block's latents are written to rows prefix_len .. prefix_len+T-1, then every token attends to the
+        stream's prefix and to its visible block rows. Returns (out [S, T, D], c_cache, r_cache).
+        """
+        cfg = self.cfg
+        c_new, r_new = self.latents(x, positions)
+        c_cache = write_rows(c_cache, c_new, prefix_len)
+        r_cache = write_rows(r_cache, r_new, prefix_len)
+        q_nope, q_rope = self.queries(x, positions)
+        w_uk = self.kv_b_proj[..., :cfg.qk_nope_head_dim]  # [C, H, P]
+        w_uv = self.kv_b_proj[..., cfg.qk_nope_head_dim:]  # [C, H, V]
+        if absorbed:
+            q_lat = jnp.einsum("sthp,chp->sthc", q_nope, w_uk)
+            out_lat = ops.tree_verify_attention(q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len,
+                                                visible, scale=cfg.softmax_scale)
+            out = jnp.einsum("sthc,chv->sthv", out_lat, w_uv)
+        else:
+            out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,
+                                  block_attention_mask(prefix_len, visible, c_cache.shape[1]), cfg.softmax_scale)
+        out = jnp.einsum("sthv,hvd->std", out.astype(x.dtype), self.o_proj[...])
+        return out, c_cache, r_cache
+
+
+def naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv, mask, scale):
+    """Decompress the latents to per-head K/V and attend. mask [S, T, N] -> [S, T, H, V] in f32."""
+    f32 = jnp.float32
+    k_nope = jnp.einsum("snc,chp->snhp", c_cache.astype(f32), w_uk.astype(f32))
+    v = jnp.einsum("snc,chv->snhv", c_cache.astype(f32), w_uv.astype(f32))
+    scores = (jnp.einsum("sthp,snhp->sthn", q_nope.astype(f32), k_nope)
+              + jnp.einsum("sthr,snr->sthn", q_rope.astype(f32), r_cache.astype(f32))) * scale
+    scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("sthn,snhv->sthv", probs, v)

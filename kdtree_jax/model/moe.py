@@ -1,0 +1,72 @@
+"""Sparse MoE: sigmoid router with selection-only correction bias, routed experts, shared expert.
+
+Router (DeepSeek-V3 `noaux_tc`, n_group = 1): scores = sigmoid(x . W_gate) in f32; the top-k experts are chosen by
+scores + e_score_correction_bias; their weights are the UNBIASED scores, normalised to sum 1 (norm_topk_prob), times
+routed_scaling_factor.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import GatedMLP, dtype_of, init_weight
+
+
+def route(x, gate_w, bias, cfg: ModelConfig):
+    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32)."""
+    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ gate_w.astype(jnp.float32))
+    _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32), cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def routed_experts(x, w_gate, w_up, w_down, ids, weights):
+    """Grouped GEMM over experts (sort by expert, ragged_dot, unsort, weighted sum).
+
+    x [M, D]; w_gate, w_up [E, D, I]; w_down [E, I, D]; ids [M, k]; weights [M, k] -> [M, D] in x.dtype.
+    An id outside [0, E) (an expert held by another device under expert parallelism) contributes zero.
+    """
+    num_experts = w_gate.shape[0]
+    m, k = ids.shape
+    flat = ids.reshape(-1)
+    local = (flat >= 0) & (flat < num_experts)
+    flat = jnp.where(local, flat, num_experts - 1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes, preferred_element_type=jnp.float32))
+    h = h * jax.lax.ragged_dot(xs, w_up, group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(h.astype(x.dtype), w_down, group_sizes, preferred_element_type=jnp.float32)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(m, k, -1)
+    w = jnp.where(local, weights.reshape(-1), 0.0).reshape(m, k)
+    return jnp.einsum("mkd,mk->md", y, w).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """Routed experts (bf16 [E, D, I] / [E, I, D], or INT4) plus the shared expert(s)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = dtype_of(cfg.dtype)
+        d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.gate = init_weight(rngs, (d, e), d, jnp.float32)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        if cfg.expert_quant != "bf16":
+            raise ValueError(f"expert_quant={cfg.expert_quant!r}: the INT4 expert path needs the int4_moe kernel")
+        self.w_gate = init_weight(rngs, (e, d, i), d, dt)
+        self.w_up = init_weight(rngs, (e, d, i), d, dt)
+        self.w_down = init_weight(rngs, (e, i, d), i, dt)
+        self.shared = GatedMLP(d, i * cfg.num_shared_experts, dt, rngs) if cfg.num_shared_experts else None
+        self.cfg = cfg
+
+    def __call__(self, x):
+        """x [S, T, D] -> [S, T, D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg)
+        out = routed_experts(flat, self.w_gate[...], self.w_up[...], self.w_down[...], ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.reshape(x.shape)

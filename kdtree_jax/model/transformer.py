@@ -1,0 +1,76 @@
+"""The DeepSeek-V3 / Kimi K2.x decoder: embedding, MLA + (dense | MoE) layers, final norm, lm_head."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.cache import KVCache
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
+from kdtree_jax.model.mla import MLA
+from kdtree_jax.model.moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rngs: nnx.Rngs):
+        dt = dtype_of(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.self_attn = MLA(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        if layer_id < cfg.first_k_dense:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
+        else:
+            self.mlp = MoE(cfg, rngs)
+
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, absorbed):
+        h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
+                                             visible, absorbed)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), c_cache, r_cache
+
+
+class ForwardOutput(NamedTuple):
+    logits: jnp.ndarray  # [S, T, V] f32
+    cache: KVCache  # rows prefix_len .. prefix_len+T-1 written; `length` unchanged (the caller commits)
+    hidden: tuple  # outputs of the requested layers, each [S, T, D]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = dtype_of(cfg.dtype)
+        embed = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * 0.02
+        self.embed_tokens = nnx.Param(embed.astype(dt))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = init_weight(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dt)
+        self.cfg = cfg
+
+    def embed(self, tokens):
+        """tokens [S, T] -> [S, T, D]."""
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def logits(self, hidden):
+        """final-normed hidden [S, T, D] -> logits [S, T, V] in f32."""
+        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("std,dv->stv", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
+                 hidden_layers: tuple = ()) -> ForwardOutput:
+        """Run a block of T tokens per stream against the cache (prefill chunk, AR step or tree verify).
+
+        tokens, positions [S, T]; visible [S, T, T] bool (which block tokens each token sees besides the prefix).
+        hidden_layers: ids of layers whose outputs to return (the drafter's context features).
+        """
+        x = self.embed(tokens)
+        c_all, r_all, hidden = list(cache.c_kv), list(cache.k_rope), []
+        for i, layer in enumerate(self.layers):
+            x, c_all[i], r_all[i] = layer(x, positions, c_all[i], r_all[i], cache.length, visible, absorbed)
+            if i in hidden_layers:
+                hidden.append(x)
+        logits = self.logits(self.norm(x))
+        return ForwardOutput(logits, KVCache(tuple(c_all), tuple(r_all), cache.length), tuple(hidden))
+

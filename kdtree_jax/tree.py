@@ -1,0 +1,348 @@
+"""Draft trees: the exact heapq reference (the specification), the jit-able builder, and tree accept.
+
+A DDTree round drafts per-position distributions for depths 1..D (D = L - 1, L = block size) after a root token
+(the bonus, depth 0). The tree holds the B most probable prefixes of the draft, found best-first:
+
+  * fp32 `log_softmax` of the draft logits, then the top K tokens per depth (K = min(B, V) unless given; ties in
+    log-prob go to the smaller token id, as `lax.top_k` does);
+  * a heap keyed by (-score, push counter) starts with the candidate (depth 1, rank 0) under the root; the score of a
+    candidate is the float32 sum of log-probs along its path (`score(parent) + lp[depth][rank]`);
+  * popping candidate (d, r) with parent p makes it node n (nodes numbered in pop order, so parent < child); then it
+    pushes (1) its next sibling (d, r + 1) under p if r + 1 < K, and (2) its first child (d + 1, 0) under n if d < D;
+  * ties in score break toward the candidate pushed first; the search stops after B pops or when the heap is empty.
+
+Node 0 is the root and does not count toward the budget B: every stream has B + 1 slots; unused slots are padding
+(token 0, parent -1, depth 0, no links, score -inf, visible only to itself).
+
+`build_tree_heapq` is the specification (python heapq, numpy); `build_tree` is the same search in pure JAX (jit-able,
+fixed shapes, identical arrays including ties). `accept_tree` walks a tree against the target's tokens.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_NODES_CAP = 2**31 - 1  # node counts are int32 on device; larger counts are reported as this cap
+
+
+class TreeArrays(NamedTuple):
+    """One draft tree per stream; S streams, B + 1 slots (slot 0 = root)."""
+
+    tokens: jax.Array  # [S, B+1] int32; tokens[:, 0] = root, 0 for padding
+    parent: jax.Array  # [S, B+1] int32; -1 for the root and padding
+    depth: jax.Array  # [S, B+1] int32; 0 for the root and padding
+    first_child: jax.Array  # [S, B+1] int32; -1 for none
+    next_sibling: jax.Array  # [S, B+1] int32; siblings in increasing index = decreasing score; -1 for none
+    visible: jax.Array  # [S, B+1, B+1] bool; row i = row parent(i) | {i}; padding rows see only themselves
+    num_nodes: jax.Array  # [S] int32; 1 + number of popped nodes
+    score: jax.Array  # [S, B+1] float32; path log-prob, 0 for the root, -inf for padding
+
+
+class AcceptResult(NamedTuple):
+    """The outcome of one accept walk per stream; D = max depth."""
+
+    path: jax.Array  # [S, D+1] int32; node indices from the root (0), padded with -1
+    num_accepted: jax.Array  # [S] int32; accepted non-root nodes, 0..D
+    next_token: jax.Array  # [S] int32; the target's token at the last accepted node (the new bonus)
+
+
+# ----------------------------------------------------------------------------------------------------- budgets
+
+
+def resolve_topk(budget: int, vocab_size: int, topk: int | None = None) -> int:
+    """Tokens kept per depth: `topk` (default: the budget) capped at the vocabulary; at least 1 so shapes stay valid."""
+    if topk is not None and topk < 1:
+        raise ValueError(f"topk={topk} must be >= 1 (or None for min(budget, vocab))")
+    k = budget if topk is None else topk
+    return max(1, min(k, vocab_size))
+
+
+def max_tree_nodes(depths: int, k: int) -> int:
+    """Number of prefixes of lengths 1..depths with k choices per position: sum_{d=1..depths} k^d, capped at
+    MAX_NODES_CAP."""
+    total, level = 0, 1
+    for _ in range(max(depths, 0)):
+        level *= k
+        total += level
+        if total >= MAX_NODES_CAP:
+            return MAX_NODES_CAP
+    return total
+
+
+def check_budget(budget: int, block_size: int, vocab_size: int) -> None:
+    """Raise ValueError when a tree of `budget` non-root nodes cannot be drafted from blocks of `block_size`."""
+    if block_size < 2:
+        raise ValueError(f"block_size={block_size} must be >= 2 (the root plus at least one drafted depth)")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size} must be >= 1")
+    if budget < 0:
+        raise ValueError(f"tree budget={budget} must be >= 0 (0 means plain autoregressive decoding)")
+    k = min(budget, vocab_size)
+    capacity = max_tree_nodes(block_size - 1, k)
+    if budget > capacity:
+        raise ValueError(f"tree budget={budget} exceeds the {capacity} prefixes that block_size={block_size} "
+                         f"(depth {block_size - 1}) and top-{k} per depth can hold; lower the budget or raise the "
+                         f"block size")
+
+
+def _check_topk_shapes(top_logprobs, top_ids, root):
+    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1:
+        raise ValueError(f"top_logprobs {tuple(top_logprobs.shape)} must be [S, D, K] with D >= 1 drafted depths "
+                         f"(block_size >= 2)")
+    if top_ids.shape != top_logprobs.shape or np.shape(root) != top_logprobs.shape[:1]:
+        raise ValueError(f"top_ids {tuple(top_ids.shape)} and root {tuple(np.shape(root))} must be "
+                         f"{tuple(top_logprobs.shape)} and {tuple(top_logprobs.shape[:1])}")
+
+
+# ----------------------------------------------------------------------------------------------------- top-K
+
+
+def draft_topk(draft_logits, k: int):
+    """draft_logits [S, D, V] -> (top_logprobs [S, D, k] float32, top_ids [S, D, k] int32), by decreasing log-prob,
+    ties to the smaller token id. jit-able; `k` static."""
+    lp = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(lp, k)
+    return values, ids.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------- heapq spec
+
+
+def build_tree_heapq_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays:
+    """The host part of the specification: best-first search with python heapq, one stream at a time.
+
+    top_logprobs [S, D, K] float32, top_ids [S, D, K] int, root [S] int -> TreeArrays of numpy arrays.
+    """
+    top_logprobs = np.asarray(top_logprobs, np.float32)
+    top_ids = np.asarray(top_ids)
+    root = np.asarray(root)
+    _check_topk_shapes(top_logprobs, top_ids, root)
+    n_streams, max_depth, k = top_logprobs.shape
+    slots = budget + 1
+    tokens = np.zeros((n_streams, slots), np.int32)
+    parent = np.full((n_streams, slots), -1, np.int32)
+    depth = np.zeros((n_streams, slots), np.int32)
+    first_child = np.full((n_streams, slots), -1, np.int32)
+    next_sibling = np.full((n_streams, slots), -1, np.int32)
+    visible = np.zeros((n_streams, slots, slots), bool)
+    num_nodes = np.ones(n_streams, np.int32)
+    score = np.full((n_streams, slots), -np.inf, np.float32)
+
+    for s in range(n_streams):
+        lp, ids = top_logprobs[s], top_ids[s]
+        tokens[s, 0] = root[s]
+        score[s, 0] = 0.0
+        last_child = {}
+        heap = []  # entries (-score, push counter, depth, rank, parent)
+        pushes = 0
+
+        def push(sc, d, r, p):
+            nonlocal pushes
+            heapq.heappush(heap, (-float(sc), pushes, d, r, p))
+            pushes += 1
+
+        if budget >= 1:
+            push(lp[0, 0], 1, 0, 0)
+        n = 0
+        while heap and n < budget:
+            _, _, d, r, p = heapq.heappop(heap)
+            n += 1
+            tokens[s, n] = ids[d - 1, r]
+            parent[s, n] = p
+            depth[s, n] = d
+            score[s, n] = np.float32(score[s, p] + lp[d - 1, r])
+            if p in last_child:
+                next_sibling[s, last_child[p]] = n
+            else:
+                first_child[s, p] = n
+            last_child[p] = n
+            if r + 1 < k:
+                push(np.float32(score[s, p] + lp[d - 1, r + 1]), d, r + 1, p)
+            if d + 1 <= max_depth:
+                push(np.float32(score[s, n] + lp[d, 0]), d + 1, 0, n)
+        num_nodes[s] = n + 1
+        for i in range(slots):
+            if parent[s, i] >= 0:
+                visible[s, i] = visible[s, parent[s, i]]
+            visible[s, i, i] = True
+    return TreeArrays(tokens, parent, depth, first_child, next_sibling, visible, num_nodes, score)
+
+
+def build_tree_heapq(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
+    """The specification: draft_logits [S, D, V], root [S] -> TreeArrays (numpy) via python heapq.
+
+    The top-K runs through `draft_topk` (so both builders see bit-identical log-probs), then the host search.
+    """
+    k = resolve_topk(budget, np.shape(draft_logits)[-1], topk)
+    top_logprobs, top_ids = jax.device_get(jax.jit(draft_topk, static_argnums=1)(draft_logits, k))
+    return build_tree_heapq_from_topk(top_logprobs, top_ids, root, budget)
+
+
+# ----------------------------------------------------------------------------------------------------- jit builder
+
+
+def tree_links(parent, max_depth: int):
+    """parent [..., N] int32 (-1 for root/padding, parent < child) -> (first_child [..., N], next_sibling [..., N],
+    visible [..., N, N]). Children are linked in increasing index; `max_depth` bounds the ancestor chain."""
+    n = parent.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    none = jnp.int32(-1)
+    is_child = parent[..., None, :] == idx[:, None]  # [..., i, j]: j is a child of i
+    first_child = jnp.where(is_child.any(-1), jnp.argmax(is_child, axis=-1).astype(jnp.int32), none)
+    later_sibling = ((parent[..., None, :] == parent[..., :, None]) & (idx[None, :] > idx[:, None])
+                     & (parent[..., :, None] >= 0))  # [..., i, j]: j is a later sibling of i
+    next_sibling = jnp.where(later_sibling.any(-1), jnp.argmax(later_sibling, axis=-1).astype(jnp.int32), none)
+    visible = jnp.broadcast_to(idx[:, None] == idx[None, :], parent.shape + (n,))
+    ancestor = parent
+    for _ in range(max_depth):
+        visible = visible | (ancestor[..., :, None] == idx)
+        safe = jnp.maximum(ancestor, 0)
+        ancestor = jnp.where(ancestor >= 0, jnp.take_along_axis(parent, safe, axis=-1), none)
+    return first_child, next_sibling, visible
+
+
+def _search_one(lp, ids, root, budget: int):
+    """Best-first search for one stream. lp/ids [D, K] -> (tokens, parent, depth, score) [B+1], num_nodes [].
+
+    The frontier holds at most one candidate per parent node (the parent's next unpopped child rank), so it is
+    indexed by parent: slot p = (rank, score, push counter, valid); the candidate's depth is depth[p] + 1.
+    """
+    max_depth, k = lp.shape
+    slots = budget + 1
+    neg_inf = jnp.float32(-jnp.inf)
+    big = jnp.int32(np.iinfo(np.int32).max)
+    tokens = jnp.zeros(slots, jnp.int32).at[0].set(root.astype(jnp.int32))
+    parent = jnp.full(slots, -1, jnp.int32)
+    depth = jnp.zeros(slots, jnp.int32)
+    score = jnp.full(slots, neg_inf).at[0].set(0.0)
+    f_rank = jnp.zeros(slots, jnp.int32)
+    f_score = jnp.full(slots, neg_inf).at[0].set(lp[0, 0])
+    f_count = jnp.full(slots, big).at[0].set(0)
+    f_valid = jnp.zeros(slots, bool).at[0].set(True)
+
+    def step(i, carry):
+        tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, pushes = carry
+        n = i + 1
+        best = jnp.max(jnp.where(f_valid, f_score, neg_inf))
+        tied = f_valid & (f_score == best)
+        any_left = tied.any()
+        p = jnp.argmin(jnp.where(tied, f_count, big)).astype(jnp.int32)
+        d = depth[p] + 1
+        r = f_rank[p]
+        sc = f_score[p]
+        node_token = ids[d - 1, r]
+        # the popped node
+        tokens = tokens.at[n].set(jnp.where(any_left, node_token, tokens[n]))
+        parent = parent.at[n].set(jnp.where(any_left, p, parent[n]))
+        depth = depth.at[n].set(jnp.where(any_left, d, depth[n]))
+        score = score.at[n].set(jnp.where(any_left, sc, score[n]))
+        # (1) the next sibling replaces the popped candidate in slot p
+        has_sib = any_left & (r + 1 < k)
+        sib_score = score[p] + lp[d - 1, jnp.minimum(r + 1, k - 1)]
+        f_rank = f_rank.at[p].set(jnp.where(has_sib, r + 1, f_rank[p]))
+        f_score = f_score.at[p].set(jnp.where(has_sib, sib_score, f_score[p]))
+        f_count = f_count.at[p].set(jnp.where(has_sib, pushes, f_count[p]))
+        f_valid = f_valid.at[p].set(jnp.where(any_left, has_sib, f_valid[p]))
+        pushes = pushes + has_sib.astype(jnp.int32)
+        # (2) the first child goes to slot n
+        has_child = any_left & (d + 1 <= max_depth)
+        child_score = sc + lp[jnp.minimum(d, max_depth - 1), 0]
+        f_rank = f_rank.at[n].set(0)
+        f_score = f_score.at[n].set(jnp.where(has_child, child_score, neg_inf))
+        f_count = f_count.at[n].set(jnp.where(has_child, pushes, big))
+        f_valid = f_valid.at[n].set(has_child)
+        pushes = pushes + has_child.astype(jnp.int32)
+        return tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, pushes
+
+    carry = (tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, jnp.int32(1))
+    tokens, parent, depth, score, *_ = jax.lax.fori_loop(0, budget, step, carry)
+    num_nodes = 1 + jnp.sum(parent >= 0).astype(jnp.int32)
+    return tokens, parent, depth, score, num_nodes
+
+
+def build_tree_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays:
+    """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] -> TreeArrays (jnp). jit-able, static
+    budget."""
+    _check_topk_shapes(top_logprobs, top_ids, root)
+    max_depth = top_logprobs.shape[1]
+    search = jax.vmap(lambda lp, ids, r: _search_one(lp, ids, r, budget))
+    tokens, parent, depth, score, num_nodes = search(jnp.asarray(top_logprobs, jnp.float32),
+                                                     jnp.asarray(top_ids, jnp.int32), jnp.asarray(root))
+    first_child, next_sibling, visible = tree_links(parent, max_depth)
+    return TreeArrays(tokens, parent, depth, first_child, next_sibling, visible, num_nodes, score)
+
+
+def build_tree(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
+    """draft_logits [S, D, V], root [S] int -> TreeArrays (jnp), identical to `build_tree_heapq`.
+
+    Pure JAX with fixed shapes: jit with `budget` and `topk` static.
+    """
+    k = resolve_topk(budget, draft_logits.shape[-1], topk)
+    top_logprobs, top_ids = draft_topk(draft_logits, k)
+    return build_tree_from_topk(top_logprobs, top_ids, root, budget)
+
+
+# ----------------------------------------------------------------------------------------------------- accept
+
+
+def accept_tree_python(tree: TreeArrays, target_tokens, max_depth: int) -> AcceptResult:
+    """The accept walk as a plain python loop over streams, following first_child / next_sibling (numpy)."""
+    first_child = np.asarray(tree.first_child)
+    next_sibling = np.asarray(tree.next_sibling)
+    tokens = np.asarray(tree.tokens)
+    target_tokens = np.asarray(target_tokens)
+    n_streams = tokens.shape[0]
+    path = np.full((n_streams, max_depth + 1), -1, np.int32)
+    num_accepted = np.zeros(n_streams, np.int32)
+    next_token = np.zeros(n_streams, np.int32)
+    for s in range(n_streams):
+        node, accepted = 0, 0
+        path[s, 0] = 0
+        while accepted < max_depth:
+            want = target_tokens[s, node]
+            child = first_child[s, node]
+            while child >= 0 and tokens[s, child] != want:
+                child = next_sibling[s, child]
+            if child < 0:
+                break
+            node = child
+            accepted += 1
+            path[s, accepted] = node
+        num_accepted[s] = accepted
+        next_token[s] = target_tokens[s, node]
+    return AcceptResult(path, num_accepted, next_token)
+
+
+def accept_tree(tree: TreeArrays, target_tokens, max_depth: int) -> AcceptResult:
+    """Accept walk: tree with B + 1 slots, target_tokens [S, B+1] int32 (the target's token at each node) ->
+    AcceptResult. jit-able with `max_depth` static.
+
+    From the root, the child of the current node carrying the target's token (the first in sibling order; the
+    children of a node are exactly the slots whose parent is that node) becomes the current node, for at most
+    `max_depth` steps. Emitted tokens = tokens[path[1..num_accepted]] + [next_token].
+    """
+    parent = jnp.asarray(tree.parent)
+    tokens = jnp.asarray(tree.tokens)
+    target_tokens = jnp.asarray(target_tokens, jnp.int32)
+
+    def walk(parent, tokens, target):
+        def step(i, carry):
+            node, accepted, alive, path = carry
+            match = (parent == node) & (tokens == target[node]) & alive
+            found = match.any()
+            child = jnp.argmax(match).astype(jnp.int32)
+            node = jnp.where(found, child, node)
+            accepted = accepted + found.astype(jnp.int32)
+            path = path.at[i + 1].set(jnp.where(found, child, -1))
+            return node, accepted, found, path
+
+        path = jnp.full(max_depth + 1, -1, jnp.int32).at[0].set(0)
+        node, accepted, _, path = jax.lax.fori_loop(0, max_depth, step, (jnp.int32(0), jnp.int32(0), True, path))
+        return path, accepted, target[node]
+
+    path, num_accepted, next_token = jax.vmap(walk)(parent, tokens, target_tokens)
+    return AcceptResult(path, num_accepted, next_token)
