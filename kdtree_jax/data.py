@@ -38,6 +38,7 @@ HELD_OUT_FRACTION = 0.05
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
 DEFAULT_MAX_FILE_BYTES = 256 * 1024
 DEFAULT_VOCAB_SIZE = 4096
+PROMPT_SLACK_TOKENS = 16  # eval prompts are encoded from a slice this many tokens longer than needed
 _ENCODE_CHUNK_FILES = 256  # files per encode_batch call in token_stream (bounds the memory of Encoding objects)
 
 
@@ -316,11 +317,11 @@ def eval_prompts(tokenizer: Tokenizer, n: int, prompt_tokens: int, seed: int = 0
         order = np.random.default_rng(_hash_int(f"{seed}/{f.relpath}/lines")).permutation(len(starts))
         per_file.append((f, text, [starts[i] for i in order]))
     prompts = []
-    for k in range(max(len(s) for _, _, s in per_file)):
+    for k in range(max((len(s) for _, _, s in per_file), default=0)):
         for f, text, starts in per_file:
             if k < len(starts):
-                line, offset = starts[k]
-                ids = tuple(tokenizer.encode(text[offset:])[:prompt_tokens])
+                line, begin, end = starts[k]
+                ids = tuple(tokenizer.encode(text[begin:end])[:prompt_tokens])
                 if len(ids) == prompt_tokens:
                     prompts.append(EvalPrompt(f.relpath, line, ids, tokenizer.decode(ids)))
                 if len(prompts) == n:
@@ -329,8 +330,12 @@ def eval_prompts(tokenizer: Tokenizer, n: int, prompt_tokens: int, seed: int = 0
                      "ask for fewer or shorter prompts")
 
 
-def _prompt_line_starts(text: str, tokenizer: Tokenizer, prompt_tokens: int) -> list[tuple[int, int]]:
-    """(1-based line, char offset) of non-blank lines followed by comfortably more than `prompt_tokens` tokens."""
+def _prompt_line_starts(text: str, tokenizer: Tokenizer, prompt_tokens: int) -> list[tuple[int, int, int]]:
+    """(1-based line, begin, end char offsets) of non-blank lines followed by more than `prompt_tokens` tokens.
+
+    text[begin:end] holds PROMPT_SLACK_TOKENS more tokens than the prompt needs, so cutting it there cannot change
+    the prompt's tokens.
+    """
     offsets = [start for start, _ in tokenizer._backend.encode(text, add_special_tokens=False).offsets]
     starts, line, offset = [], 1, 0
     token_index = 0
@@ -339,7 +344,8 @@ def _prompt_line_starts(text: str, tokenizer: Tokenizer, prompt_tokens: int) -> 
             token_index += 1
         # One token of slack: the token holding the line start may split differently when encoded from there.
         if raw_line.strip() and len(offsets) - token_index > prompt_tokens:
-            starts.append((line, offset))
+            last = token_index + prompt_tokens + PROMPT_SLACK_TOKENS
+            starts.append((line, offset, offsets[last] if last < len(offsets) else len(text)))
         line += 1
         offset += len(raw_line) + 1
     return starts
