@@ -43,9 +43,10 @@ def check_capacity(capacity: int, needed: int, what: str) -> None:
 
 
 def write_rows(layer_cache, rows, offsets):
-    """layer_cache [S, N, W] <- rows [S, T, W] at rows offsets[s] .. offsets[s]+T-1 of each stream."""
-    return jax.vmap(lambda c, x, o: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (o, 0)))(
-        layer_cache, rows, offsets)
+    """layer_cache [S, N, ...] <- rows [S, T, ...] at rows offsets[s] .. offsets[s]+T-1 of each stream."""
+    def one(c, x, o):
+        return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (o,) + (0,) * (c.ndim - 1))
+    return jax.vmap(one)(layer_cache, rows, offsets)
 
 
 def block_attention_mask(prefix_len, visible, capacity: int):
@@ -60,12 +61,12 @@ def block_attention_mask(prefix_len, visible, capacity: int):
     return in_prefix | (in_block[:, None, :] & block_vis)
 
 
-def compact(cache: KVCache, path, num_accepted) -> KVCache:
-    """Commit the root and the accepted tree nodes of each stream.
+def compact(cache: KVCache, path, num_accepted, active) -> KVCache:
+    """Commit the root and the accepted tree nodes of each active stream.
 
-    path [S, D+1] node indices (path[:, 0] = 0, the root; -1 padding), num_accepted [S]. Rows length + path[j] move to
-    length + j for j = 1..D (a gather then one write, so overlap is safe); rows past the new length are garbage.
-    The length advances by 1 + num_accepted.
+    path [S, D+1] node indices (path[:, 0] = 0, the root; -1 padding), num_accepted [S], active [S] bool. Rows
+    length + path[j] move to length + j for j = 1..D (a gather then one write, so overlap is safe); rows past the new
+    length are garbage. The length of an active stream advances by 1 + num_accepted; other streams keep theirs.
     """
     src = cache.length[:, None] + jnp.maximum(path[:, 1:], 0)  # [S, D]
 
@@ -74,4 +75,4 @@ def compact(cache: KVCache, path, num_accepted) -> KVCache:
         return write_rows(layer, gathered, cache.length + 1)
 
     return KVCache(tuple(move(c) for c in cache.c_kv), tuple(move(r) for r in cache.k_rope),
-                   cache.length + 1 + num_accepted)
+                   cache.length + jnp.where(active, 1 + num_accepted, 0))

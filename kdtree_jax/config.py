@@ -86,8 +86,13 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash block-diffusion drafter attached to a target (DESIGN.md section 4)."""
+    """A DFlash block-diffusion drafter attached to a target (DESIGN.md section 4).
 
+    hidden_size and vocab_size must equal the target's: the drafter shares its embedding and lm_head.
+    """
+
+    hidden_size: int
+    vocab_size: int
     num_layers: int
     block_size: int  # L: the block is [bonus, MASK x (L-1)]
     target_layer_ids: tuple[int, ...]  # target layers whose outputs feed the context feature
@@ -101,6 +106,20 @@ class DrafterConfig:
     def __post_init__(self):
         _check(self.block_size >= 2, "block_size", self.block_size, "must be at least 2 (bonus + one draft)")
         _check(len(self.target_layer_ids) > 0, "target_layer_ids", self.target_layer_ids, "must name a layer")
+        _check(0 <= self.mask_token_id < self.vocab_size, "mask_token_id", self.mask_token_id,
+               f"must be a token id below vocab_size={self.vocab_size}")
+
+    def check_fits(self, target: "ModelConfig") -> None:
+        """Raise ValueError when this drafter cannot run on `target`."""
+        for field in ("hidden_size", "vocab_size"):
+            mine, theirs = getattr(self, field), getattr(target, field)
+            if mine != theirs:
+                raise ValueError(f"drafter {field}={mine} does not fit the target's {field}={theirs}; "
+                                 f"use a drafter trained for this target")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ValueError(f"drafter target_layer_ids {bad} are not layers of the target "
+                             f"(it has {target.num_layers}); use a drafter trained for this target")
 
     def replace(self, **kw) -> "DrafterConfig":
         return dataclasses.replace(self, **kw)
@@ -156,8 +175,8 @@ def tiny() -> ModelConfig:
 
 
 def tiny_drafter(target: ModelConfig, block_size: int = 8) -> DrafterConfig:
-    return DrafterConfig(num_layers=1, block_size=block_size,
-                         target_layer_ids=tuple(sorted({0, target.num_layers // 2, target.num_layers - 1})),
+    return DrafterConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=1,
+                         block_size=block_size, target_layer_ids=tuple(sorted({0, target.num_layers // 2, target.num_layers - 1})),
                          mask_token_id=target.vocab_size - 1, num_heads=4, head_dim=16,
                          intermediate_size=128, rms_norm_eps=target.rms_norm_eps)
 

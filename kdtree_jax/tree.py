@@ -196,69 +196,62 @@ def tree_links(parent, max_depth: int):
     later_sibling = ((parent[..., None, :] == parent[..., :, None]) & (idx[None, :] > idx[:, None])
                      & (parent[..., :, None] >= 0))  # [..., i, j]: j is a later sibling of i
     next_sibling = jnp.where(later_sibling.any(-1), jnp.argmax(later_sibling, axis=-1).astype(jnp.int32), none)
-    visible = jnp.broadcast_to(idx[:, None] == idx[None, :], parent.shape + (n,))
-    ancestor = parent
-    for _ in range(max_depth):
+
+    def add_ancestor(_, carry):
+        visible, ancestor = carry
         visible = visible | (ancestor[..., :, None] == idx)
-        safe = jnp.maximum(ancestor, 0)
-        ancestor = jnp.where(ancestor >= 0, jnp.take_along_axis(parent, safe, axis=-1), none)
+        up = jnp.take_along_axis(parent, jnp.maximum(ancestor, 0), axis=-1)
+        return visible, jnp.where(ancestor >= 0, up, none)
+
+    self_only = jnp.broadcast_to(idx[:, None] == idx[None, :], parent.shape + (n,))
+    visible, _ = jax.lax.fori_loop(0, max_depth, add_ancestor, (self_only, parent))
     return first_child, next_sibling, visible
 
 
 def _search_one(lp, ids, root, budget: int):
     """Best-first search for one stream. lp/ids [D, K] -> (tokens, parent, depth, score) [B+1], num_nodes [].
 
-    The frontier holds at most one candidate per parent node (the parent's next unpopped child rank), so it is
-    indexed by parent: slot p = (rank, score, push counter, valid); the candidate's depth is depth[p] + 1.
+    The frontier holds at most one candidate per node (the node's next unpopped child rank), so it is indexed by the
+    parent: slot p = (rank, score, push counter); the candidate's depth is depth[p] + 1; counter EMPTY = no candidate.
     """
     max_depth, k = lp.shape
     slots = budget + 1
     neg_inf = jnp.float32(-jnp.inf)
-    big = jnp.int32(np.iinfo(np.int32).max)
+    empty = jnp.int32(np.iinfo(np.int32).max)
     tokens = jnp.zeros(slots, jnp.int32).at[0].set(root.astype(jnp.int32))
     parent = jnp.full(slots, -1, jnp.int32)
     depth = jnp.zeros(slots, jnp.int32)
     score = jnp.full(slots, neg_inf).at[0].set(0.0)
     f_rank = jnp.zeros(slots, jnp.int32)
     f_score = jnp.full(slots, neg_inf).at[0].set(lp[0, 0])
-    f_count = jnp.full(slots, big).at[0].set(0)
-    f_valid = jnp.zeros(slots, bool).at[0].set(True)
+    f_count = jnp.full(slots, empty).at[0].set(0)
 
     def step(i, carry):
-        tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, pushes = carry
+        tokens, parent, depth, score, f_rank, f_score, f_count, pushes = carry
         n = i + 1
-        best = jnp.max(jnp.where(f_valid, f_score, neg_inf))
-        tied = f_valid & (f_score == best)
-        any_left = tied.any()
-        p = jnp.argmin(jnp.where(tied, f_count, big)).astype(jnp.int32)
-        d = depth[p] + 1
-        r = f_rank[p]
-        sc = f_score[p]
-        node_token = ids[d - 1, r]
-        # the popped node
-        tokens = tokens.at[n].set(jnp.where(any_left, node_token, tokens[n]))
-        parent = parent.at[n].set(jnp.where(any_left, p, parent[n]))
-        depth = depth.at[n].set(jnp.where(any_left, d, depth[n]))
-        score = score.at[n].set(jnp.where(any_left, sc, score[n]))
-        # (1) the next sibling replaces the popped candidate in slot p
-        has_sib = any_left & (r + 1 < k)
-        sib_score = score[p] + lp[d - 1, jnp.minimum(r + 1, k - 1)]
-        f_rank = f_rank.at[p].set(jnp.where(has_sib, r + 1, f_rank[p]))
-        f_score = f_score.at[p].set(jnp.where(has_sib, sib_score, f_score[p]))
-        f_count = f_count.at[p].set(jnp.where(has_sib, pushes, f_count[p]))
-        f_valid = f_valid.at[p].set(jnp.where(any_left, has_sib, f_valid[p]))
+        valid = f_count != empty
+        best = jnp.max(jnp.where(valid, f_score, neg_inf))
+        p = jnp.argmin(jnp.where(valid & (f_score == best), f_count, empty)).astype(jnp.int32)
+        popped = valid[p]  # False once the heap is empty: slot n stays padding
+        d, r, sc = depth[p] + 1, f_rank[p], f_score[p]
+        tokens = tokens.at[n].set(jnp.where(popped, ids[d - 1, r], 0))
+        parent = parent.at[n].set(jnp.where(popped, p, -1))
+        depth = depth.at[n].set(jnp.where(popped, d, 0))
+        score = score.at[n].set(jnp.where(popped, sc, neg_inf))
+        # (1) the next sibling takes the popped candidate's slot p
+        has_sib = popped & (r + 1 < k)
+        f_rank = f_rank.at[p].set(r + 1)
+        f_score = f_score.at[p].set(score[p] + lp[d - 1, jnp.minimum(r + 1, k - 1)])
+        f_count = f_count.at[p].set(jnp.where(has_sib, pushes, empty))
         pushes = pushes + has_sib.astype(jnp.int32)
         # (2) the first child goes to slot n
-        has_child = any_left & (d + 1 <= max_depth)
-        child_score = sc + lp[jnp.minimum(d, max_depth - 1), 0]
-        f_rank = f_rank.at[n].set(0)
-        f_score = f_score.at[n].set(jnp.where(has_child, child_score, neg_inf))
-        f_count = f_count.at[n].set(jnp.where(has_child, pushes, big))
-        f_valid = f_valid.at[n].set(has_child)
+        has_child = popped & (d + 1 <= max_depth)
+        f_score = f_score.at[n].set(sc + lp[jnp.minimum(d, max_depth - 1), 0])
+        f_count = f_count.at[n].set(jnp.where(has_child, pushes, empty))
         pushes = pushes + has_child.astype(jnp.int32)
-        return tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, pushes
+        return tokens, parent, depth, score, f_rank, f_score, f_count, pushes
 
-    carry = (tokens, parent, depth, score, f_rank, f_score, f_count, f_valid, jnp.int32(1))
+    carry = (tokens, parent, depth, score, f_rank, f_score, f_count, jnp.int32(1))
     tokens, parent, depth, score, *_ = jax.lax.fori_loop(0, budget, step, carry)
     num_nodes = 1 + jnp.sum(parent >= 0).astype(jnp.int32)
     return tokens, parent, depth, score, num_nodes

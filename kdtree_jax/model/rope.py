@@ -21,7 +21,7 @@ def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     """[R/2] float64 inverse frequencies after YaRN blending (plain RoPE when the factor is 1)."""
     dim, base, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_factor
-    extrapolated = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    extrapolated = plain_inv_frequencies(dim, base)
     if factor <= 1.0:
         return extrapolated
     interpolated = extrapolated / factor
@@ -41,12 +41,23 @@ def attention_factor(cfg: ModelConfig) -> float:
 
 
 def apply_rope(x, positions, cfg: ModelConfig):
-    """Rotate x [..., T, (H,) R] by positions [..., T]; pairs are interleaved. Computed in f32, returned in x.dtype."""
-    inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, R/2]
+    """The target's rotary embedding: x [..., T, (H,) R] rotated by positions [..., T] with YaRN frequencies."""
+    return rotate_pairs(x, positions, inv_frequencies(cfg), attention_factor(cfg))
+
+
+def plain_inv_frequencies(dim: int, theta: float) -> np.ndarray:
+    """[dim/2] inverse frequencies of plain RoPE."""
+    return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+
+def rotate_pairs(x, positions, inv_freq, factor: float = 1.0):
+    """Rotate x [..., T, (H,) R] by positions [..., T]; pairs (x[2i], x[2i+1]) turn by position * inv_freq[i].
+
+    Computed in f32, returned in x.dtype; cos and sin are scaled by `factor` (YaRN's attention factor).
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, R/2]
     if x.ndim == positions.ndim + 2:  # a heads axis sits between T and R
         angles = angles[..., None, :]
-    factor = attention_factor(cfg)
     cos, sin = jnp.cos(angles) * factor, jnp.sin(angles) * factor
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]

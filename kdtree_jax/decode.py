@@ -1,0 +1,248 @@
+"""Prefill and the jitted round loop: autoregressive (ar), DFlash chain (chain) and DDTree (ddtree) decoding.
+
+Every policy runs the same round, all on device inside one `lax.while_loop` (no host round trip per round):
+  draft  -> the drafter's L-1 per-position logits after the bonus token        (skipped by ar)
+  build  -> a draft tree of B+1 nodes: ar B=0; chain top-1 per depth, B=L-1; ddtree best-first top-B prefixes
+  verify -> one target forward over the B+1 nodes at positions length + depth (tree KV -> rows length..length+B)
+  accept -> walk the tree along the target's own tokens (argmax, or a sample per node at T > 0)
+  commit -> compact the accepted KV rows, extend the drafter context, emit accepted tokens + the new bonus
+Greedy output is identical for all three policies (the losslessness invariant the tests check).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdtree_jax import tree as tree_lib
+from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
+from kdtree_jax.drafter import Drafter, DrafterCache
+from kdtree_jax.model.transformer import Transformer
+
+POLICIES = ("ar", "chain", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static settings of one compiled decode loop."""
+
+    policy: str = "ar"
+    budget: int = 0  # B: non-root tree nodes (ddtree); chain uses L-1, ar 0
+    block_size: int = 16  # L
+    topk: int | None = None  # per-depth candidates (default min(B, V))
+    temperature: float = 0.0
+    max_new_tokens: int = 32
+    eos_token_id: int | None = None
+
+    @property
+    def depth(self) -> int:
+        """D: deepest tree level (0 for ar)."""
+        return 0 if self.policy == "ar" else self.block_size - 1
+
+    @property
+    def tree_budget(self) -> int:
+        return {"ar": 0, "chain": self.depth, "ddtree": self.budget}[self.policy]
+
+    @property
+    def tree_topk(self) -> int | None:
+        return 1 if self.policy == "chain" else self.topk
+
+    def tree_rows(self) -> int:
+        """Cache rows a round may touch past the committed length (verify writes B+1, compaction D+1)."""
+        return max(self.tree_budget, self.depth) + 1
+
+
+class LoopState(NamedTuple):
+    cache: KVCache
+    dcache: DrafterCache | None
+    bonus: jax.Array  # [S] the next round's root token (emitted, not yet in the cache)
+    out: jax.Array  # [S, max_new + L] generated tokens
+    num_out: jax.Array  # [S]
+    done: jax.Array  # [S] bool
+    taus: jax.Array  # [max_rounds, S] tokens emitted per round (0 once done)
+    rounds: jax.Array  # int32
+    key: jax.Array
+
+
+class GenerateResult(NamedTuple):
+    tokens: list  # per stream, generated token ids (EOS included when hit)
+    taus: np.ndarray  # [rounds, S]: tokens emitted per round, 0 when the stream was done
+    rounds: int
+    seconds: float  # wall time of prefill + loop (compilation excluded)
+
+
+class Decoder:
+    """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec."""
+
+    def __init__(self, target: Transformer, drafter: Drafter | None = None):
+        if drafter is not None:
+            drafter.cfg.check_fits(target.cfg)
+        self.cfg = target.cfg
+        self.target_def, self.target_params = nnx.split(target)
+        self.drafter_def, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
+        self.drafter_cfg = drafter.cfg if drafter is not None else None
+        self._compiled = {}
+
+    # ------------------------------------------------------------------------------------------- validation
+    def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
+        if spec.policy not in POLICIES:
+            raise ValueError(f"policy {spec.policy!r} is unknown; choose one of {POLICIES}")
+        if spec.policy != "ar":
+            if self.drafter_cfg is None:
+                raise ValueError(f"policy {spec.policy!r} needs a drafter; pass one or use policy 'ar'")
+            if spec.block_size != self.drafter_cfg.block_size:
+                raise ValueError(f"block_size={spec.block_size} differs from the drafter's "
+                                 f"{self.drafter_cfg.block_size}; use the drafter's block size")
+            tree_lib.check_budget(spec.tree_budget, spec.block_size, self.cfg.vocab_size)
+        if spec.temperature < 0:
+            raise ValueError(f"temperature={spec.temperature} must be >= 0")
+        if spec.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token; an empty prompt cannot be decoded")
+        for i, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        longest = max(len(p) for p in prompts)
+        check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
+                       f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
+                       f"tree rows")
+        if longest + spec.max_new_tokens + spec.depth > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens reaches position {longest + spec.max_new_tokens}, past the "
+                             f"model's max_position_embeddings={self.cfg.max_position_embeddings}")
+
+    @staticmethod
+    def default_cache_len(spec: DecodeSpec, prompts) -> int:
+        need = max(len(p) for p in prompts) + spec.max_new_tokens + spec.depth + spec.tree_rows()
+        return -(-need // 64) * 64
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts, spec: DecodeSpec, seed: int = 0, cache_len: int | None = None) -> GenerateResult:
+        """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop."""
+        cache_len = cache_len or self.default_cache_len(spec, prompts)
+        self.validate(spec, prompts, cache_len)
+        s, longest = len(prompts), max(len(p) for p in prompts)
+        tokens = np.zeros((s, longest), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        run = self._compile(spec, s, longest, cache_len)
+        cache = init_cache(self.cfg, s, cache_len)
+        dcache = (nnx.merge(self.drafter_def, self.drafter_params).init_cache(s, cache_len)
+                  if spec.policy != "ar" else None)
+        args = (self.target_params, self.drafter_params, cache, dcache, jnp.asarray(tokens), jnp.asarray(lengths),
+                jax.random.key(seed))
+        start = time.perf_counter()
+        state = jax.block_until_ready(run(*args))
+        seconds = time.perf_counter() - start
+        num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+        rounds = int(state.rounds)
+        return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], np.asarray(state.taus)[:rounds],
+                              rounds, seconds)
+
+    def _compile(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
+        key = (spec, num_streams, prompt_len, cache_len)
+        if key not in self._compiled:
+            fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3))
+            self._compiled[key] = fn
+        return self._compiled[key]
+
+    # ------------------------------------------------------------------------------------------- on device
+    def _run(self, spec: DecodeSpec, params, dparams, cache, dcache, tokens, lengths, key):
+        target = nnx.merge(self.target_def, params)
+        drafter = nnx.merge(self.drafter_def, dparams) if spec.policy != "ar" else None
+        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key)
+        return jax.lax.while_loop(lambda st: (st.rounds < st.taus.shape[0]) & ~jnp.all(st.done),
+                                  functools.partial(decode_round, target, drafter, spec), state)
+
+
+def pick_tokens(logits, temperature: float, key):
+    """logits [S, T, V] -> [S, T] tokens: argmax at temperature 0, else one independent sample per position."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cache: KVCache, dcache, tokens,
+            lengths, key) -> LoopState:
+    """Run the ragged prompts (tokens [S, P] right-padded, lengths [S]) and emit each stream's first token."""
+    s, p = tokens.shape
+    causal = jnp.tril(jnp.ones((p, p), bool))
+    valid = jnp.arange(p)[None, :] < lengths[:, None]
+    visible = (causal[None] & valid[:, None, :]) | jnp.eye(p, dtype=bool)[None]  # padding rows see themselves
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (s, p))
+    layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
+    fwd = target(tokens, positions, cache, visible, hidden_layers=layer_ids)
+    key, sub = jax.random.split(key)
+    last = jnp.take_along_axis(fwd.logits, (lengths - 1)[:, None, None], axis=1)  # [S, 1, V]
+    first = pick_tokens(last, spec.temperature, sub)[:, 0]
+    cache = fwd.cache._replace(length=lengths)
+    if drafter is not None:
+        dcache = drafter.extend_cache(dcache, fwd.hidden, positions, jnp.zeros_like(lengths))
+    out = jnp.zeros((s, spec.max_new_tokens + spec.block_size), jnp.int32).at[:, 0].set(first)
+    num_out = jnp.ones((s,), jnp.int32)
+    done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
+    max_rounds = spec.max_new_tokens
+    return LoopState(cache, dcache, first, out, num_out, done, jnp.zeros((max_rounds, s), jnp.int32),
+                     jnp.zeros((), jnp.int32), key)
+
+
+def _is_eos(tokens, spec: DecodeSpec):
+    if spec.eos_token_id is None:
+        return jnp.zeros(tokens.shape, bool)
+    return tokens == spec.eos_token_id
+
+
+def root_only_tree(root) -> tree_lib.TreeArrays:
+    """The ar 'tree': just the bonus token."""
+    s = root.shape[0]
+    minus = jnp.full((s, 1), -1, jnp.int32)
+    return tree_lib.TreeArrays(root[:, None].astype(jnp.int32), minus, jnp.zeros((s, 1), jnp.int32), minus, minus,
+                               jnp.ones((s, 1, 1), bool), jnp.ones((s,), jnp.int32), jnp.zeros((s, 1), jnp.float32))
+
+
+def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState) -> LoopState:
+    """One draft -> build -> verify -> accept -> commit round for every stream (finished streams are frozen)."""
+    length = st.cache.length
+    if drafter is None:
+        tree = root_only_tree(st.bonus)
+    else:
+        draft = drafter.draft(target.embed, lambda h: target.logits(h), st.bonus, length, st.dcache, length)
+        tree = tree_lib.build_tree(draft, st.bonus, spec.tree_budget, spec.tree_topk)
+    layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
+    fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
+    key, sub = jax.random.split(st.key)
+    verdict = tree_lib.accept_tree(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)
+
+    # Emitted this round: the accepted draft tokens, then the new bonus; cut at EOS and at max_new_tokens.
+    depth = spec.depth
+    accepted = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path[:, 1:], 0), axis=1)  # [S, D]
+    slots = jnp.arange(depth + 1)[None, :]
+    emitted = jnp.where(slots == verdict.num_accepted[:, None], verdict.next_token[:, None],
+                        jnp.pad(accepted, ((0, 0), (0, 1))))
+    count = verdict.num_accepted + 1
+    eos_at = jnp.where(_is_eos(emitted, spec) & (slots < count[:, None]), slots, depth + 1).min(axis=1)
+    hit_eos = eos_at <= depth
+    count = jnp.minimum(jnp.where(hit_eos, eos_at + 1, count), spec.max_new_tokens - st.num_out)
+    active = ~st.done
+    count = jnp.where(active, count, 0)
+    out = jax.vmap(lambda o, e, n: jax.lax.dynamic_update_slice(o, e, (n,)))(st.out, emitted, st.num_out)
+    out = jnp.where(active[:, None], out, st.out)
+    num_out = st.num_out + count
+    done = st.done | hit_eos | (num_out >= spec.max_new_tokens)
+
+    cache = compact(fwd.cache, verdict.path, verdict.num_accepted, active)
+    dcache = st.dcache
+    if drafter is not None:
+        path = jnp.maximum(verdict.path, 0)
+        hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in fwd.hidden)  # [S, D+1, D_model]
+        dcache = drafter.extend_cache(dcache, hidden, length[:, None] + slots, length)
+    return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
+                     st.taus.at[st.rounds].set(count), st.rounds + 1, key)
