@@ -3,7 +3,7 @@
 The shipped checkpoints/tokenizer.json is trained on the standard library only (the default roots), so every machine
 can reproduce it:
   .venv/bin/python experiments/train_tokenizer.py --vocab_size=4096 --out=checkpoints/tokenizer.json
-Prints the split's file counts and bytes and the tokens per byte on the training and held-out files.
+Prints the split's file counts (near copies of held-out files set aside too) and bytes and the tokens per byte on the training and held-out files.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def main(argv):
     del argv
     roots = FLAGS.roots or [data.stdlib_root()]
     files = data.find_source_files(roots, max_bytes=FLAGS.max_file_bytes)
-    train, held_out = data.split_files(files)
+    split = data.split_files(files)
+    train, held_out = split.train, split.held_out
     start = time.perf_counter()
     tokenizer = data.train_tokenizer(train, vocab_size=FLAGS.vocab_size)
     train_s = time.perf_counter() - start
@@ -47,6 +48,7 @@ def main(argv):
         "vocab_size": tokenizer.vocab_size,
         "files_train": len(train),
         "files_held_out": len(held_out),
+        "files_near_copies_set_aside": len(split.near_copies),
         "bytes_train": train_bytes,
         "bytes_held_out": held_out_bytes,
         "tokens_per_byte_train": _count_tokens(tokenizer, train) / train_bytes,

@@ -2,14 +2,17 @@
 
 Corpus. Every `*.py` file under the given roots: the interpreter's standard library everywhere, plus the installed
 packages on the GPU training machine. Directories named in SKIP_DIRS are not walked: test suites (Debian and Ubuntu ship
-the stdlib's `test/` as a separate package, so skipping it keeps the stdlib corpus the same on every machine), caches,
-and installed-package folders nested inside a stdlib tree (they are a root of their own when wanted). Files over
-`max_bytes` (generated tables, doc dumps) and files that are not valid UTF-8 are skipped.
+the stdlib's `test/` as a separate package, so skipping it keeps the stdlib corpus alike across machines), the stdlib's
+generated codec tables (`encodings/`: a hundred near-identical tables), caches, and installed-package folders nested
+inside a stdlib tree (they are a root of their own when wanted). Files over `max_bytes` (generated tables, doc dumps)
+and files that are not valid UTF-8 are skipped.
 
 Split. A file is held out when the sha256 of its path relative to its root falls in the lowest HELD_OUT_FRACTION of the
 32-bit range. The relative path does not depend on where or which patch version of Python is installed, so the split is
 the same on every machine. Held-out files are never trained on (tokenizer included: `train_tokenizer` and
-`token_stream` refuse them); evaluation prompts come only from held-out stdlib files.
+`token_stream` refuse them), nor are near copies of them under another path (a vendored or backported copy, e.g. the
+`zipp` package and the stdlib's `zipfile/_path`): `split_files` sets those aside. Evaluation prompts come only from
+held-out stdlib files, minus the parts some distributions ship as separate packages (EVAL_EXCLUDED_PREFIXES).
 
 Tokenizer. Byte-level BPE (`tokenizers`): no normalizer, ByteLevel pre-tokenizer and decoder, so any text round-trips
 exactly. Special tokens have fixed ids BOS_ID..PAD_ID and are never produced from text: a literal "<|bos|>" in a source
@@ -17,6 +20,7 @@ file is encoded as ordinary bytes.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -35,7 +39,16 @@ PAD_ID = 3
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|mask|>", "<|pad|>")  # SPECIAL_TOKENS[i] has id i
 
 HELD_OUT_FRACTION = 0.05
-SKIP_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
+SKIP_DIRS = frozenset({"test", "tests", "idle_test", "encodings", "__pycache__", "site-packages", "dist-packages"})
+# A training file is a near copy of a held-out file when they share at least NEAR_COPY_MIN_LINES distinct stripped
+# lines of NEAR_COPY_MIN_LINE_CHARS+ characters, and those are at least NEAR_COPY_FRACTION of the smaller file's lines
+# (licence headers and common imports stay below the line count).
+NEAR_COPY_MIN_LINE_CHARS = 12
+NEAR_COPY_MIN_LINES = 20
+NEAR_COPY_FRACTION = 0.5
+# Stdlib parts that Debian/Ubuntu ship as separate packages (absent from the GPU machine's Python 3.12.3): no eval
+# prompts come from them, so every machine draws the same prompts.
+EVAL_EXCLUDED_PREFIXES = ("idlelib/", "lib2to3/", "tkinter/", "turtledemo/", "ctypes/macholib/")
 DEFAULT_MAX_FILE_BYTES = 256 * 1024
 DEFAULT_VOCAB_SIZE = 4096
 PROMPT_SLACK_TOKENS = 16  # eval prompts are encoded from a slice this many tokens longer than needed
@@ -122,18 +135,47 @@ def is_held_out(relpath: str) -> bool:
     return bucket < HELD_OUT_FRACTION * 2 ** 32
 
 
-def split_files(files: Iterable[SourceFile]) -> tuple[list[SourceFile], list[SourceFile]]:
-    """(training files, held-out files), each in the input order."""
-    train, held_out = [], []
+@dataclasses.dataclass(frozen=True)
+class CorpusSplit:
+    """Files in input order: `train`, `held_out` (by path hash), `near_copies` (of held-out files; in neither use)."""
+
+    train: list[SourceFile]
+    held_out: list[SourceFile]
+    near_copies: list[SourceFile]
+
+
+def split_files(files: Iterable[SourceFile]) -> CorpusSplit:
+    """Split by path hash, then set aside the would-be training files that nearly copy a held-out file.
+
+    Reads every file. Only held-out files among `files` are guarded: include the stdlib root in the roots of a
+    training corpus so the evaluation sources are guarded.
+    """
+    candidates, held_out = [], []
     for f in files:
-        (held_out if is_held_out(f.relpath) else train).append(f)
-    return train, held_out
+        (held_out if is_held_out(f.relpath) else candidates).append(f)
+    held_out_lines = [_distinct_lines(f.read_text()) for f in held_out]
+    holders = collections.defaultdict(list)  # line -> indices of the held-out files that contain it
+    for i, lines in enumerate(held_out_lines):
+        for line in lines:
+            holders[line].append(i)
+    train, near_copies = [], []
+    for f in candidates:
+        lines = _distinct_lines(f.read_text())
+        shared = collections.Counter(i for line in lines for i in holders.get(line, ()))
+        is_copy = any(n >= NEAR_COPY_MIN_LINES and n >= NEAR_COPY_FRACTION * min(len(lines), len(held_out_lines[i]))
+                      for i, n in shared.items())
+        (near_copies if is_copy else train).append(f)
+    return CorpusSplit(train, held_out, near_copies)
+
+
+def _distinct_lines(text: str) -> set[str]:
+    return {s for s in (line.strip() for line in text.split("\n")) if len(s) >= NEAR_COPY_MIN_LINE_CHARS}
 
 
 def _refuse_held_out(files: Sequence[SourceFile], what: str) -> None:
     bad = [f.relpath for f in files if is_held_out(f.relpath)]
     if bad:
-        raise ValueError(f"{what} got {len(bad)} held-out files (e.g. {bad[0]!r}); pass only split_files(...)[0]")
+        raise ValueError(f"{what} got {len(bad)} held-out files (e.g. {bad[0]!r}); pass only split_files(...).train")
 
 
 # -------------------------------------------------------------------------------------------------------- tokenizer
@@ -188,7 +230,7 @@ class Tokenizer:
 def train_tokenizer(files: Sequence[SourceFile], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     """Train a byte-level BPE of `vocab_size` tokens (specials and 256 byte tokens included) on training files only."""
     if not files:
-        raise ValueError("train_tokenizer got no files; pass split_files(find_source_files(roots))[0]")
+        raise ValueError("train_tokenizer got no files; pass split_files(find_source_files(roots)).train")
     _refuse_held_out(files, "train_tokenizer")
     min_size = len(SPECIAL_TOKENS) + 256 + 1
     if vocab_size < min_size:
@@ -230,7 +272,7 @@ def token_stream(files: Sequence[SourceFile], tokenizer: Tokenizer, cache_dir: s
     and modification times, and read back on the next call with the same inputs.
     """
     if not files:
-        raise ValueError("token_stream got no files; pass split_files(find_source_files(roots))[0]")
+        raise ValueError("token_stream got no files; pass split_files(find_source_files(roots)).train")
     _refuse_held_out(files, "token_stream")
     cache_path = None
     if cache_dir is not None:
@@ -300,22 +342,24 @@ def eval_prompts(tokenizer: Tokenizer, n: int, prompt_tokens: int, seed: int = 0
     """`n` deterministic prompts of exactly `prompt_tokens` ids from held-out files (default roots: the stdlib).
 
     Each prompt is the tokenization of a file's text from the start of a non-blank line, cut to `prompt_tokens`; no
-    BOS is prepended. Files are visited in an order hashed from (seed, relpath), each file's usable lines in an order
-    hashed the same way, one line per file per pass: a given file yields the same prompts on every machine, and a file
-    missing on one machine removes only its own prompts.
+    BOS is prepended. Files are visited in an order hashed from (seed, relpath), one line per file per pass; a file's
+    usable lines in an order hashed from (seed, relpath, the text the prompt is cut from). So the prompts depend on
+    no line numbers: a patch release that edits other parts of a file leaves them alone, and machines whose files
+    agree draw the same prompts. Files under EVAL_EXCLUDED_PREFIXES are not used, so every machine has the same files.
     """
     if n < 1:
         raise ValueError(f"n={n}: ask for at least one prompt")
     if prompt_tokens < 1:
         raise ValueError(f"prompt_tokens={prompt_tokens}: an empty prompt cannot be decoded from; use at least 1")
-    _, held_out = split_files(find_source_files(roots if roots is not None else [stdlib_root()]))
+    held_out = [f for f in find_source_files(roots if roots is not None else [stdlib_root()])
+                if is_held_out(f.relpath) and not f.relpath.startswith(EVAL_EXCLUDED_PREFIXES)]
     held_out.sort(key=lambda f: _hash_int(f"{seed}/{f.relpath}"))
     per_file = []
     for f in held_out:
         text = f.read_text()
         starts = _prompt_line_starts(text, tokenizer, prompt_tokens)
-        order = np.random.default_rng(_hash_int(f"{seed}/{f.relpath}/lines")).permutation(len(starts))
-        per_file.append((f, text, [starts[i] for i in order]))
+        starts.sort(key=lambda s: _hash_int(f"{seed}/{f.relpath}/{text[s[1]:s[2]]}"))
+        per_file.append((f, text, starts))
     prompts = []
     for k in range(max((len(s) for _, _, s in per_file), default=0)):
         for f, text, starts in per_file:

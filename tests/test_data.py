@@ -57,14 +57,28 @@ def test_split_is_pinned_and_about_five_percent():
 
 
 def test_stdlib_split(stdlib_files):
-    train, held_out = data.split_files(stdlib_files)
-    assert len(train) + len(held_out) == len(stdlib_files) and held_out
+    split = data.split_files(stdlib_files)
+    train, held_out = split.train, split.held_out
+    assert len(train) + len(held_out) + len(split.near_copies) == len(stdlib_files) and held_out
     assert 0.02 < len(held_out) / len(stdlib_files) < 0.10
     assert not {f.relpath for f in train} & {f.relpath for f in held_out}
     assert all(data.is_held_out(f.relpath) for f in held_out)
     assert not any(data.is_held_out(f.relpath) for f in train)
     assert stdlib_files == sorted(stdlib_files)
     assert not any(part in data.SKIP_DIRS for f in stdlib_files for part in f.relpath.split("/")[:-1])
+
+
+def test_near_copies_of_held_out_files_are_set_aside(tmp_path):
+    held_name, copy_name, header_name = _relpaths(held_out=True, count=1) + _relpaths(held_out=False, count=2)
+    licence = "".join(f"# licence header line number {i:03d}\n" for i in range(10))
+    body = "".join(f"    value_{i} = compute_something({i}, scale={i * 7})\n" for i in range(40))
+    _write(tmp_path, held_name, licence + "def held():\n" + body)
+    _write(tmp_path, copy_name, "import os\n\ndef vendored():\n" + body[: len(body) * 3 // 4] + "    return None\n")
+    _write(tmp_path, header_name, licence + "def unrelated():\n    return 'a different body entirely'\n")
+    split = data.split_files(data.find_source_files([str(tmp_path)]))
+    assert [f.relpath for f in split.held_out] == [held_name]
+    assert [f.relpath for f in split.near_copies] == [copy_name]
+    assert [f.relpath for f in split.train] == [header_name]
 
 
 def test_find_source_files_filters(tmp_path):
@@ -164,8 +178,7 @@ def test_load_tokenizer_errors(tmp_path):
 
 
 def test_token_stream_and_cache(tmp_path, shipped, stdlib_files):
-    train, _ = data.split_files(stdlib_files)
-    files = train[:20]
+    files = data.split_files(stdlib_files).train[:20]
     tokens = data.token_stream(files, shipped)
     assert tokens.dtype == np.uint16 and tokens.ndim == 1
     assert tokens[0] == data.BOS_ID and tokens[-1] == data.EOS_ID
@@ -181,8 +194,7 @@ def test_token_stream_and_cache(tmp_path, shipped, stdlib_files):
 
 
 def test_training_batches(shipped, stdlib_files):
-    train, _ = data.split_files(stdlib_files)
-    tokens = data.token_stream(train[:5], shipped)
+    tokens = data.token_stream(data.split_files(stdlib_files).train[:5], shipped)
     seq_len, batch = 32, 6
     batches = list(data.make_training_batches(tokens, seq_len, batch, np.random.default_rng(0), num_batches=3))
     assert len(batches) == 3
@@ -211,7 +223,7 @@ def test_eval_prompts(shipped, stdlib_files):
     prompts = data.eval_prompts(shipped, n=60, prompt_tokens=48, seed=0)
     assert len(prompts) == 60
     assert prompts == data.eval_prompts(shipped, n=60, prompt_tokens=48, seed=0)
-    held_out = {f.relpath: f for f in data.split_files(stdlib_files)[1]}
+    held_out = {f.relpath: f for f in data.split_files(stdlib_files).held_out}
     assert len({p.relpath for p in prompts}) > 10
     assert len({(p.relpath, p.line) for p in prompts}) == 60
     for p in prompts:
@@ -223,6 +235,19 @@ def test_eval_prompts(shipped, stdlib_files):
         assert list(p.ids) == shipped.encode(suffix)[:48]  # cut at a line start, uncut by the slice bound
     other = data.eval_prompts(shipped, n=60, prompt_tokens=48, seed=1)
     assert [p.relpath for p in other] != [p.relpath for p in prompts]
+
+
+def test_eval_prompts_ignore_edits_elsewhere(shipped, tmp_path):
+    name = _relpaths(held_out=True, count=1)[0]
+    lines = [f"def function_{i}(argument_{i}):\n    return argument_{i} * {i} + {i * i}\n\n" for i in range(150)]
+    _write(tmp_path, name, "".join(lines))
+    before = data.eval_prompts(shipped, n=5, prompt_tokens=20, seed=3, roots=[str(tmp_path)])
+    _write(tmp_path, name, "".join(lines[:100]) + "# an edit far away\n" + "".join(lines[100:]))
+    after = data.eval_prompts(shipped, n=5, prompt_tokens=20, seed=3, roots=[str(tmp_path)])
+    # Only prompts cut from text next to the edit can change; the ones after it keep their ids on a new line number.
+    kept = {p.ids: p.line for p in before}
+    moved = [p for p in after if p.ids in kept and p.line == kept[p.ids] + 1]
+    assert len([p for p in after if p.ids in kept]) >= 4 and moved
 
 
 def test_eval_prompts_errors(shipped, tmp_path):
