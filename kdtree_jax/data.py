@@ -206,6 +206,10 @@ class Tokenizer:
         """Many texts -> token ids each, encoded in parallel."""
         return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
 
+    def token_starts(self, text: str) -> list[int]:
+        """The character offset in `text` where each token of encode(text) starts."""
+        return [start for start, _ in self._backend.encode(text, add_special_tokens=False).offsets]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Token ids -> text; special tokens appear as their strings; a cut multi-byte character decodes to U+FFFD."""
         ids = [int(i) for i in ids]
@@ -377,10 +381,10 @@ def eval_prompts(tokenizer: Tokenizer, n: int, prompt_tokens: int, seed: int = 0
 def _prompt_line_starts(text: str, tokenizer: Tokenizer, prompt_tokens: int) -> list[tuple[int, int, int]]:
     """(1-based line, begin, end char offsets) of non-blank lines followed by more than `prompt_tokens` tokens.
 
-    text[begin:end] holds PROMPT_SLACK_TOKENS more tokens than the prompt needs, so cutting it there cannot change
-    the prompt's tokens.
+    text[begin:end] holds PROMPT_SLACK_TOKENS more tokens than the prompt needs, so cutting the text there leaves the
+    prompt's tokens as they are (tests/test_data.py checks this).
     """
-    offsets = [start for start, _ in tokenizer._backend.encode(text, add_special_tokens=False).offsets]
+    offsets = tokenizer.token_starts(text)
     starts, line, offset = [], 1, 0
     token_index = 0
     for raw_line in text.split("\n"):
