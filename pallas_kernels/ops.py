@@ -1,0 +1,96 @@
+"""Dispatch of each kernel to its Pallas implementation or its pure-JAX reference.
+
+    set_implementation("auto" | "kernel" | "reference", interpret=None)
+    with implementation("kernel", interpret=True): ...   # tests: the kernels in interpret mode on the CPU
+
+"auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
+kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
+traced: a jitted caller keeps the implementation it was traced with.
+
+A kernel is added with one `_register` line and a thin public function calling `_call`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import jax
+
+from pallas_kernels import int4_moe as _int4_moe
+from pallas_kernels import tree_accept as _tree_accept
+from pallas_kernels import tree_build as _tree_build
+from pallas_kernels import tree_verify_attention as _attention
+
+IMPLEMENTATIONS = ("auto", "kernel", "reference")
+
+_settings = {"implementation": "auto", "interpret": None}
+_registry: dict[str, tuple[Callable, Callable]] = {}
+
+
+def _register(name: str, kernel: Callable, reference: Callable) -> None:
+    """kernel(*args, interpret=bool, **kwargs) and reference(*args, **kwargs) compute the same function."""
+    _registry[name] = (kernel, reference)
+
+
+_register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
+_register("int4_moe", _int4_moe.int4_moe, _int4_moe.int4_moe_reference)
+_register("tree_build", _tree_build.tree_build, _tree_build.tree_build_reference)
+_register("tree_accept", _tree_accept.tree_accept, _tree_accept.tree_accept_reference)
+
+
+def set_implementation(implementation: str = "auto", interpret: bool | None = None) -> None:
+    """Choose kernels or references for every op (see the module docstring)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    _settings.update(implementation=implementation, interpret=interpret)
+
+
+@contextlib.contextmanager
+def implementation(name: str, interpret: bool | None = None):
+    """Context manager form of `set_implementation`; restores the previous choice on exit."""
+    saved = dict(_settings)
+    set_implementation(name, interpret)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def uses_kernel() -> bool:
+    """Whether an op traced now runs the Pallas kernel."""
+    choice = _settings["implementation"]
+    return choice == "kernel" or (choice == "auto" and jax.default_backend() == "gpu")
+
+
+def _call(name: str, *args, **kwargs):
+    kernel, reference = _registry[name]
+    if not uses_kernel():
+        return reference(*args, **kwargs)
+    interpret = _settings["interpret"]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return kernel(*args, interpret=interpret, **kwargs)
+
+
+def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
+    """q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S], visible [S, T, T]
+    -> [S, T, H, C]. See pallas_kernels/tree_verify_attention.py."""
+    return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
+
+
+def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
+    """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py."""
+    return _call("int4_moe", x, experts, topk_ids, topk_weights)
+
+
+def tree_build(draft_logits, root, budget: int, topk: int | None = None):
+    """draft_logits [S, D, V], root [S] -> TreeArrays with B + 1 slots. See pallas_kernels/tree_build.py."""
+    return _call("tree_build", draft_logits, root, budget, topk)
+
+
+def tree_accept(tree, target_tokens, max_depth: int):
+    """TreeArrays, target_tokens [S, B+1] -> AcceptResult. See pallas_kernels/tree_accept.py."""
+    return _call("tree_accept", tree, target_tokens, max_depth)
+
+
+Int4Experts = _int4_moe.Int4Experts

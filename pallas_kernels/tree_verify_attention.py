@@ -1,0 +1,235 @@
+"""Tree-verify attention over the MLA latent cache (absorbed form): a Pallas-Triton kernel and its pure-JAX reference.
+
+Query node t of stream s attends to every committed cache row j < prefix_len[s] and to the tree rows
+prefix_len[s] + u for which visible[s, t, u] holds (the tree block's own latent KV, written there in node order):
+
+  logits[j] = scale * (q_lat . c_kv[j] + q_rope . k_rope[j]);  out = softmax(logits over allowed j) @ c_kv
+
+The output stays in the latent space (the caller applies W_UV). A query row with no allowed cache row returns
+zeros. The same function serves AR decode (T = 1, visible = [[True]]) and ragged prefill (prefix_len = 0,
+visible = causal & valid).
+
+Kernel (MQA form): the latent K/V are shared by all heads, so the H heads x T nodes of one stream are the rows of one
+query tile [block_q, C]. Each program streams cache blocks of block_k rows with an online softmax; the 576-wide
+score is two power-of-two dot products (C = 512 latent + R = 64 rope). With num_splits > 1 the prefix is cut into
+that many contiguous pieces at run time (from prefix_len, so short prefixes waste nothing), each program writes an
+unnormalised partial (acc, running max, running sum) and a small combine merges them; the last piece also takes the
+tree block, masked by `visible`. With one split the kernel normalises and writes the output directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
+# zeroed explicitly, so a row with nothing allowed keeps sum 0 and returns 0.
+NEG_INF = -1e30
+MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tiling of the kernel. block_q and block_k are powers of two >= 16."""
+    block_q: int = 64       # query rows (node x head pairs) per program
+    block_k: int = 64       # cache rows per step of the online softmax
+    num_splits: int = 1     # programs per query tile along the prefix; > 1 adds the combine step
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if value < MIN_DOT_DIM or value & (value - 1):
+                raise ValueError(f"AttentionConfig.{name}={value} must be a power of two >= {MIN_DOT_DIM}")
+        if self.num_splits < 1:
+            raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
+
+
+# About two resident programs per multiprocessor of an H200 (132 SMs): the split-K heuristic aims for this many.
+TARGET_PROGRAMS = 264
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def default_config(num_streams: int, num_rows: int, capacity: int) -> AttentionConfig:
+    """A tiling for `num_streams` streams of `num_rows` = T * H query rows over a cache of `capacity` rows."""
+    block_q = min(64, max(MIN_DOT_DIM, pl.next_power_of_2(num_rows)))
+    block_k = 64
+    programs = num_streams * pl.cdiv(num_rows, block_q)
+    max_splits = max(1, capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
+    num_splits = int(min(max_splits, max(1, pl.cdiv(TARGET_PROGRAMS, programs))))
+    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits)
+
+
+def _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    if q_lat.ndim != 4 or q_rope.ndim != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
+        raise ValueError(f"q_lat {q_lat.shape} and q_rope {q_rope.shape} must be [S, T, H, C] and [S, T, H, R]")
+    s, t, _, c = q_lat.shape
+    r = q_rope.shape[3]
+    if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c:
+        raise ValueError(f"c_kv {c_kv.shape} must be [S={s}, N, C={c}]")
+    if k_rope.shape != (s, c_kv.shape[1], r):
+        raise ValueError(f"k_rope {k_rope.shape} must be [S, N, R] = {(s, c_kv.shape[1], r)}")
+    if prefix_len.shape != (s,):
+        raise ValueError(f"prefix_len {prefix_len.shape} must be [S={s}]")
+    if visible.shape != (s, t, t):
+        raise ValueError(f"visible {visible.shape} must be [S, T, T] = {(s, t, t)}")
+    if c_kv.shape[1] < t:
+        raise ValueError(f"cache capacity N={c_kv.shape[1]} is smaller than the tree block T={t}")
+
+
+def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
+    """Pure-JAX tree-verify attention: two einsums + mask + f32 softmax + einsum.
+
+    q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32,
+    visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype.
+    """
+    _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    t = q_lat.shape[1]
+    n = c_kv.shape[1]
+    hi = lax.Precision.HIGHEST
+    logits = (jnp.einsum("sthc,snc->sthn", q_lat, c_kv, precision=hi, preferred_element_type=jnp.float32)
+              + jnp.einsum("sthr,snr->sthn", q_rope, k_rope, precision=hi, preferred_element_type=jnp.float32))
+    logits = logits * scale
+    rel = jnp.arange(n)[None, :] - prefix_len[:, None]                                    # [S, N]
+    in_tree = (rel >= 0) & (rel < t)
+    tree_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :],
+                                                             (visible.shape[0], t, n)), axis=2)  # [S, T, N]
+    allowed = ((rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis))[:, :, None, :]  # [S, T, 1, N]
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    prob = jnp.where(allowed, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(prob, axis=-1, keepdims=True)
+    prob = prob / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("sthn,snc->sthc", prob.astype(c_kv.dtype), c_kv, precision=hi,
+                     preferred_element_type=jnp.float32)
+    return out.astype(q_lat.dtype)
+
+
+def _dot_nt(a, b):
+    """a [m, k] . b [n, k]^T -> [m, n] in f32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _load_rows(ref, stream, start, size, row_ok, width, width_p):
+    """Rows [start, start + size) of ref[stream] as [size, width_p]: masked rows and padding columns read 0."""
+    mask = row_ok[:, None]
+    if width_p != width:
+        mask = mask & (jnp.arange(width_p) < width)[None, :]
+    return plgpu.load(ref.at[stream, pl.ds(start, size), pl.ds(0, width_p)], mask=mask, other=0)
+
+
+def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref, *out_refs, scale: float,
+            num_nodes: int, num_heads: int, lat: tuple[int, int], rope: tuple[int, int], cfg: AttentionConfig):
+    """One program: query tile qi of stream s against piece `split` of its prefix (and the tree block if last)."""
+    qi, split, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = cfg.block_q, cfg.block_k
+    rows = qi * bq + jnp.arange(bq)
+    row_ok = rows < num_nodes * num_heads
+    q_lat = _load_rows(q_lat_ref, s, qi * bq, bq, row_ok, *lat)        # [bq, Cp]
+    q_rope = _load_rows(q_rope_ref, s, qi * bq, bq, row_ok, *rope)     # [bq, Rp]
+    prefix = prefix_ref[s]
+
+    def attend(carry, start, col_ok, allowed):
+        acc, m, l = carry
+        k_lat = _load_rows(c_kv_ref, s, start, bk, col_ok, *lat)       # [bk, Cp]
+        k_rope = _load_rows(k_rope_ref, s, start, bk, col_ok, *rope)   # [bk, Rp]
+        logits = (_dot_nt(q_lat, k_lat) + _dot_nt(q_rope, k_rope)) * scale
+        logits = jnp.where(allowed, logits, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        alpha = jnp.exp(m - m_new)
+        prob = jnp.where(allowed, jnp.exp(logits - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(prob.astype(k_lat.dtype), k_lat, preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    def prefix_step(b, carry):
+        cols = b * bk + jnp.arange(bk)
+        col_ok = cols < prefix
+        return attend(carry, b * bk, col_ok, col_ok[None, :])
+
+    node = jnp.minimum(rows // num_heads, num_nodes - 1)
+
+    def tree_step(b, carry):
+        u = b * bk + jnp.arange(bk)                                      # tree node of each column
+        col_ok = u < num_nodes
+        vis = plgpu.load(visible_ref.at[s, node[:, None], jnp.minimum(u, num_nodes - 1)[None, :]],
+                         mask=row_ok[:, None] & col_ok[None, :], other=False)
+        return attend(carry, prefix + b * bk, col_ok, vis)
+
+    num_blocks = pl.cdiv(prefix, bk)
+    per_split = pl.cdiv(num_blocks, cfg.num_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, num_blocks)
+    carry = (jnp.zeros((bq, lat[1]), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    carry = lax.fori_loop(lo, hi, prefix_step, carry)
+    tree_blocks = jnp.where(split == cfg.num_splits - 1, pl.cdiv(num_nodes, bk), 0)
+    acc, m, l = lax.fori_loop(0, tree_blocks, tree_step, carry)
+
+    if cfg.num_splits == 1:
+        (out_ref,) = out_refs
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        mask = row_ok[:, None]
+        if lat[1] != lat[0]:
+            mask = mask & (jnp.arange(lat[1]) < lat[0])[None, :]
+        plgpu.store(out_ref.at[s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], (acc * inv[:, None]).astype(out_ref.dtype),
+                    mask=mask)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        plgpu.store(acc_ref.at[split, s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], acc)
+        plgpu.store(m_ref.at[split, s, pl.ds(qi * bq, bq)], m)
+        plgpu.store(l_ref.at[split, s, pl.ds(qi * bq, bq)], l)
+
+
+def _combine(acc, m, l):
+    """Partials acc [P, S, rows, Cp], m/l [P, S, rows] -> normalised [S, rows, Cp] f32 (0 where nothing allowed)."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])
+    total = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * acc, axis=0)
+    return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
+                          config: AttentionConfig | None = None, interpret: bool = False):
+    """Pallas kernel with the signature and semantics of `tree_verify_attention_reference`.
+
+    q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32 in [0, N - T],
+    visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype (f32 accumulation).
+    """
+    _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    s, t, h, c = q_lat.shape
+    r = q_rope.shape[3]
+    rows = t * h
+    cfg = config or default_config(s, rows, c_kv.shape[1])
+    q_tiles = pl.cdiv(rows, cfg.block_q)
+    lat = (c, max(MIN_DOT_DIM, pl.next_power_of_2(c)))
+    rope = (r, max(MIN_DOT_DIM, pl.next_power_of_2(r)))
+    kernel = functools.partial(_kernel, scale=float(scale), num_nodes=t, num_heads=h, lat=lat, rope=rope, cfg=cfg)
+    if cfg.num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((s, rows, c), q_lat.dtype)
+    else:
+        padded = q_tiles * cfg.block_q
+        out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, padded, lat[1]), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.num_splits, s, padded), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.num_splits, s, padded), jnp.float32))
+    result = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(q_tiles, cfg.num_splits, s),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="tree_verify_attention",
+    )(prefix_len.astype(jnp.int32), visible, q_lat.reshape(s, rows, c), q_rope.reshape(s, rows, r), c_kv, k_rope)
+    if cfg.num_splits > 1:
+        result = _combine(*result)[:, :rows, :c].astype(q_lat.dtype)
+    return result.reshape(s, t, h, c)
+

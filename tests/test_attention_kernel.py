@@ -1,0 +1,138 @@
+"""tree_verify_attention: Pallas kernel (interpret mode) == pure-JAX reference == a float64 numpy loop.
+
+Interpret mode fills every kernel output with NaN before the kernel runs, so a finite result means every element was
+written. Fresh random inputs per test (seeded by the test's parameters, never zeros).
+"""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import ops
+from pallas_kernels.tree_verify_attention import (AttentionConfig, tree_verify_attention,
+                                                  tree_verify_attention_reference)
+
+SCALE = 0.125
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def ancestor_masks(rng, streams, nodes):
+    """visible [S, T, T] of random trees: parent[i] < i, row i = row parent(i) | {i}."""
+    vis = np.zeros((streams, nodes, nodes), bool)
+    for s in range(streams):
+        for i in range(nodes):
+            if i:
+                vis[s, i] = vis[s, rng.integers(0, i)]
+            vis[s, i, i] = True
+    return vis
+
+
+def make_inputs(rng, streams, nodes, heads, lat, rope, capacity, dtype=jnp.float32, prefix=None):
+    q_lat = rng.standard_normal((streams, nodes, heads, lat))
+    q_rope = rng.standard_normal((streams, nodes, heads, rope))
+    c_kv = rng.standard_normal((streams, capacity, lat))
+    k_rope = rng.standard_normal((streams, capacity, rope))
+    if prefix is None:   # ragged, including both ends of [0, N - T]
+        prefix = rng.integers(0, capacity - nodes + 1, streams)
+        prefix[0] = 0
+        prefix[-1] = capacity - nodes
+    arrays = [jnp.asarray(a, dtype) for a in (q_lat, q_rope, c_kv, k_rope)]
+    return (*arrays, jnp.asarray(prefix, jnp.int32), jnp.asarray(ancestor_masks(rng, streams, nodes)))
+
+
+def numpy_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    """Independent float64 loop over streams and nodes."""
+    q_lat, q_rope, c_kv, k_rope = (np.asarray(a, np.float64) for a in (q_lat, q_rope, c_kv, k_rope))
+    s_n, t_n, h_n, c = q_lat.shape
+    out = np.zeros((s_n, t_n, h_n, c))
+    for s in range(s_n):
+        p = int(prefix_len[s])
+        for t in range(t_n):
+            rows = list(range(p)) + [p + u for u in range(t_n) if visible[s, t, u]]
+            if not rows:
+                continue
+            logits = SCALE * (q_lat[s, t] @ c_kv[s, rows].T + q_rope[s, t] @ k_rope[s, rows].T)   # [H, rows]
+            prob = np.exp(logits - logits.max(-1, keepdims=True))
+            out[s, t] = (prob / prob.sum(-1, keepdims=True)) @ c_kv[s, rows]
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 5, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_matches_reference(nodes, num_splits):
+    rng = np.random.default_rng(100 * nodes + num_splits)
+    inputs = make_inputs(rng, streams=3, nodes=nodes, heads=4, lat=32, rope=8, capacity=80)
+    config = AttentionConfig(block_q=16, block_k=16, num_splits=num_splits)
+    out = tree_verify_attention(*inputs, scale=SCALE, config=config, interpret=True)
+    ref = tree_verify_attention_reference(*inputs, scale=SCALE)
+    assert out.shape == ref.shape == inputs[0].shape
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_reference_matches_numpy_loop():
+    rng = np.random.default_rng(7)
+    inputs = make_inputs(rng, streams=2, nodes=6, heads=3, lat=16, rope=8, capacity=30)
+    ref = tree_verify_attention_reference(*inputs, scale=SCALE)
+    assert rel_err(ref, numpy_attention(*inputs)) < 1e-5
+
+
+def test_default_tiling_power_of_two_dims_bf16():
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(rng, streams=2, nodes=5, heads=8, lat=64, rope=16, capacity=300, dtype=jnp.bfloat16)
+    out = tree_verify_attention(*inputs, scale=SCALE, interpret=True)
+    ref = tree_verify_attention_reference(*inputs, scale=SCALE)
+    assert out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fully_masked_rows(num_splits):
+    """Ragged prefill: prefix 0, causal & valid. Padding rows see nothing and must return 0, not NaN; a masked row of
+    a stream with a prefix still attends to the prefix."""
+    rng = np.random.default_rng(21 + num_splits)
+    q_lat, q_rope, c_kv, k_rope, _, _ = make_inputs(rng, streams=2, nodes=8, heads=2, lat=32, rope=16, capacity=40)
+    valid = np.array([8, 5])
+    valid_rows = np.arange(8)[None, :] < valid[:, None]                                        # [S, T]
+    visible = jnp.asarray(np.tril(np.ones((8, 8), bool))[None] & valid_rows[:, None, :] & valid_rows[:, :, None])
+    config = AttentionConfig(block_q=16, block_k=16, num_splits=num_splits)
+    for prefix in ([0, 0], [0, 12]):
+        args = (q_lat, q_rope, c_kv, k_rope, jnp.asarray(prefix, jnp.int32), visible)
+        out = np.asarray(tree_verify_attention(*args, scale=SCALE, config=config, interpret=True))
+        ref = np.asarray(tree_verify_attention_reference(*args, scale=SCALE))
+        assert np.isfinite(out).all() and np.isfinite(ref).all()
+        assert rel_err(out, ref) < 1e-5
+        assert rel_err(ref, numpy_attention(*args)) < 1e-5
+        padding = np.abs(out[1, 5:]).max()
+        assert (padding == 0) if prefix[1] == 0 else (padding > 0)
+
+
+def test_ops_dispatch():
+    rng = np.random.default_rng(5)
+    inputs = make_inputs(rng, streams=2, nodes=3, heads=2, lat=32, rope=16, capacity=24)
+    ref = tree_verify_attention_reference(*inputs, scale=SCALE)
+    with ops.implementation("kernel", interpret=True):
+        assert ops.uses_kernel()
+        out = ops.tree_verify_attention(*inputs, scale=SCALE)
+    with ops.implementation("reference"):
+        assert not ops.uses_kernel()
+        assert rel_err(ops.tree_verify_attention(*inputs, scale=SCALE), ref) == 0
+    assert not ops.uses_kernel()   # auto on the CPU
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="implementation"):
+        ops.set_implementation("fast")
+
+
+def test_bad_shapes_raise():
+    rng = np.random.default_rng(3)
+    q_lat, q_rope, c_kv, k_rope, prefix, visible = make_inputs(rng, 2, 3, 2, 32, 16, 24)
+    with pytest.raises(ValueError, match="visible"):
+        tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix, visible[:, :2], scale=SCALE)
+    with pytest.raises(ValueError, match="c_kv"):
+        tree_verify_attention(q_lat, q_rope, c_kv[..., :16], k_rope, prefix, visible, scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        AttentionConfig(block_q=24)
