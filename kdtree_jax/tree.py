@@ -185,27 +185,34 @@ def build_tree_heapq(draft_logits, root, budget: int, topk: int | None = None) -
 # ----------------------------------------------------------------------------------------------------- jit builder
 
 
-def tree_links(parent, max_depth: int):
-    """parent [..., N] int32 (-1 for root/padding, parent < child) -> (first_child [..., N], next_sibling [..., N],
-    visible [..., N, N]). Children are linked in increasing index; `max_depth` bounds the ancestor chain."""
+def tree_visible(parent, max_depth: int):
+    """parent [..., N] int32 (-1 for root/padding) -> visible [..., N, N] bool: row i = i and its ancestors.
+    `max_depth` bounds the ancestor chain."""
     n = parent.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
-    none = jnp.int32(-1)
-    is_child = parent[..., None, :] == idx[:, None]  # [..., i, j]: j is a child of i
-    first_child = jnp.where(is_child.any(-1), jnp.argmax(is_child, axis=-1).astype(jnp.int32), none)
-    later_sibling = ((parent[..., None, :] == parent[..., :, None]) & (idx[None, :] > idx[:, None])
-                     & (parent[..., :, None] >= 0))  # [..., i, j]: j is a later sibling of i
-    next_sibling = jnp.where(later_sibling.any(-1), jnp.argmax(later_sibling, axis=-1).astype(jnp.int32), none)
 
     def add_ancestor(_, carry):
         visible, ancestor = carry
         visible = visible | (ancestor[..., :, None] == idx)
         up = jnp.take_along_axis(parent, jnp.maximum(ancestor, 0), axis=-1)
-        return visible, jnp.where(ancestor >= 0, up, none)
+        return visible, jnp.where(ancestor >= 0, up, -1)
 
     self_only = jnp.broadcast_to(idx[:, None] == idx[None, :], parent.shape + (n,))
     visible, _ = jax.lax.fori_loop(0, max_depth, add_ancestor, (self_only, parent))
-    return first_child, next_sibling, visible
+    return visible
+
+
+def tree_links(parent):
+    """parent [..., N] int32 (-1 for root/padding) -> (first_child [..., N], next_sibling [..., N]): children
+    linked in increasing index, -1 for none."""
+    n = parent.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    is_child = parent[..., None, :] == idx[:, None]  # [..., i, j]: j is a child of i
+    first_child = jnp.where(is_child.any(-1), jnp.argmax(is_child, axis=-1).astype(jnp.int32), -1)
+    later_sibling = ((parent[..., None, :] == parent[..., :, None]) & (idx[None, :] > idx[:, None])
+                     & (parent[..., :, None] >= 0))  # [..., i, j]: j is a later sibling of i
+    next_sibling = jnp.where(later_sibling.any(-1), jnp.argmax(later_sibling, axis=-1).astype(jnp.int32), -1)
+    return first_child, next_sibling
 
 
 def _search_one(lp, ids, root, budget: int):
@@ -265,8 +272,9 @@ def build_tree_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays
     search = jax.vmap(lambda lp, ids, r: _search_one(lp, ids, r, budget))
     tokens, parent, depth, score, num_nodes = search(jnp.asarray(top_logprobs, jnp.float32),
                                                      jnp.asarray(top_ids, jnp.int32), jnp.asarray(root))
-    first_child, next_sibling, visible = tree_links(parent, max_depth)
-    return TreeArrays(tokens, parent, depth, first_child, next_sibling, visible, num_nodes, score)
+    first_child, next_sibling = tree_links(parent)
+    return TreeArrays(tokens, parent, depth, first_child, next_sibling, tree_visible(parent, max_depth), num_nodes,
+                      score)
 
 
 def build_tree(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:

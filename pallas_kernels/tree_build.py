@@ -1,0 +1,157 @@
+"""Draft-tree build: the whole best-first search in one Pallas-Triton launch, one program per stream.
+
+Same search and same arrays as `kdtree_jax.tree.build_tree` (the specification is the heapq reference there):
+the top-K log-probs / ids per depth come from `draft_topk` (fp32 log_softmax + `lax.top_k`) outside the kernel.
+
+Kernel: program s keeps its tree and its frontier in registers, as vectors over the node slots padded to a power
+of two. The frontier has at most one candidate per node (the node's next unpopped child rank), so it is indexed by
+the parent node: slot p = (rank, score, push counter, previous sibling). Each of the B steps pops the candidate with
+the highest score and then the smallest push counter (masked reductions), writes node n = step + 1, links it after
+its previous sibling, puts the parent's next child rank back into slot p and the node's first child into slot n.
+Three scalar loads per step read the top-K table in global memory. `tokens`, `parent`, `depth`, `score`,
+`first_child` and `next_sibling` come out of the kernel; `visible` and `num_nodes` are a short jnp pass over
+`parent` outside it (`tree_visible`; 1 + count of parented slots).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kdtree_jax.tree import TreeArrays, build_tree, draft_topk, resolve_topk, tree_visible
+
+MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
+EMPTY = np.iinfo(np.int32).max  # push counter of a frontier slot without a candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """Launch parameters of the build kernel."""
+    num_warps: int = 1  # the loop is a chain of small reductions: one warp avoids cross-warp barriers
+
+    def __post_init__(self):
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"BuildConfig.num_warps={self.num_warps} must be a power of two >= 1")
+
+
+def tree_build_reference(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
+    """draft_logits [S, D, V], root [S] int -> TreeArrays: the pure-JAX builder."""
+    return build_tree(draft_logits, root, budget, topk)
+
+
+def _kernel(root_ref, lp_ref, ids_ref, tokens_ref, parent_ref, depth_ref, score_ref, first_ref, next_ref, *,
+            budget: int):
+    """One stream. lp_ref / ids_ref [D, K]; root_ref [S]; outputs [N] (N = padded slots)."""
+    max_depth, k = lp_ref.shape
+    slots = tokens_ref.shape[0]
+    iota = lax.broadcasted_iota(jnp.int32, (slots,), 0)
+    neg_inf = jnp.float32(-jnp.inf)
+    empty = jnp.int32(EMPTY)
+
+    def put(vec, i, value):
+        return jnp.where(iota == i, value, vec)
+
+    def take(vec, i):  # vec[i] for a dynamic scalar i, as a masked reduction
+        if vec.dtype == jnp.float32:
+            return jnp.max(jnp.where(iota == i, vec, neg_inf))
+        return jnp.sum(jnp.where(iota == i, vec, 0))
+
+    minus_one = jnp.full((slots,), -1, jnp.int32)
+    tokens = put(jnp.zeros((slots,), jnp.int32), 0, root_ref[pl.program_id(0)])
+    score = put(jnp.full((slots,), neg_inf), 0, jnp.float32(0.0))
+    f_score = put(jnp.full((slots,), neg_inf), 0, lp_ref[0, 0])
+    f_count = put(jnp.full((slots,), empty), 0, jnp.int32(0))
+    zeros = jnp.zeros((slots,), jnp.int32)
+
+    def step(i, carry):
+        tokens, parent, depth, score, first, nxt, f_rank, f_score, f_count, f_prev, pushes = carry
+        n = i + 1
+        valid = f_count != empty
+        best = jnp.max(jnp.where(valid, f_score, neg_inf))
+        first_push = jnp.min(jnp.where(valid & (f_score == best), f_count, empty))
+        popped = first_push != empty  # False once the heap is empty: slot n stays padding
+        p = jnp.min(jnp.where(valid & (f_count == first_push), iota, slots - 1))
+        d = take(depth, p) + 1
+        r = take(f_rank, p)
+        prev = take(f_prev, p)
+        row = jnp.minimum(d - 1, max_depth - 1)
+        token = ids_ref[row, jnp.minimum(r, k - 1)]
+        sib_lp = lp_ref[row, jnp.minimum(r + 1, k - 1)]
+        child_lp = lp_ref[jnp.minimum(d, max_depth - 1), 0]
+        sib_score = take(score, p) + sib_lp
+        # the popped node, linked after its previous sibling (or as the parent's first child)
+        tokens = put(tokens, n, jnp.where(popped, token, 0))
+        parent = put(parent, n, jnp.where(popped, p, -1))
+        depth = put(depth, n, jnp.where(popped, d, 0))
+        score = put(score, n, jnp.where(popped, best, neg_inf))
+        first = jnp.where(popped & (r == 0) & (iota == p), n, first)
+        nxt = jnp.where(popped & (r > 0) & (iota == prev), n, nxt)
+        # (1) the next sibling takes slot p, (2) the first child takes slot n
+        has_sib = popped & (r + 1 < k)
+        has_child = popped & (d < max_depth)
+        f_rank = put(f_rank, p, r + 1)
+        f_prev = put(f_prev, p, n)
+        f_score = put(put(f_score, p, sib_score), n, best + child_lp)
+        f_count = put(f_count, p, jnp.where(has_sib, pushes, empty))
+        pushes = pushes + has_sib.astype(jnp.int32)
+        f_count = put(f_count, n, jnp.where(has_child, pushes, empty))
+        pushes = pushes + has_child.astype(jnp.int32)
+        return tokens, parent, depth, score, first, nxt, f_rank, f_score, f_count, f_prev, pushes
+
+    carry = (tokens, minus_one, zeros, score, minus_one, minus_one, zeros, f_score, f_count, minus_one,
+             jnp.int32(1))
+    tokens, parent, depth, score, first, nxt, *_ = lax.fori_loop(0, budget, step, carry)
+    tokens_ref[...] = tokens
+    parent_ref[...] = parent
+    depth_ref[...] = depth
+    score_ref[...] = score
+    first_ref[...] = first
+    next_ref[...] = nxt
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
+def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: BuildConfig | None = None,
+                         interpret: bool = False) -> TreeArrays:
+    """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots)."""
+    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1 or top_ids.shape != top_logprobs.shape:
+        raise ValueError(f"top_logprobs {top_logprobs.shape} and top_ids {top_ids.shape} must both be [S, D, K] "
+                         f"with D >= 1")
+    n_streams, max_depth, k = top_logprobs.shape
+    if root.shape != (n_streams,):
+        raise ValueError(f"root {root.shape} must be [S={n_streams}]")
+    cfg = config or BuildConfig()
+    slots = max(MIN_SLOTS, pl.next_power_of_2(budget + 1))
+    table = pl.BlockSpec((None, max_depth, k), lambda s: (s, 0, 0))
+    node = pl.BlockSpec((None, slots), lambda s: (s, 0))
+    int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
+    tokens, parent, depth, score, first_child, next_sibling = pl.pallas_call(
+        functools.partial(_kernel, budget=budget),
+        out_shape=(int_out, int_out, int_out, jax.ShapeDtypeStruct((n_streams, slots), jnp.float32), int_out,
+                   int_out),
+        grid=(n_streams,),
+        in_specs=[pl.BlockSpec((n_streams,), lambda s: (0,)), table, table],
+        out_specs=(node,) * 6,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret,
+        name="tree_build",
+    )(root.astype(jnp.int32), top_logprobs.astype(jnp.float32), top_ids.astype(jnp.int32))
+    keep = budget + 1
+    parent = parent[:, :keep]
+    num_nodes = 1 + jnp.sum(parent >= 0, axis=1, dtype=jnp.int32)
+    return TreeArrays(tokens[:, :keep], parent, depth[:, :keep], first_child[:, :keep], next_sibling[:, :keep],
+                      tree_visible(parent, max_depth), num_nodes, score[:, :keep])
+
+
+def tree_build(draft_logits, root, budget: int, topk: int | None = None, *, config: BuildConfig | None = None,
+               interpret: bool = False) -> TreeArrays:
+    """draft_logits [S, D, V], root [S] int -> TreeArrays, identical to `tree_build_reference`."""
+    k = resolve_topk(budget, draft_logits.shape[-1], topk)
+    top_logprobs, top_ids = draft_topk(draft_logits, k)
+    return tree_build_from_topk(top_logprobs, top_ids, jnp.asarray(root), budget=budget, config=config,
+                                interpret=interpret)
