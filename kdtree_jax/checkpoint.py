@@ -1,0 +1,179 @@
+"""Orbax checkpoints of a target Transformer or a DFlash Drafter: params in their own dtype plus the config.
+
+A checkpoint directory holds one orbax step per save (`<directory>/<step>/`) with two items:
+  params  the `nnx.Param` state as a pure dict (StandardSave), each array in the dtype it had when saved
+  meta    JSON: {"kind": "target" | "drafter", "config": the ModelConfig or DrafterConfig as a dict}
+Restores build the model abstractly (no random init), compare the checkpoint's tree of shapes with the model's before
+reading any array, and place every array with the given shardings (default: the first device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from kdtree_jax.config import DrafterConfig, ModelConfig
+from kdtree_jax.drafter import Drafter
+from kdtree_jax.model.transformer import Transformer
+
+TARGET, DRAFTER = "target", "drafter"
+
+# A pytree of jax.sharding.Sharding shaped like the model's Param state (or an nnx.State of them), or a function
+# (path, jax.ShapeDtypeStruct) -> Sharding with path a tuple of state keys such as ("layers", 1, "mlp", "w_gate").
+Shardings = Any | Callable[[tuple, jax.ShapeDtypeStruct], jax.sharding.Sharding] | None
+
+
+def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
+    """Write `model`'s params and config as step `step` under `directory`; returns the absolute directory."""
+    kind, cfg = _kind_and_config(model)
+    directory = os.path.abspath(directory)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    meta = {"kind": kind, "config": dataclasses.asdict(cfg)}
+    with _manager(directory, read_only=False) as mngr:
+        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
+    return directory
+
+
+def restore_target(directory: str, step: int | None = None, shardings: Shardings = None) -> Transformer:
+    """The Transformer saved in `directory` (latest step unless `step`), built from its stored ModelConfig."""
+    meta = read_meta(directory, step)
+    _expect_kind(meta, TARGET, directory)
+    cfg = _config_from_dict(ModelConfig, meta["config"])
+    return _restore_new(directory, step, lambda: Transformer(cfg, nnx.Rngs(0)), shardings)
+
+
+def restore_drafter(directory: str, target_cfg: ModelConfig, step: int | None = None,
+                    shardings: Shardings = None) -> Drafter:
+    """The Drafter saved in `directory`, built from its stored DrafterConfig for the target `target_cfg`.
+
+    The params take the target's dtype (a bf16 checkpoint restored for a float32 target is cast).
+    """
+    meta = read_meta(directory, step)
+    _expect_kind(meta, DRAFTER, directory)
+    cfg = _config_from_dict(DrafterConfig, meta["config"])
+    return _restore_new(directory, step, lambda: Drafter(cfg, target_cfg, nnx.Rngs(0)), shardings)
+
+
+def restore_params_into(directory: str, model: Transformer | Drafter, step: int | None = None,
+                        shardings: Shardings = None) -> Transformer | Drafter:
+    """Overwrite `model`'s params (in place, cast to the model's dtypes) with a checkpoint of the same shapes."""
+    kind, _ = _kind_and_config(model)
+    _expect_kind(read_meta(directory, step), kind, directory)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, _restore_params(directory, step, state, shardings))
+    nnx.update(model, state)
+    return model
+
+
+def read_meta(directory: str, step: int | None = None) -> dict:
+    """The JSON meta item ({"kind", "config"}) of a checkpoint step."""
+    directory = os.path.abspath(directory)
+    with _manager(directory) as mngr:
+        step = _resolve_step(mngr, directory, step)
+        return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+# ----------------------------------------------------------------------------------------------- internals
+
+def _restore_new(directory, step, build: Callable[[], nnx.Module], shardings):
+    abstract = nnx.eval_shape(build)
+    graphdef, state = nnx.split(abstract, nnx.Param)  # raises if the module holds anything but Params
+    nnx.replace_by_pure_dict(state, _restore_params(directory, step, state, shardings))
+    return nnx.merge(graphdef, state)
+
+
+def _restore_params(directory, step, state: nnx.State, shardings) -> dict:
+    """Read the params of `directory` into the layout, dtypes and shardings of `state` (abstract or concrete)."""
+    directory = os.path.abspath(directory)
+    target = _abstract_params(state, shardings)
+    with _manager(directory) as mngr:
+        step = _resolve_step(mngr, directory, step)
+        _check_same_shapes(mngr.item_metadata(step)["params"], target, f"{directory} step {step}")
+        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+    return restored["params"]
+
+
+def _abstract_params(state: nnx.State, shardings) -> dict:
+    """The pure-dict tree of jax.ShapeDtypeStruct (shape, dtype of `state`; sharding from `shardings`)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        placed = jax.tree.map(lambda _: device, shapes)
+    elif callable(shardings):
+        placed = jax.tree_util.tree_map_with_path(lambda p, s: shardings(_keys(p), s), shapes)
+    else:
+        placed = nnx.to_pure_dict(shardings) if isinstance(shardings, nnx.State) else shardings
+    try:
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, placed)
+    except ValueError as e:
+        raise ValueError(f"shardings do not match the model's param tree: {e}; pass one Sharding per param "
+                         f"(the structure of nnx.state(model, nnx.Param)) or a function (path, shape) -> Sharding")
+
+
+def _check_same_shapes(stored, target, where: str) -> None:
+    """Raise ValueError naming every param path whose shape differs, is missing or is extra."""
+    have = {_path_str(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    want = {_path_str(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+    problems = [f"{k}: checkpoint {have[k]} vs model {want[k]}" for k in sorted(want.keys() & have.keys())
+                if have[k] != want[k]]
+    problems += [f"{k}: missing from the checkpoint (model {want[k]})" for k in sorted(want.keys() - have.keys())]
+    problems += [f"{k}: not in the model (checkpoint {have[k]})" for k in sorted(have.keys() - want.keys())]
+    if problems:
+        raise ValueError(f"checkpoint {where} does not fit the model ({len(problems)} params differ):\n  "
+                         + "\n  ".join(problems)
+                         + "\nbuild the model with the checkpoint's config (restore_target / restore_drafter)")
+
+
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _path_str(path) -> str:
+    return "/".join(str(k) for k in _keys(path))
+
+
+def _kind_and_config(model) -> tuple[str, ModelConfig | DrafterConfig]:
+    if isinstance(model, Transformer):
+        return TARGET, model.cfg
+    if isinstance(model, Drafter):
+        return DRAFTER, model.cfg
+    raise ValueError(f"cannot checkpoint a {type(model).__name__}; pass a Transformer or a Drafter")
+
+
+def _expect_kind(meta: dict, kind: str, directory: str) -> None:
+    if meta.get("kind") != kind:
+        raise ValueError(f"checkpoint {os.path.abspath(directory)} holds a {meta.get('kind')!r} model, not a {kind!r}; "
+                         f"use restore_{meta.get('kind')} for it")
+
+
+def _config_from_dict(cls, d: dict):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"checkpoint config has fields {unknown} that {cls.__name__} does not know; "
+                         f"it was written by a newer kdtree_jax")
+    if "target_layer_ids" in d:
+        d = {**d, "target_layer_ids": tuple(d["target_layer_ids"])}
+    return cls(**d)
+
+
+def _manager(directory: str, read_only: bool = True) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only, enable_async_checkpointing=False)
+    handlers = {"params": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _resolve_step(mngr: ocp.CheckpointManager, directory: str, step: int | None) -> int:
+    steps = mngr.all_steps()
+    if not steps:
+        raise ValueError(f"no checkpoint found in {directory}; write one with kdtree_jax.checkpoint.save")
+    if step is None:
+        return max(steps)
+    if step not in steps:
+        raise ValueError(f"checkpoint {directory} has no step {step}; it has steps {sorted(steps)}")
+    return step

@@ -1,0 +1,120 @@
+"""Orbax round trips of the target and the drafter; restoring into a different config fails loudly."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import causal_logits
+from kdtree_jax import checkpoint, config
+from kdtree_jax.drafter import Drafter
+from kdtree_jax.model.transformer import Transformer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer(config.tiny(), nnx.Rngs(1))
+
+
+def _params(model):
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _assert_same_params(a, b):
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype, k
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def _abstract(cfg):
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def test_target_round_trip(tmp_path, target):
+    path = checkpoint.save(tmp_path / "t", target, step=3)
+    assert checkpoint.read_meta(path) == {"kind": "target", "config": dataclasses.asdict(target.cfg)}
+    restored = checkpoint.restore_target(path)
+    assert restored.cfg == target.cfg
+    _assert_same_params(restored, target)
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, target.cfg.vocab_size)
+    np.testing.assert_array_equal(causal_logits(restored, tokens), causal_logits(target, tokens))
+
+
+def test_bf16_params_keep_their_dtype(tmp_path, target):
+    cfg = target.cfg.replace(dtype="bfloat16")
+    graphdef, state = nnx.split(_abstract(cfg), nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x, a: x.astype(a.dtype),
+                                                 nnx.to_pure_dict(nnx.state(target, nnx.Param)),
+                                                 nnx.to_pure_dict(state)))
+    model = nnx.merge(graphdef, state)
+    checkpoint.save(tmp_path / "b", model)
+    restored = checkpoint.restore_target(tmp_path / "b")
+    assert restored.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16
+    assert restored.layers[1].mlp.gate[...].dtype == jnp.float32  # the router stays f32
+    _assert_same_params(restored, model)
+
+
+def test_drafter_round_trip(tmp_path, target):
+    dcfg = config.tiny_drafter(target.cfg)
+    drafter = Drafter(dcfg, target.cfg, nnx.Rngs(3))
+    checkpoint.save(tmp_path / "d", drafter)
+    restored = checkpoint.restore_drafter(tmp_path / "d", target.cfg)
+    assert restored.cfg == dcfg
+    _assert_same_params(restored, drafter)
+
+    s, t, d = 2, 6, target.cfg.hidden_size
+    keys = jax.random.split(jax.random.key(1), len(dcfg.target_layer_ids) + 1)
+    hidden = tuple(jax.random.normal(k, (s, t, d)) for k in keys[1:])
+    positions = jnp.broadcast_to(jnp.arange(t), (s, t))
+    bonus = jax.random.randint(keys[0], (s,), 0, target.cfg.vocab_size)
+
+    def drafts(dr):
+        cache = dr.extend_cache(dr.init_cache(s, 16), hidden, positions, jnp.zeros((s,), jnp.int32))
+        return dr.draft(target.embed, target.logits, bonus, jnp.full((s,), t), cache, jnp.full((s,), t))
+
+    np.testing.assert_array_equal(drafts(restored), drafts(drafter))
+
+
+def test_restore_params_into_existing_model(tmp_path, target):
+    checkpoint.save(tmp_path / "t", target)
+    other = Transformer(target.cfg, nnx.Rngs(99))
+    assert checkpoint.restore_params_into(tmp_path / "t", other) is other
+    _assert_same_params(other, target)
+
+
+def test_restore_into_a_different_config_names_the_shapes(tmp_path, target):
+    checkpoint.save(tmp_path / "t", target)
+    with pytest.raises(ValueError) as e:
+        checkpoint.restore_params_into(tmp_path / "t", _abstract(target.cfg.replace(moe_intermediate_size=16)))
+    msg = str(e.value)
+    assert "layers/1/mlp/w_gate: checkpoint (8, 64, 32) vs model (8, 64, 16)" in msg
+    assert "layers/2/mlp/shared/down_proj: checkpoint (32, 64) vs model (16, 64)" in msg
+    assert "layers/1/self_attn" not in msg
+
+    with pytest.raises(ValueError, match=r"layers/2/input_layernorm/weight: not in the model \(checkpoint \(64,\)\)"):
+        checkpoint.restore_params_into(tmp_path / "t", _abstract(target.cfg.replace(num_layers=2)))
+    with pytest.raises(ValueError, match=r"layers/0/self_attn/q_proj: missing from the checkpoint"):
+        checkpoint.restore_params_into(tmp_path / "t", _abstract(target.cfg.replace(q_lora_rank=None)))
+
+
+def test_wrong_kind_and_missing_checkpoint(tmp_path, target):
+    checkpoint.save(tmp_path / "t", target)
+    with pytest.raises(ValueError, match="holds a 'target' model, not a 'drafter'"):
+        checkpoint.restore_drafter(tmp_path / "t", target.cfg)
+    with pytest.raises(ValueError, match="no checkpoint found"):
+        checkpoint.restore_target(tmp_path / "empty")
+    with pytest.raises(ValueError, match="has no step 5"):
+        checkpoint.restore_target(tmp_path / "t", step=5)
+
+
+def test_restore_with_explicit_shardings(tmp_path, target):
+    checkpoint.save(tmp_path / "t", target)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
+    restored = checkpoint.restore_target(tmp_path / "t", shardings=lambda path, shape: device)
+    for _, v in nnx.to_flat_state(nnx.state(restored, nnx.Param)):
+        assert v[...].sharding == device
+    _assert_same_params(restored, target)
