@@ -1,0 +1,356 @@
+"""HF safetensors checkpoints (DeepSeek-V3, Kimi K2.x incl. compressed-tensors INT4 experts) <-> our params.
+
+Import streams tensor by tensor: each of our params is read, converted and placed before the next is touched, and the
+routed experts are stacked into one host array [E, ...] filled expert by expert, so the host never holds more than one
+param. HF Linear weights are [out, in]; ours are [in, ...out] (q_b_proj [Q, H, P+R], kv_b_proj [C, H, P+V],
+o_proj [H, V, D], w_gate [E, D, I], ...): a transpose then a reshape, the HF head-major order kept. Routed experts in
+INT4 (`weight_packed`, `weight_scale`, `weight_shape`) are dequantized into the model dtype. Tensor names may carry the
+`language_model.` prefix of K2.5/K2.6; tensors of other towers and MTP layers (index >= num_layers) are ignored.
+Export writes the same layout (config.json + safetensors, INT4 experts packed on request).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from kdtree_jax import quant
+from kdtree_jax.config import ModelConfig, from_hf_config
+from kdtree_jax.model.layers import dtype_of
+from kdtree_jax.model.transformer import Transformer
+
+NESTED_PREFIX = "language_model."  # K2.5 / K2.6 nest the text model under this prefix
+INDEX_FILE = "model.safetensors.index.json"
+INT4_SUFFIXES = ("_packed", "_scale", "_shape")  # "<name>.weight" -> "<name>.weight_packed" etc.
+
+# place(path, host_array) -> jax.Array: puts one converted param (our layout and dtype) on its devices.
+Place = Callable[[tuple, np.ndarray], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one of our params comes from.
+
+    path: our Param path, e.g. ("layers", 1, "mlp", "w_gate"). hf: the HF tensor names, one per routed expert for
+    an expert stack (our axis 0), else one. linear: an HF Linear weight [out, in], transposed into our [in, ...out];
+    else copied as is. int4: a routed expert stored as compressed-tensors INT4.
+    """
+
+    path: tuple
+    hf: tuple[str, ...]
+    linear: bool
+    int4: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        return self.path[-1] in ("w_gate", "w_up", "w_down")
+
+    def tensor_names(self) -> list[str]:
+        return [n + s for n in self.hf for s in INT4_SUFFIXES] if self.int4 else list(self.hf)
+
+
+def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
+    """Every param of a Transformer(cfg) with its HF tensor name(s), in the model's layer order."""
+    model = prefix + "model."
+    int4 = cfg.expert_quant == "int4"
+    out = [Source(("embed_tokens",), (model + "embed_tokens.weight",), linear=False)]
+    for i in range(cfg.num_layers):
+        hf_layer, layer = f"{model}layers.{i}.", ("layers", i)
+
+        def src(ours: tuple, theirs: str, linear: bool = True):
+            return Source(layer + ours, (hf_layer + theirs,), linear)
+
+        out += [src(("input_layernorm", "weight"), "input_layernorm.weight", False),
+                src(("post_attention_layernorm", "weight"), "post_attention_layernorm.weight", False)]
+        if cfg.q_lora_rank:
+            out += [src(("self_attn", "q_a_proj"), "self_attn.q_a_proj.weight"),
+                    src(("self_attn", "q_a_norm", "weight"), "self_attn.q_a_layernorm.weight", False),
+                    src(("self_attn", "q_b_proj"), "self_attn.q_b_proj.weight")]
+        else:
+            out.append(src(("self_attn", "q_proj"), "self_attn.q_proj.weight"))
+        out += [src(("self_attn", "kv_a_proj"), "self_attn.kv_a_proj_with_mqa.weight"),
+                src(("self_attn", "kv_a_norm", "weight"), "self_attn.kv_a_layernorm.weight", False),
+                src(("self_attn", "kv_b_proj"), "self_attn.kv_b_proj.weight"),
+                src(("self_attn", "o_proj"), "self_attn.o_proj.weight")]
+        if i < cfg.first_k_dense:
+            out += [src(("mlp", w), f"mlp.{w}.weight") for w in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        out += [src(("mlp", "gate"), "mlp.gate.weight"),
+                src(("mlp", "e_score_correction_bias"), "mlp.gate.e_score_correction_bias", False)]
+        for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            names = tuple(f"{hf_layer}mlp.experts.{e}.{theirs}.weight" for e in range(cfg.num_experts))
+            out.append(Source(layer + ("mlp", ours), names, linear=True, int4=int4))
+        if cfg.num_shared_experts:
+            out += [src(("mlp", "shared", w), f"mlp.shared_experts.{w}.weight")
+                    for w in ("gate_proj", "up_proj", "down_proj")]
+    out.append(Source(("norm", "weight"), (model + "norm.weight",), linear=False))
+    if not cfg.tie_word_embeddings:
+        out.append(Source(("lm_head",), (prefix + "lm_head.weight",), linear=True))
+    return out
+
+
+def hf_tensor_names(cfg: ModelConfig, prefix: str = "") -> list[str]:
+    """Every tensor name an HF checkpoint of `cfg` must hold (INT4 experts: weight_packed/_scale/_shape each)."""
+    return [name for s in param_sources(cfg, prefix) for name in s.tensor_names()]
+
+
+def read_hf_config(directory: str) -> ModelConfig:
+    """The ModelConfig of `directory/config.json`."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{path} does not exist; pass cfg= to load a checkpoint without a config.json")
+    with open(path) as f:
+        return from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(directory)))
+
+
+def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype: str | None = None,
+                       place: Place | None = None, progress: bool = True) -> Transformer:
+    """Build a Transformer from the HF safetensors in `directory`, one param at a time.
+
+    cfg: read from config.json when None. dtype: the model dtype ("bfloat16" | "float32"; default cfg.dtype); INT4
+    experts are dequantized into it. place(path, host_array) -> jax.Array puts each param on its devices (default
+    jnp.asarray; pass a function built on jax.make_array_from_callback to shard). Raises ValueError naming the tensor
+    or file for a missing tensor, a wrong shape, or a truncated / corrupt file.
+    """
+    directory = os.path.abspath(directory)
+    cfg = cfg or read_hf_config(directory)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    place = place or (lambda path, x: jnp.asarray(x))
+    with _TensorFiles(directory) as files:
+        prefix = NESTED_PREFIX if any(n.startswith(NESTED_PREFIX + "model.") for n in files.names) else ""
+        sources = param_sources(cfg, prefix)
+        _check_present(files, sources)
+        model_cfg = cfg.replace(expert_quant="bf16")  # INT4 experts are dequantized (an INT4-resident path: later)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
+        wanted = {path: (tuple(v.shape), np.dtype(v.dtype)) for path, v in nnx.to_flat_state(state)}
+        if set(wanted) != {s.path for s in sources}:
+            raise AssertionError(f"param_sources disagrees with the model: {set(wanted) ^ {s.path for s in sources}}")
+        params: dict = {}
+        for s in tqdm(sources, desc=f"loading {os.path.basename(directory)}", unit="param", disable=not progress):
+            shape, dt = wanted[s.path]
+            _nest(params, s.path, place(s.path, _read_param(files, s, shape, dt, cfg.quant_group_size)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def export_hf_checkpoint(model: Transformer, directory: str, int4: bool = False, prefix: str = "",
+                         max_shard_bytes: int = 4 << 30) -> str:
+    """Write `model` as an HF checkpoint: config.json + safetensors shards (+ the index when there are several).
+
+    int4: routed experts packed in the compressed-tensors layout (quantized from the model's weights). prefix:
+    NESTED_PREFIX writes the K2.5/K2.6 layout (names under `language_model.`, config under `text_config`).
+    Returns the absolute directory.
+    """
+    if prefix not in ("", NESTED_PREFIX):
+        raise ValueError(f"prefix {prefix!r} is not a known layout; use '' or {NESTED_PREFIX!r}")
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    cfg = model.cfg.replace(expert_quant="int4" if int4 else "bf16")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, nested=bool(prefix)), f, indent=2)
+    params = {path: v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    shards, shard, size = [], {}, 0
+    for s in param_sources(cfg, prefix):
+        for name, tensor in _hf_tensors(s, np.asarray(params[s.path]), cfg.quant_group_size):
+            if shard and size + tensor.nbytes > max_shard_bytes:
+                shards.append(shard)
+                shard, size = {}, 0
+            shard[name] = np.ascontiguousarray(tensor)
+            size += tensor.nbytes
+    shards.append(shard)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    if len(shards) > 1:
+        with open(os.path.join(directory, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    return directory
+
+
+def hf_config_dict(cfg: ModelConfig, nested: bool = False) -> dict:
+    """The config.json of `cfg` in the DeepSeek-V3 / Kimi K2 field names (`nested`: the K2.5/K2.6 wrapper)."""
+    rope = None
+    if cfg.rope_scaling_factor > 1.0:
+        rope = {"type": "yarn", "factor": cfg.rope_scaling_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_position,
+                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim}
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2" if nested else "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_heads, "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+        "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_shared_experts": cfg.num_shared_experts, "first_k_dense_replace": cfg.first_k_dense, "moe_layer_freq": 1,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id, "num_nextn_predict_layers": 0, "torch_dtype": cfg.dtype,
+    }
+    if cfg.expert_quant == "int4":
+        text["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                "group_size": cfg.quant_group_size}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*"]}
+    if not nested:
+        return text
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text}
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+class _TensorFiles(contextlib.AbstractContextManager):
+    """The tensor names of a checkpoint directory and their files, opened lazily and closed together."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._open: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+        try:
+            self.file_of = self._weight_map()
+        except BaseException:
+            self._stack.close()
+            raise
+        self.names = set(self.file_of)
+
+    def _weight_map(self) -> dict[str, str]:
+        """tensor name -> file name, from the index when there is one, else from every *.safetensors header."""
+        index = os.path.join(self.directory, INDEX_FILE)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    return dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{index} is not a safetensors index with a weight_map: {e}") from None
+        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(self.directory, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files and no {INDEX_FILE} in {self.directory}")
+        return {name: f for f in files for name in self._handle(f).keys()}
+
+    def read(self, name: str) -> np.ndarray:
+        file = self.file_of[name]
+        handle = self._handle(file)
+        if name not in handle.keys():
+            raise ValueError(f"tensor {name!r} is not in {os.path.join(self.directory, file)} although {INDEX_FILE} "
+                             f"says so; the index and the shards disagree (re-download the checkpoint)")
+        try:
+            return handle.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read tensor {name!r} from {os.path.join(self.directory, file)}: {e}") from None
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            path = os.path.join(self.directory, file)
+            if not os.path.exists(path):
+                raise ValueError(f"safetensors file {path} is missing (named by {INDEX_FILE})")
+            try:
+                self._open[file] = self._stack.enter_context(safe_open(path, framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"safetensors file {path} is truncated or corrupt ({e}); re-download it") from None
+        return self._open[file]
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+
+def _check_present(files: _TensorFiles, sources: list[Source]) -> None:
+    missing = [n for s in sources for n in s.tensor_names() if n not in files.names]
+    if not missing:
+        return
+    hint = ""
+    if any(n + "_packed" in files.names for n in missing):
+        hint = ("; the checkpoint holds INT4 experts (weight_packed) but the config has no compressed-tensors "
+                "quantization_config: pass cfg with expert_quant='int4'")
+    elif any(n.endswith("_packed") and n[:-len("_packed")] in files.names for n in missing):
+        hint = "; the checkpoint holds bf16 experts but the config says INT4: pass cfg with expert_quant='bf16'"
+    shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+    raise ValueError(f"checkpoint {files.directory} lacks tensors the config needs: {shown}{hint}")
+
+
+def _read_param(files: _TensorFiles, s: Source, shape: tuple, dtype, group: int) -> np.ndarray:
+    """One of our params in our layout `shape` and `dtype`, read tensor by tensor."""
+    if not s.stacked:
+        return _our_layout(_read_hf(files, s.hf[0], _hf_shape(s, shape)), s, shape).astype(dtype)
+    out = np.empty(shape, dtype)  # the expert stack, filled one expert at a time
+    for e, name in enumerate(s.hf):
+        hf_shape = _hf_shape(s, shape[1:])
+        w = _read_int4(files, name, hf_shape, group) if s.int4 else _read_hf(files, name, hf_shape)
+        out[e] = _our_layout(w, s, shape[1:])
+    return out
+
+
+def _read_hf(files: _TensorFiles, name: str, shape: tuple) -> np.ndarray:
+    x = files.read(name)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} in {files.file_of[name]} has shape {tuple(x.shape)}, expected "
+                         f"{tuple(shape)} for this config; the checkpoint and config.json disagree")
+    return x
+
+
+def _read_int4(files: _TensorFiles, name: str, shape: tuple, group: int) -> np.ndarray:
+    """A compressed-tensors INT4 Linear `name` ([out, in]) dequantized to float32."""
+    out_dim, in_dim = shape
+    stored = tuple(int(v) for v in _read_hf(files, name + "_shape", (2,)))
+    if stored != (out_dim, in_dim):
+        raise ValueError(f"tensor {name + '_shape'!r} says {stored}, expected {(out_dim, in_dim)} for this config")
+    packed = _read_hf(files, name + "_packed", (out_dim, in_dim // quant.NIBBLES_PER_WORD))
+    scale = _read_hf(files, name + "_scale", (out_dim, in_dim // group))
+    return np.asarray(quant.dequantize_int4(packed, scale, group, dtype=jnp.float32))
+
+
+def _hf_shape(s: Source, ours: tuple) -> tuple:
+    """HF shape of a tensor whose param (one expert of a stack) has our shape `ours`."""
+    return (math.prod(ours[1:]), ours[0]) if s.linear else tuple(ours)
+
+
+def _our_layout(x: np.ndarray, s: Source, ours: tuple) -> np.ndarray:
+    return x.T.reshape(ours) if s.linear else x
+
+
+def _nest(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+def _hf_tensors(s: Source, ours: np.ndarray, group: int) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors of one of our params (the inverse of _read_param)."""
+    if not s.stacked:
+        yield s.hf[0], _hf_layout(ours, s)
+        return
+    for name, w in zip(s.hf, ours):
+        w = _hf_layout(w, s)
+        if not s.int4:
+            yield name, w
+            continue
+        q, scale = quant.quantize_int4(w, group)
+        yield name + "_packed", quant.pack_int4(q)
+        yield name + "_scale", scale.astype(jnp.bfloat16)  # already bf16-rounded
+        yield name + "_shape", np.asarray(w.shape, np.int64)
+
+
+def _hf_layout(x: np.ndarray, s: Source) -> np.ndarray:
+    return x.reshape(x.shape[0], -1).T if s.linear else x
