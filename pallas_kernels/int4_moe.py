@@ -81,8 +81,9 @@ class Int4Experts(NamedTuple):
     def dequantize(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, I, D], up [E, I, D], down [E, D, I]) in f32, exactly q * scale."""
         d, i = self.hidden_size, self.intermediate_size
-        return (_dequantize(self.gate_packed, self.gate_scale, d), _dequantize(self.up_packed, self.up_scale, d),
-                _dequantize(self.down_packed, self.down_scale, i))
+        return (dequantize_kernel_layout(self.gate_packed, self.gate_scale, d),
+                dequantize_kernel_layout(self.up_packed, self.up_scale, d),
+                dequantize_kernel_layout(self.down_packed, self.down_scale, i))
 
 
 @jax.jit
@@ -103,7 +104,7 @@ def _repack(packed, scale):
     return lax.map(one, (packed, scale))
 
 
-def _dequantize(packed, scale, in_dim: int):
+def dequantize_kernel_layout(packed, scale, in_dim: int):
     """Kernel layout (packed [E, out, in_p/8], scale [E, in_p/32, out]) -> W [E, out, in_dim] f32."""
     e, out_dim, words = packed.shape
     shifts = 4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.int32)
@@ -137,9 +138,9 @@ def int4_moe_reference(x, experts: Int4Experts, topk_ids, topk_weights):
         ids = topk_ids[:, j]
         ok = (ids >= 0) & (ids < num_experts)
         e = jnp.where(ok, ids, 0)
-        gate = _dequantize(experts.gate_packed[e], experts.gate_scale[e], d)
-        up = _dequantize(experts.up_packed[e], experts.up_scale[e], d)
-        down = _dequantize(experts.down_packed[e], experts.down_scale[e], i)
+        gate = dequantize_kernel_layout(experts.gate_packed[e], experts.gate_scale[e], d)
+        up = dequantize_kernel_layout(experts.up_packed[e], experts.up_scale[e], d)
+        down = dequantize_kernel_layout(experts.down_packed[e], experts.down_scale[e], i)
         g = jnp.einsum("mid,md->mi", gate, xf, precision=hi)
         u = jnp.einsum("mid,md->mi", up, xf, precision=hi)
         y = jnp.einsum("mdi,mi->md", down, jax.nn.silu(g) * u, precision=hi)

@@ -51,19 +51,33 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
 
 
-# About two resident programs per multiprocessor of an H200 (132 SMs): the split-K heuristic aims for this many.
+# Split-K heuristic. TARGET_PROGRAMS: about two resident programs per multiprocessor of an H200 (132 SMs).
+# RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a
+# call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read back) may move at most this fraction of
+# those bytes.
 TARGET_PROGRAMS = 264
-MIN_BLOCKS_PER_SPLIT = 4
+RIDGE_FLOP_PER_BYTE = 180
+PARTIAL_BUDGET = 0.5
+MIN_BLOCKS_PER_SPLIT = 2
 
 
-def default_config(num_streams: int, num_rows: int, capacity: int) -> AttentionConfig:
+def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 512, rope: int = 64,
+                   itemsize: int = 2) -> AttentionConfig:
     """A tiling for `num_streams` streams of `num_rows` = T * H query rows over a cache of `capacity` rows."""
-    block_q = min(64, max(MIN_DOT_DIM, pl.next_power_of_2(num_rows)))
+    if num_rows <= 16:
+        block_q, num_warps = 16, 4
+    elif num_rows <= 32:
+        block_q, num_warps = 32, 4
+    else:
+        block_q, num_warps = 64, 8
     block_k = 64
-    programs = num_streams * pl.cdiv(num_rows, block_q)
-    max_splits = max(1, capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
-    num_splits = int(min(max_splits, max(1, pl.cdiv(TARGET_PROGRAMS, programs))))
-    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits)
+    tiles = num_streams * pl.cdiv(num_rows, block_q)
+    floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
+                      2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
+    partial_bytes = tiles * block_q * pl.next_power_of_2(lat) * 4 * 2
+    num_splits = min(pl.cdiv(TARGET_PROGRAMS, tiles), int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
+                     capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
+    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=max(1, num_splits), num_warps=num_warps)
 
 
 def _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
@@ -209,7 +223,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     s, t, h, c = q_lat.shape
     r = q_rope.shape[3]
     rows = t * h
-    cfg = config or default_config(s, rows, c_kv.shape[1])
+    cfg = config or default_config(s, rows, c_kv.shape[1], c, r, c_kv.dtype.itemsize)
     q_tiles = pl.cdiv(rows, cfg.block_q)
     lat = (c, max(MIN_DOT_DIM, pl.next_power_of_2(c)))
     rope = (r, max(MIN_DOT_DIM, pl.next_power_of_2(r)))
