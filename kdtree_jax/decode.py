@@ -24,6 +24,7 @@ from kdtree_jax import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
+from pallas_kernels import ops
 
 POLICIES = ("ar", "chain", "ddtree")
 
@@ -215,11 +216,11 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
         tree = root_only_tree(st.bonus)
     else:
         draft = drafter.draft(target.embed, lambda h: target.logits(h), st.bonus, length, st.dcache, length)
-        tree = tree_lib.build_tree(draft, st.bonus, spec.tree_budget, spec.tree_topk)
+        tree = ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
     key, sub = jax.random.split(st.key)
-    verdict = tree_lib.accept_tree(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)
+    verdict = ops.tree_accept(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)
 
     # Emitted this round: the accepted draft tokens, then the new bonus; cut at EOS and at max_new_tokens.
     depth = spec.depth

@@ -1,0 +1,202 @@
+"""The DDTree loop: tree verify == path forwards, the losslessness invariant, sampling, guard rails."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdtree_jax import config as config_lib
+from kdtree_jax import tree as tree_lib
+from kdtree_jax.cache import init_cache
+from kdtree_jax.decode import DecodeSpec, Decoder
+from kdtree_jax.drafter import Drafter, DrafterCache
+from kdtree_jax.model.transformer import Transformer
+
+BLOCK = 6
+PROMPTS = [[5, 9, 14, 3, 8, 1, 7, 22, 40], [11, 2], [4, 60, 4, 61, 4]]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+class OracleDrafter(nnx.Module):
+    """Drafts the target's own greedy continuation (known from an ar run), so acceptance is high.
+
+    At every third position the true token is ranked SECOND behind a decoy: a chain stops there while a tree with
+    K >= 2 keeps going, so multi-token rounds, branching and compaction are all exercised.
+    """
+
+    def __init__(self, cfg: config_lib.DrafterConfig, sequences: np.ndarray):
+        self.cfg = cfg
+        self.truth = nnx.Variable(jnp.asarray(sequences, jnp.int32))  # [S, total]: prompt + ar output
+
+    def init_cache(self, num_streams, capacity):
+        return DrafterCache((), ())
+
+    def extend_cache(self, cache, hidden, positions, offsets):
+        return cache
+
+    def draft(self, embed, lm_head, bonus, start, cache, ctx_len):
+        depth, vocab = self.cfg.block_size - 1, self.cfg.vocab_size
+        idx = start[:, None] + jnp.arange(1, depth + 1)[None, :]
+        truth = jnp.take_along_axis(self.truth[...], jnp.clip(idx, 0, self.truth.shape[1] - 1), axis=1)
+        logits = jax.random.normal(jax.random.key(0), (bonus.shape[0], depth, vocab))
+        decoy = (truth + 1) % vocab
+        demote = (idx % 3) == 0
+        logits = jax.vmap(jax.vmap(lambda l, t, d, dm: l.at[t].set(8.0).at[d].set(jnp.where(dm, 9.0, l[d]))))(
+            logits, truth, decoy, demote)
+        return logits
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = config_lib.tiny()
+    target = Transformer(cfg, nnx.Rngs(0))
+    drafter = Drafter(config_lib.tiny_drafter(cfg, BLOCK), cfg, nnx.Rngs(1))
+    return cfg, target, drafter
+
+
+def ar_tokens(target, prompts, max_new, eos=None):
+    return Decoder(target).generate(prompts, DecodeSpec(max_new_tokens=max_new, eos_token_id=eos)).tokens
+
+
+def test_tree_verify_logits_equal_path_forwards(setup):
+    cfg, target, _ = setup
+    s, budget, depth, n = 2, 12, 4, 48
+    prefix_len = np.array([7, 3])
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, cfg.vocab_size, (s, prefix_len.max()))
+    draft = jnp.asarray(rng.normal(size=(s, depth, cfg.vocab_size)) * 3)
+    tree = tree_lib.build_tree(draft, jnp.asarray(rng.integers(0, cfg.vocab_size, s)), budget, topk=3)
+
+    cache = init_cache(cfg, s, n)
+    pre_pos = jnp.broadcast_to(jnp.arange(prefix.shape[1]), prefix.shape)
+    causal = jnp.tril(jnp.ones((prefix.shape[1],) * 2, bool))[None].repeat(s, 0)
+    cache = target(jnp.asarray(prefix), pre_pos, cache, causal).cache._replace(length=jnp.asarray(prefix_len))
+    logits = target(tree.tokens, cache.length[:, None] + tree.depth, cache, tree.visible).logits
+
+    # Every node's root-to-node path appended to its stream's prefix, all run as one ragged causal batch.
+    parent, tokens = np.asarray(tree.parent), np.asarray(tree.tokens)
+    seqs, where = [], []
+    for b in range(s):
+        for i in range(int(tree.num_nodes[b])):
+            path, node = [], i
+            while node >= 0:
+                path.append(tokens[b, node])
+                node = parent[b, node]
+            seqs.append(np.concatenate([prefix[b, :prefix_len[b]], path[::-1]]))
+            where.append((b, i))
+    width = max(len(q) for q in seqs)
+    batch = np.zeros((len(seqs), width), np.int32)
+    for r, q in enumerate(seqs):
+        batch[r, :len(q)] = q
+    ref = target(jnp.asarray(batch), jnp.arange(width)[None].repeat(len(seqs), 0), init_cache(cfg, len(seqs), n),
+                 jnp.tril(jnp.ones((len(seqs), width, width), bool)), absorbed=False).logits
+    for r, (b, i) in enumerate(where):
+        assert rel_err(logits[b, i], ref[r, len(seqs[r]) - 1]) < 1e-5, (b, i)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 32])
+def test_greedy_ddtree_and_chain_equal_ar_random_drafter(setup, budget):
+    cfg, target, drafter = setup
+    expect = ar_tokens(target, PROMPTS, 14)
+    decoder = Decoder(target, drafter)
+    for policy in ("chain", "ddtree"):
+        got = decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=budget, block_size=BLOCK,
+                                                   max_new_tokens=14)).tokens
+        assert got == expect, policy
+
+
+@pytest.mark.parametrize("budget", [1, 4, 32])
+def test_greedy_ddtree_and_chain_equal_ar_oracle_drafter(setup, budget):
+    cfg, target, _ = setup
+    max_new = 20
+    expect = ar_tokens(target, PROMPTS, max_new + BLOCK)
+    seqs = np.zeros((len(PROMPTS), 64), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, expect)):
+        seqs[i, :len(p) + len(out)] = p + out
+    oracle = OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)
+    decoder = Decoder(target, oracle)
+    taus = {}
+    for policy in ("chain", "ddtree"):
+        res = decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=budget, block_size=BLOCK,
+                                                   max_new_tokens=max_new))
+        assert res.tokens == [t[:max_new] for t in expect], policy
+        taus[policy] = res.taus[res.taus > 0].mean()
+    assert taus["chain"] > 1.5  # multi-token rounds happen
+    if budget >= 32:
+        assert taus["ddtree"] > taus["chain"]  # a wide enough tree recovers the demoted tokens
+
+
+def test_eos_mid_round(setup):
+    cfg, target, _ = setup
+    free = ar_tokens(target, PROMPTS, 30)
+    eos = free[0][7]  # a token the first stream emits mid-way
+    expect = ar_tokens(target, PROMPTS, 20, eos=eos)
+    assert len(expect[0]) < 20
+    seqs = np.zeros((len(PROMPTS), 64), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, free)):
+        seqs[i, :len(p) + len(out)] = p + out
+    oracle = OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)
+    res = Decoder(target, oracle).generate(PROMPTS, DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK,
+                                                               max_new_tokens=20, eos_token_id=eos))
+    assert res.tokens == expect
+    assert res.taus.max() > 1
+
+
+def test_sampling_matches_ar_distribution_and_is_reproducible():
+    cfg = config_lib.tiny().replace(vocab_size=8)
+    target = Transformer(cfg, nnx.Rngs(3))
+    drafter = Drafter(config_lib.tiny_drafter(cfg, 4), cfg, nnx.Rngs(4))
+    streams, prompt = 3000, [1, 2, 3]
+    # Exact distribution of the first two tokens from full forwards.
+    seqs = jnp.asarray([prompt + [a] for a in range(8)])
+    fwd = target(seqs, jnp.arange(4)[None].repeat(8, 0), init_cache(cfg, 8, 8),
+                 jnp.tril(jnp.ones((8, 4, 4), bool)))
+    p1 = jax.nn.softmax(fwd.logits[0, 2])
+    p2 = jax.nn.softmax(fwd.logits[:, 3], axis=-1)
+    exact = np.asarray(p1[:, None] * p2).reshape(-1)
+
+    def first_two(decoder, spec, seed):
+        toks = np.array([t[:2] for t in decoder.generate([prompt] * streams, spec, seed=seed).tokens])
+        return np.bincount(toks[:, 0] * 8 + toks[:, 1], minlength=64)
+
+    tree_spec = DecodeSpec(policy="ddtree", budget=6, block_size=4, temperature=1.0, max_new_tokens=4)
+    ar_spec = DecodeSpec(policy="ar", temperature=1.0, max_new_tokens=4)
+    tree_counts = first_two(Decoder(target, drafter), tree_spec, seed=11)
+    ar_counts = first_two(Decoder(target), ar_spec, seed=12)
+    for counts in (tree_counts, ar_counts):
+        expected = exact * streams
+        big = expected >= 5
+        stat = np.sum((counts[big] - expected[big]) ** 2 / expected[big])
+        rest_e, rest_c = expected[~big].sum(), counts[~big].sum()
+        stat += (rest_c - rest_e) ** 2 / max(rest_e, 1e-9)
+        assert stat < 110, stat  # chi-square, <= 64 dof: a p-value far below 1e-3 would exceed this
+    again = first_two(Decoder(target, drafter), tree_spec, seed=11)
+    np.testing.assert_array_equal(again, tree_counts)
+
+
+def test_guard_rails(setup):
+    cfg, target, drafter = setup
+    decoder = Decoder(target, drafter)
+    with pytest.raises(ValueError, match="budget"):
+        decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=-1, block_size=BLOCK))
+    with pytest.raises(ValueError, match="budget"):
+        small = Decoder(target, Drafter(config_lib.tiny_drafter(cfg, 2), cfg, nnx.Rngs(1)))
+        small.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=cfg.vocab_size + 1, block_size=2))
+    with pytest.raises(ValueError, match="block_size"):
+        config_lib.tiny_drafter(cfg, 1)
+    with pytest.raises(ValueError, match="block_size"):
+        decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK + 1))
+    with pytest.raises(ValueError, match="hidden_size"):
+        Decoder(target, Drafter(config_lib.tiny_drafter(cfg.replace(hidden_size=32), BLOCK),
+                                cfg.replace(hidden_size=32), nnx.Rngs(1)))
+    with pytest.raises(ValueError, match="vocab_size"):
+        config_lib.tiny_drafter(cfg, BLOCK).replace(vocab_size=600).check_fits(cfg)
+    with pytest.raises(ValueError, match="cache"):
+        decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=32, block_size=BLOCK, max_new_tokens=8),
+                         cache_len=40)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Decoder(target).generate(PROMPTS, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK))

@@ -1,0 +1,119 @@
+"""The target model: absorbed == naive MLA, cached decode == full forward, router semantics, ragged batches."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdtree_jax import config as config_lib
+from kdtree_jax.cache import init_cache
+from kdtree_jax.decode import DecodeSpec, Decoder
+from kdtree_jax.model.moe import route
+from kdtree_jax.model.transformer import Transformer
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def causal(s, t):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
+
+
+def randomize_biases(model: Transformer, seed: int):
+    """Non-zero router correction biases, so that selection differs from the unbiased ranking."""
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "e_score_correction_bias"):
+            layer.mlp.e_score_correction_bias[...] = jnp.asarray(rng.normal(0, 0.5, layer.mlp.e_score_correction_bias.shape),
+                                                                 jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = config_lib.tiny()
+    assert cfg.rope_scaling_factor > 1, "the tiny preset must exercise YaRN"
+    model = Transformer(cfg, nnx.Rngs(0))
+    randomize_biases(model, 0)
+    return model
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_absorbed_equals_naive(tiny_model, prefix):
+    cfg, s, t, n = tiny_model.cfg, 2, 6, 24
+    key = jax.random.key(prefix + 1)
+    cache = init_cache(cfg, s, n)
+    if prefix:
+        toks = jax.random.randint(key, (s, prefix), 0, cfg.vocab_size)
+        pos = jnp.broadcast_to(jnp.arange(prefix), (s, prefix))
+        cache = tiny_model(toks, pos, cache, causal(s, prefix)).cache._replace(
+            length=jnp.full((s,), prefix, jnp.int32))
+    toks = jax.random.randint(jax.random.fold_in(key, 1), (s, t), 0, cfg.vocab_size)
+    pos = prefix + jnp.broadcast_to(jnp.arange(t), (s, t))
+    absorbed = tiny_model(toks, pos, cache, causal(s, t), absorbed=True).logits
+    naive = tiny_model(toks, pos, cache, causal(s, t), absorbed=False).logits
+    assert rel_err(absorbed, naive) < 1e-5
+
+
+def test_cached_decode_matches_full_forward(tiny_model):
+    cfg, s, prompt, steps = tiny_model.cfg, 2, 5, 6
+    total = prompt + steps
+    toks = jax.random.randint(jax.random.key(7), (s, total), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(total), (s, total))
+    full = tiny_model(toks, pos, init_cache(cfg, s, 32), causal(s, total), absorbed=False).logits
+
+    out = tiny_model(toks[:, :prompt], pos[:, :prompt], init_cache(cfg, s, 32), causal(s, prompt))
+    cache, logits = out.cache._replace(length=jnp.full((s,), prompt, jnp.int32)), [out.logits]
+    for i in range(prompt, total):
+        out = tiny_model(toks[:, i:i + 1], pos[:, i:i + 1], cache, causal(s, 1))
+        cache = out.cache._replace(length=cache.length + 1)
+        logits.append(out.logits)
+    assert rel_err(jnp.concatenate(logits, axis=1), full) < 1e-5
+
+
+def test_router_matches_numpy_loop():
+    cfg = config_lib.tiny().replace(num_experts=16, num_experts_per_tok=4)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(9, cfg.hidden_size)).astype(np.float32)
+    w = rng.normal(size=(cfg.hidden_size, cfg.num_experts)).astype(np.float32) * 0.2
+    bias = rng.normal(size=(cfg.num_experts,)).astype(np.float32)
+    ids, weights = route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), cfg)
+    k, bias_changed_selection = cfg.num_experts_per_tok, False
+    for m in range(x.shape[0]):
+        scores = 1.0 / (1.0 + np.exp(-(x[m].astype(np.float64) @ w)))
+        chosen = np.argsort(-(scores + bias), kind="stable")[:k]
+        expect = scores[chosen] / scores[chosen].sum() * cfg.routed_scaling_factor
+        got = dict(zip(np.asarray(ids[m]).tolist(), np.asarray(weights[m]).tolist()))
+        assert sorted(got) == sorted(chosen.tolist())
+        np.testing.assert_allclose([got[e] for e in chosen], expect, rtol=1e-5)
+        bias_changed_selection |= set(chosen) != set(np.argsort(-scores)[:k])
+    assert bias_changed_selection, "the test needs a bias that changes some selection"
+
+
+def test_ragged_batch_decodes_like_each_stream_alone(tiny_model):
+    decoder = Decoder(tiny_model)
+    prompts = [[5, 9, 14, 3, 8, 1, 7], [11, 2], [4, 4, 4, 4]]
+    spec = DecodeSpec(policy="ar", max_new_tokens=12)
+    together = decoder.generate(prompts, spec).tokens
+    for prompt, tokens in zip(prompts, together):
+        assert decoder.generate([prompt], spec).tokens[0] == tokens
+    assert all(len(t) == 12 for t in together)
+
+
+def test_ar_stops_at_eos(tiny_model):
+    decoder = Decoder(tiny_model)
+    free = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10)).tokens[0]
+    eos = free[3]
+    stopped = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10, eos_token_id=eos)).tokens[0]
+    assert stopped == free[:free.index(eos) + 1]
+
+
+def test_prompt_longer_than_cache_raises(tiny_model):
+    decoder = Decoder(tiny_model)
+    with pytest.raises(ValueError, match="cache"):
+        decoder.generate([list(range(1, 40))], DecodeSpec(max_new_tokens=8), cache_len=32)
+    with pytest.raises(ValueError, match="empty prompt"):
+        decoder.generate([[]], DecodeSpec(max_new_tokens=8))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.generate([[tiny_model.cfg.vocab_size]], DecodeSpec(max_new_tokens=8))
