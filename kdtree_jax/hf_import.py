@@ -44,7 +44,8 @@ class Source:
     """Where one of our params comes from.
 
     path: our Param path, e.g. ("layers", 1, "mlp", "w_gate"). hf: the HF tensor names, one per routed expert for
-    an expert stack (our axis 0), else one. linear: an HF Linear weight [out, in], transposed into our [in, ...out];
+    an expert stack (our axis 0), else one. linear: an HF Linear weight [out, in], transposed into our layout whose
+    first `in_axes` axes split `in` and the rest split `out` (row-major, as HF views them: o_proj [H*V] -> [H, V]);
     else copied as is. int4: a routed expert stored as compressed-tensors INT4.
     """
 
@@ -52,6 +53,7 @@ class Source:
     hf: tuple[str, ...]
     linear: bool
     int4: bool = False
+    in_axes: int = 1
 
     @property
     def stacked(self) -> bool:
@@ -69,8 +71,8 @@ def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
     for i in range(cfg.num_layers):
         hf_layer, layer = f"{model}layers.{i}.", ("layers", i)
 
-        def src(ours: tuple, theirs: str, linear: bool = True):
-            return Source(layer + ours, (hf_layer + theirs,), linear)
+        def src(ours: tuple, theirs: str, linear: bool = True, in_axes: int = 1):
+            return Source(layer + ours, (hf_layer + theirs,), linear, in_axes=in_axes)
 
         out += [src(("input_layernorm", "weight"), "input_layernorm.weight", False),
                 src(("post_attention_layernorm", "weight"), "post_attention_layernorm.weight", False)]
@@ -83,7 +85,7 @@ def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
         out += [src(("self_attn", "kv_a_proj"), "self_attn.kv_a_proj_with_mqa.weight"),
                 src(("self_attn", "kv_a_norm", "weight"), "self_attn.kv_a_layernorm.weight", False),
                 src(("self_attn", "kv_b_proj"), "self_attn.kv_b_proj.weight"),
-                src(("self_attn", "o_proj"), "self_attn.o_proj.weight")]
+                src(("self_attn", "o_proj"), "self_attn.o_proj.weight", in_axes=2)]  # [H, V, D]
         if i < cfg.first_k_dense:
             out += [src(("mlp", w), f"mlp.{w}.weight") for w in ("gate_proj", "up_proj", "down_proj")]
             continue
@@ -112,7 +114,28 @@ def read_hf_config(directory: str) -> ModelConfig:
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist; pass cfg= to load a checkpoint without a config.json")
     with open(path) as f:
-        return from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(directory)))
+        return from_hf_config(legacy_rope_fields(json.load(f)), name=os.path.basename(os.path.normpath(directory)))
+
+
+def legacy_rope_fields(hf: dict) -> dict:
+    """Rewrite the `rope_parameters` that transformers >= 5 writes into the released checkpoints' field names.
+
+    transformers 5 saves {"rope_parameters": {"rope_type", "rope_theta", "factor", ...}} where DeepSeek-V3 / Kimi
+    config.json files have `rope_theta` + `rope_scaling`; from_hf_config reads only the latter.
+    """
+    if "text_config" in hf:
+        return {**hf, "text_config": legacy_rope_fields(hf["text_config"])}
+    params = hf.get("rope_parameters")
+    if not params or hf.get("rope_scaling"):
+        return hf
+    if params.get("truncate", True) is not True:
+        raise ValueError(f"config field 'rope_parameters.truncate' = {params['truncate']!r} is not supported; "
+                         f"the YaRN correction range is always rounded outward (truncate = true)")
+    out = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    out["rope_theta"] = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return out
 
 
 def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype: str | None = None,
@@ -321,7 +344,7 @@ def _read_int4(files: _TensorFiles, name: str, shape: tuple, group: int) -> np.n
 
 def _hf_shape(s: Source, ours: tuple) -> tuple:
     """HF shape of a tensor whose param (one expert of a stack) has our shape `ours`."""
-    return (math.prod(ours[1:]), ours[0]) if s.linear else tuple(ours)
+    return (math.prod(ours[s.in_axes:]), math.prod(ours[:s.in_axes])) if s.linear else tuple(ours)
 
 
 def _our_layout(x: np.ndarray, s: Source, ours: tuple) -> np.ndarray:
@@ -353,4 +376,4 @@ def _hf_tensors(s: Source, ours: np.ndarray, group: int) -> Iterator[tuple[str, 
 
 
 def _hf_layout(x: np.ndarray, s: Source) -> np.ndarray:
-    return x.reshape(x.shape[0], -1).T if s.linear else x
+    return x.reshape(math.prod(x.shape[:s.in_axes]), -1).T if s.linear else x

@@ -116,6 +116,32 @@ def _assert_same_params(a, b):
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
 
+def test_hf_layouts(tmp_path, model):
+    """Exported tensors follow HF's [out, in] Linear layout with heads major in `out` (or `in` for o_proj)."""
+    cfg = model.cfg
+    h, p, r, v, d = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.hidden_size
+    directory = hf_import.export_hf_checkpoint(model, tmp_path / "hf")
+    with safe_open(os.path.join(directory, "model.safetensors"), framework="numpy") as f:
+        hf = {k: f.get_tensor(k) for k in f.keys()}
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    expected = [  # ours = f(HF), written per tensor from HF's view of it
+        (a + "q_b_proj.weight", attn.q_b_proj, lambda w: w.reshape(h, p + r, -1).transpose(2, 0, 1)),
+        (a + "kv_b_proj.weight", attn.kv_b_proj, lambda w: w.reshape(h, p + v, -1).transpose(2, 0, 1)),
+        (a + "o_proj.weight", attn.o_proj, lambda w: w.reshape(d, h, v).transpose(1, 2, 0)),
+        (a + "kv_a_proj_with_mqa.weight", attn.kv_a_proj, lambda w: w.T),
+        (m + "gate.weight", moe.gate, lambda w: w.T),
+        (m + "experts.5.gate_proj.weight", moe.w_gate, lambda w: np.stack([w.T])),
+        (m + "experts.5.down_proj.weight", moe.w_down, lambda w: np.stack([w.T])),
+        ("lm_head.weight", model.lm_head, lambda w: w.T),
+        ("model.embed_tokens.weight", model.embed_tokens, lambda w: w),
+    ]
+    for name, param, ours_from_hf in expected:
+        ours = np.asarray(param[...])
+        ours = ours[5:6] if "experts.5" in name else ours
+        np.testing.assert_array_equal(ours_from_hf(hf[name]), ours, err_msg=name)
+
+
 @pytest.mark.parametrize("prefix", ["", "language_model."])
 def test_bf16_experts_round_trip(tmp_path, model, tokens, prefix):
     directory = hf_import.export_hf_checkpoint(model, tmp_path / "hf", prefix=prefix, max_shard_bytes=100_000)
@@ -226,3 +252,15 @@ def test_int4_checkpoint_with_a_bf16_config_says_so(tmp_path, model):
     directory = hf_import.export_hf_checkpoint(model, tmp_path / "hf", int4=True)
     with pytest.raises(ValueError, match="holds INT4 experts"):
         hf_import.load_hf_checkpoint(directory, model.cfg, progress=False)
+
+
+def test_transformers5_rope_parameters_are_read():
+    text = {k: v for k, v in K2_6_TEXT.items() if k not in ("rope_scaling", "rope_theta")}
+    text["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 50000.0,
+                               **{k: v for k, v in YARN_K2.items() if k != "type"}}
+    hf = hf_import.legacy_rope_fields({**K2_6, "text_config": text})
+    assert config.from_hf_config(hf, name="kimi_k2_6") == config.kimi_k2_6()
+    plain = hf_import.legacy_rope_fields({**text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert config.from_hf_config(plain).rope_scaling_factor == 1.0 and config.from_hf_config(plain).rope_theta == 1e4
+    with pytest.raises(ValueError, match="truncate"):
+        hf_import.legacy_rope_fields({**text, "rope_parameters": {**text["rope_parameters"], "truncate": False}})
