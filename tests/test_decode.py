@@ -200,3 +200,16 @@ def test_guard_rails(setup):
                          cache_len=40)
     with pytest.raises(ValueError, match="needs a drafter"):
         Decoder(target).generate(PROMPTS, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK))
+
+
+def test_invariant_with_pallas_kernels_in_interpret_mode(setup):
+    from pallas_kernels import ops
+    cfg, target, drafter = setup
+    prompts = PROMPTS[:2]
+    expect = ar_tokens(target, prompts, 8)
+    with ops.implementation("kernel", interpret=True):
+        got = Decoder(target, drafter).generate(prompts, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK,
+                                                                    max_new_tokens=8)).tokens
+        ar_kernel = ar_tokens(target, prompts, 8)
+    assert got == expect
+    assert ar_kernel == expect

@@ -117,3 +117,25 @@ def test_prompt_longer_than_cache_raises(tiny_model):
         decoder.generate([[]], DecodeSpec(max_new_tokens=8))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decoder.generate([[tiny_model.cfg.vocab_size]], DecodeSpec(max_new_tokens=8))
+
+
+def test_int4_experts_equal_dequantized_bf16_experts():
+    cfg = config_lib.tiny()
+    int4 = Transformer(cfg.replace(expert_quant="int4"), nnx.Rngs(5))
+    dense = Transformer(cfg, nnx.Rngs(5))
+    # Same non-expert weights; the dense model's experts are the INT4 weights dequantized ([out, in] -> [in, out]).
+    shared = [(path, var) for path, var in nnx.to_flat_state(nnx.state(int4))
+              if not str(path[-1]).endswith(("_packed", "_scale"))]
+    nnx.update(dense, nnx.from_flat_state(shared))
+    for a, b in zip(int4.layers, dense.layers):
+        if hasattr(a.mlp, "int4_experts"):
+            gate, up, down = a.mlp.int4_experts().dequantize()
+            b.mlp.w_gate[...] = jnp.swapaxes(gate, 1, 2)
+            b.mlp.w_up[...] = jnp.swapaxes(up, 1, 2)
+            b.mlp.w_down[...] = jnp.swapaxes(down, 1, 2)
+    s, t = 2, 5
+    toks = jax.random.randint(jax.random.key(2), (s, t), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(t), (s, t))
+    got = int4(toks, pos, init_cache(cfg, s, 8), causal(s, t)).logits
+    want = dense(toks, pos, init_cache(cfg, s, 8), causal(s, t)).logits
+    assert rel_err(got, want) < 1e-5

@@ -12,6 +12,9 @@ from flax import nnx
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, init_weight
+from kdtree_jax.quant import NIBBLES_PER_WORD
+from pallas_kernels import ops
+from pallas_kernels.int4_moe import Int4Experts
 
 
 def route(x, gate_w, bias, cfg: ModelConfig):
@@ -54,19 +57,45 @@ class MoE(nnx.Module):
         d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = init_weight(rngs, (d, e), d, jnp.float32)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
-        if cfg.expert_quant != "bf16":
-            raise ValueError(f"expert_quant={cfg.expert_quant!r}: the INT4 expert path needs the int4_moe kernel")
-        self.w_gate = init_weight(rngs, (e, d, i), d, dt)
-        self.w_up = init_weight(rngs, (e, d, i), d, dt)
-        self.w_down = init_weight(rngs, (e, i, d), i, dt)
+        if cfg.expert_quant == "int4":
+            experts = random_int4_experts(rngs, e, d, i, cfg.quant_group_size)
+            for name, value in experts._asdict().items():
+                setattr(self, name, nnx.Param(value))
+        else:
+            self.w_gate = init_weight(rngs, (e, d, i), d, dt)
+            self.w_up = init_weight(rngs, (e, d, i), d, dt)
+            self.w_down = init_weight(rngs, (e, i, d), i, dt)
         self.shared = GatedMLP(d, i * cfg.num_shared_experts, dt, rngs) if cfg.num_shared_experts else None
         self.cfg = cfg
+
+    def int4_experts(self) -> Int4Experts:
+        return Int4Experts(*(getattr(self, name)[...] for name in Int4Experts._fields))
+
+    def routed(self, x, ids, weights):
+        """The routed experts alone: x [M, D], ids/weights [M, k] -> [M, D] (INT4 through `ops.int4_moe`)."""
+        if self.cfg.expert_quant == "int4":
+            return ops.int4_moe(x, self.int4_experts(), ids, weights.astype(jnp.float32))
+        return routed_experts(x, self.w_gate[...], self.w_up[...], self.w_down[...], ids, weights)
 
     def __call__(self, x):
         """x [S, T, D] -> [S, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg)
-        out = routed_experts(flat, self.w_gate[...], self.w_up[...], self.w_down[...], ids, weights)
+        out = self.routed(flat, ids, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.reshape(x.shape)
+
+
+def random_int4_experts(rngs: nnx.Rngs, num_experts: int, hidden: int, inter: int, group: int) -> Int4Experts:
+    """Random INT4 experts made directly in packed form (any int32 word is 8 valid nibbles), repacked once.
+
+    Scales give each weight a std of about fan_in^-0.5, like the bf16 init.
+    """
+    def linear(out_dim, in_dim):
+        packed = jax.random.bits(rngs.params(), (num_experts, out_dim, in_dim // NIBBLES_PER_WORD), jnp.uint32)
+        scale = jnp.full((num_experts, out_dim, in_dim // group), in_dim ** -0.5 / 4.6, jnp.bfloat16)
+        return jax.lax.bitcast_convert_type(packed, jnp.int32), scale
+
+    gate, up, down = linear(inter, hidden), linear(inter, hidden), linear(hidden, inter)
+    return Int4Experts.from_compressed_tensors(*gate, *up, *down)
