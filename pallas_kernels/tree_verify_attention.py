@@ -184,7 +184,8 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
     carry = (jnp.zeros((bq, lat[1]), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     carry = lax.fori_loop(lo, hi, prefix_step, carry)
-    tree_blocks = jnp.where(split == cfg.num_splits - 1, pl.cdiv(num_nodes, bk), 0)
+    # Arithmetic, not jnp.where: the Triton lowering needs both loop bounds as plain i32 scalars.
+    tree_blocks = (split == cfg.num_splits - 1).astype(jnp.int32) * pl.cdiv(num_nodes, bk)
     acc, m, l = lax.fori_loop(0, tree_blocks, tree_step, carry)
 
     if cfg.num_splits == 1:
