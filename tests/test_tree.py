@@ -41,11 +41,13 @@ def chain_tokens(tree, s, i):
 
 
 def _combos():
+    """B x L x K; the default run keeps every K at L = 16 and K = B at the other block sizes (the rest is slow)."""
     for budget, block in itertools.product([0, 1, 7, 64, 300], [2, 8, 16]):
         for k in sorted({1, 4, budget}):
             if budget == 0 and k != 0:
                 continue
-            yield budget, block, k or None
+            marks = [] if block == 16 or k == budget else [pytest.mark.slow]
+            yield pytest.param(budget, block, k or None, marks=marks)
 
 
 @pytest.mark.parametrize("budget,block,topk", list(_combos()))
@@ -142,7 +144,7 @@ def test_invariants_and_top_b_prefixes(budget, block, vocab):
     n_streams, depth_max = 3, block - 1
     logits = random_logits(rng, n_streams, depth_max, vocab, ties=False)
     root = rng.integers(0, vocab, size=n_streams)
-    tree = jax.device_get(build_jit(logits, root, budget, None))
+    tree = T.build_tree_heapq(logits, root, budget)  # == build_tree (test_jit_matches_heapq)
     k = T.resolve_topk(budget, vocab)
     top_lp, top_ids = jax.device_get(T.draft_topk(logits, k))
     for s in range(n_streams):
@@ -232,7 +234,7 @@ def test_accept_jit_matches_python(budget, block, topk):
     logits = np.concatenate([random_logits(rng, 4, block - 1, vocab, ties=False),
                              random_logits(rng, 4, block - 1, vocab, ties=True)])
     root = rng.integers(0, vocab, size=8)
-    tree = jax.device_get(build_jit(logits, root, budget, topk))
+    tree = T.build_tree_heapq(logits, root, budget, topk)
     for _ in range(3):
         target = random_targets(rng, tree, vocab)
         want = T.accept_tree_python(tree, target, block - 1)

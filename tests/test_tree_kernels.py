@@ -73,9 +73,14 @@ def test_build_kernel_minus_inf_scores():
     assert_same(got, T.build_tree_heapq(logits, root, 40), T.TreeArrays._fields)
 
 
-def test_build_config_rejects_bad_warps():
+def test_build_config_and_limits():
     with pytest.raises(ValueError, match="num_warps"):
         TB.BuildConfig(num_warps=3)
+    assert TB.BuildConfig().warps(32) == 1 and TB.BuildConfig(num_warps=2).warps(32) == 2
+    lp = jnp.zeros((1, 15, 1), jnp.float32)
+    with pytest.raises(ValueError, match="31-bit"):
+        TB.tree_build_from_topk(lp, jnp.zeros((1, 15, 1), jnp.int32), jnp.zeros(1, jnp.int32), budget=40000,
+                                interpret=True)
 
 
 def random_targets(rng, tree, vocab):
