@@ -89,15 +89,6 @@ def check_budget(budget: int, block_size: int, vocab_size: int) -> None:
                          f"block size")
 
 
-def _check_topk_shapes(top_logprobs, top_ids, root):
-    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1:
-        raise ValueError(f"top_logprobs {tuple(top_logprobs.shape)} must be [S, D, K] with D >= 1 drafted depths "
-                         f"(block_size >= 2)")
-    if top_ids.shape != top_logprobs.shape or np.shape(root) != top_logprobs.shape[:1]:
-        raise ValueError(f"top_ids {tuple(top_ids.shape)} and root {tuple(np.shape(root))} must be "
-                         f"{tuple(top_logprobs.shape)} and {tuple(top_logprobs.shape[:1])}")
-
-
 # ----------------------------------------------------------------------------------------------------- top-K
 
 
@@ -110,6 +101,15 @@ def draft_topk(draft_logits, k: int):
 
 
 # ----------------------------------------------------------------------------------------------------- heapq spec
+
+
+def _check_topk_shapes(top_logprobs, top_ids, root):
+    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1:
+        raise ValueError(f"top_logprobs {tuple(top_logprobs.shape)} must be [S, D, K] with D >= 1 drafted depths "
+                         f"(block_size >= 2)")
+    if top_ids.shape != top_logprobs.shape or np.shape(root) != top_logprobs.shape[:1]:
+        raise ValueError(f"top_ids {tuple(top_ids.shape)} and root {tuple(np.shape(root))} must be "
+                         f"{tuple(top_logprobs.shape)} and {tuple(top_logprobs.shape[:1])}")
 
 
 def build_tree_heapq_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays:
