@@ -13,6 +13,7 @@ from flax import nnx
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, init_weight
 from kdtree_jax.quant import NIBBLES_PER_WORD
+from kdtree_jax.sharding import expert_parallel
 from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts
 
@@ -72,10 +73,17 @@ class MoE(nnx.Module):
         return Int4Experts(*(getattr(self, name)[...] for name in Int4Experts._fields))
 
     def routed(self, x, ids, weights):
-        """The routed experts alone: x [M, D], ids/weights [M, k] -> [M, D] (INT4 through `ops.int4_moe`)."""
+        """The routed experts alone: x [M, D], ids/weights [M, k] -> [M, D] (INT4 through `ops.int4_moe`).
+
+        Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel: `sharding.expert_parallel`.
+        """
         if self.cfg.expert_quant == "int4":
-            return ops.int4_moe(x, self.int4_experts(), ids, weights.astype(jnp.float32))
-        return routed_experts(x, self.w_gate[...], self.w_up[...], self.w_down[...], ids, weights)
+            experts = self.int4_experts()
+            local = lambda x, e, i, w: ops.int4_moe(x, e, i, w.astype(jnp.float32))  # noqa: E731
+        else:
+            experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+            local = lambda x, e, i, w: routed_experts(x, *e, i, w)  # noqa: E731
+        return expert_parallel(local, x, experts, ids, weights)
 
     def __call__(self, x):
         """x [S, T, D] -> [S, T, D]."""
