@@ -1,0 +1,232 @@
+"""The device mesh and where every array lives on it (DESIGN.md section 5), plus the per-device memory plan.
+
+One mesh, axes ("data", "tp"), both of type Auto (XLA's SPMD partitioner carries the shardings set at the jit boundary
+through the unchanged model code):
+  tp    tensor and expert parallelism inside a host: attention heads (q_b_proj / q_proj, kv_b_proj, o_proj), the
+        intermediate dim of the dense and shared MLPs, the routed experts (expert parallelism over the leading E axis,
+        bf16 stacks and INT4 packed/scale arrays alike, router columns with them), the vocabulary of embed_tokens and
+        lm_head.
+  data  streams: the leading S axis of the caches, the tokens and every per-stream array of the decode loop.
+Everything else is replicated over tp: the MLA latent cache (each device attends over it with its own heads), the
+norms, q_a_proj and kv_a_proj, and the whole drafter.
+
+A param's PartitionSpec follows from its own name: PARAM_AXES gives its logical axes (one per dim), RULES maps a logical
+axis to a mesh axis. The routed experts run under `jax.shard_map` (`expert_parallel`): every device applies its local
+experts to all tokens and one psum over tp adds the partial outputs; no expert weight ever leaves its device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from kdtree_jax.config import DrafterConfig, ModelConfig
+from pallas_kernels.int4_moe import Int4Experts
+
+DATA, TP = "data", "tp"
+MESH_AXES = (DATA, TP)
+
+# Logical axes of every target param, by the param's own name (the last name of its path).
+PARAM_AXES: dict[str, tuple] = {
+    "embed_tokens": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "weight": ("norm",),  # every RMSNorm
+    "q_a_proj": ("embed", "q_lora"),
+    "q_b_proj": ("q_lora", "heads", "qk_head_dim"),
+    "q_proj": ("embed", "heads", "qk_head_dim"),
+    "kv_a_proj": ("embed", "kv_latent"),
+    "kv_b_proj": ("kv_lora", "heads", "kv_head_dim"),
+    "o_proj": ("heads", "v_head_dim", "embed"),
+    "gate_proj": ("embed", "mlp"),  # dense MLP and shared expert(s)
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+    "gate": ("embed", "experts"),  # the router
+    "e_score_correction_bias": ("experts",),
+    "w_gate": ("experts", "embed", "expert_mlp"),
+    "w_up": ("experts", "embed", "expert_mlp"),
+    "w_down": ("experts", "expert_mlp", "embed"),
+    **{name: ("experts", "int4_rows", "int4_cols") for name in Int4Experts._fields},
+}
+
+# Logical axis -> mesh axis; a logical axis not named here is never split.
+RULES: dict[str, str] = {"vocab": TP, "heads": TP, "mlp": TP, "experts": TP, "streams": DATA}
+
+
+# ----------------------------------------------------------------------------------------------- the mesh
+
+def make_mesh(tp: int = 1, data: int = 1, devices=None) -> Mesh:
+    """A ("data", "tp") mesh over the first data * tp devices (default jax.devices(), every host's)."""
+    for name, size in ((DATA, data), (TP, tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name}={size!r} must be a positive integer")
+    devices = list(jax.devices() if devices is None else devices)
+    if data * tp > len(devices):
+        raise ValueError(f"a mesh of data={data} x tp={tp} needs {data * tp} devices but {len(devices)} are "
+                         f"available; shrink the mesh (or set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                         f"before jax starts, for N fake CPU devices)")
+    return jax.make_mesh((data, tp), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[:data * tp])
+
+
+def parse_mesh(text: str) -> Mesh | None:
+    """'tp=8' | 'data=2,tp=4' -> the mesh (unnamed axes have size 1); '' -> None (one device, no mesh)."""
+    if not text.strip():
+        return None
+    sizes = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not value.strip().isdigit() or name in sizes:
+            raise ValueError(f"mesh {text!r}: {part!r} is not 'axis=size' with axis one of {MESH_AXES} (each once); "
+                             f"write e.g. 'tp=8' or 'data=2,tp=4'")
+        sizes[name] = int(value)
+    return make_mesh(tp=sizes.get(TP, 1), data=sizes.get(DATA, 1))
+
+
+def tp_size(mesh) -> int:
+    """Size of the tp axis of a mesh (concrete or abstract); 1 for no mesh."""
+    return 1 if mesh is None or mesh.empty else dict(mesh.shape).get(TP, 1)
+
+
+# ----------------------------------------------------------------------------------------------- params
+
+def param_spec(path: tuple, shape: tuple, axis_sizes: Mapping[str, int]) -> P:
+    """PartitionSpec of the target param at `path` (state keys, e.g. ("layers", 1, "mlp", "w_gate")).
+
+    axis_sizes: the mesh's {"data": ..., "tp": ...}. Raises ValueError when a split axis does not divide.
+    """
+    spec, problems = _param_spec(path, shape, axis_sizes)
+    if problems:
+        raise ValueError(_divide_message(problems, axis_sizes))
+    return spec
+
+
+def param_shardings(params, mesh: Mesh):
+    """The NamedSharding of every param of a target state (nnx.State or pure dict), same tree.
+
+    Raises one ValueError naming every logical axis (heads, experts, vocab, mlp) that the mesh does not divide.
+    """
+    problems: dict = {}
+
+    def one(path, leaf):
+        spec, bad = _param_spec(path, leaf.shape, mesh.shape)
+        problems.update(bad)
+        return NamedSharding(mesh, spec)
+
+    shardings = jax.tree_util.tree_map_with_path(one, params)
+    if problems:
+        raise ValueError(_divide_message(problems, mesh.shape))
+    return shardings
+
+
+def shard_params(params, mesh: Mesh):
+    """device_put every target param into its shards (a no-op for params already placed so)."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def replicate(tree, mesh: Mesh):
+    """device_put a pytree (the drafter's params) whole onto every device of the mesh."""
+    return jax.device_put(tree, replicated(mesh))
+
+
+def restore_shardings(mesh: Mesh) -> Callable[[tuple, jax.ShapeDtypeStruct], NamedSharding]:
+    """The `shardings` argument of checkpoint.restore_target: orbax reads each device's shard only."""
+    return lambda path, shape: NamedSharding(mesh, param_spec(path, shape.shape, mesh.shape))
+
+
+def import_placer(mesh: Mesh) -> Callable[[tuple, np.ndarray], jax.Array]:
+    """The `place` argument of hf_import.load_hf_checkpoint: each device receives its own slice of the host array."""
+    def place(path, host):
+        sharding = NamedSharding(mesh, param_spec(path, host.shape, mesh.shape))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return place
+
+
+def _names(path) -> tuple[str, ...]:
+    """The string keys of a state path (jax key entries or plain keys), e.g. ("layers", "mlp", "w_gate")."""
+    keys = (getattr(k, "key", getattr(k, "idx", k)) for k in path if not isinstance(k, jax.tree_util.GetAttrKey))
+    return tuple(k for k in keys if isinstance(k, str))
+
+
+def _param_spec(path, shape, axis_sizes) -> tuple[P, dict]:
+    names = _names(path)
+    where = "/".join(names)
+    if not names or names[-1] not in PARAM_AXES:
+        raise ValueError(f"param {where or path!r} has no sharding rule; add its name to sharding.PARAM_AXES")
+    axes = PARAM_AXES[names[-1]]
+    if len(axes) != len(shape):
+        raise ValueError(f"param {where} has shape {tuple(shape)} but sharding.PARAM_AXES names {len(axes)} axes "
+                         f"{axes}; update the rule for {names[-1]!r}")
+    return _logical_spec(axes, shape, axis_sizes, where)
+
+
+def _logical_spec(axes, shape, axis_sizes, where: str) -> tuple[P, dict]:
+    """(PartitionSpec, {(logical axis, size, mesh axis): where} for every split that does not divide)."""
+    spec, problems = [], {}
+    for axis, size in zip(axes, shape):
+        mesh_axis = RULES.get(axis)
+        n = axis_sizes.get(mesh_axis, 1) if mesh_axis else 1
+        if size % n:
+            problems[(axis, size, mesh_axis)] = where
+        spec.append(mesh_axis if n > 1 else None)
+    return P(*spec), problems
+
+
+def _divide_message(problems: dict, axis_sizes) -> str:
+    lines = [f"{axis} = {size} (e.g. {where}) is not divisible by {mesh_axis} = {axis_sizes[mesh_axis]}"
+             for (axis, size, mesh_axis), where in sorted(problems.items())]
+    return ("the mesh does not divide the model: " + "; ".join(lines)
+            + "; choose a mesh axis size that divides every one of these")
+
+
+# ----------------------------------------------------------------------------------------------- streams
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def stream_sharding(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Arrays whose dim `axis` is the stream axis S, split over data (caches [S, N, ...], tokens [S, T], ...)."""
+    return NamedSharding(mesh, P(*([None] * axis), RULES["streams"]))
+
+
+def check_streams(mesh: Mesh, num_streams: int) -> None:
+    data = mesh.shape[DATA]
+    if num_streams % data:
+        raise ValueError(f"{num_streams} streams do not divide over the mesh's data axis ({DATA} = {data}); "
+                         f"pass a multiple of {data} prompts or use a mesh with a smaller data axis")
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+
+def expert_parallel(local_moe: Callable, x, experts, ids, weights):
+    """The routed experts, expert-parallel over tp when the current mesh (jax.set_mesh) has tp > 1.
+
+    local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E) zero weight.
+    experts: a pytree of arrays whose leading axis is the expert E. Inside the shard_map each device holds E / tp
+    experts (the shards the params already have), sees every token (tokens are replicated over tp; split over data
+    when M divides), shifts the ids by its first expert and psums the partial outputs over tp. Without such a mesh:
+    local_moe(x, experts, ids, weights).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return local_moe(x, experts, ids, weights)
+    num_experts = jax.tree.leaves(experts)[0].shape[0]
+    if num_experts % tp:
+        raise ValueError(f"experts = {num_experts} is not divisible by {TP} = {tp}; choose a {TP} size that divides "
+                         f"the number of routed experts")
+    per_device = num_experts // tp
+    tokens = P(DATA) if x.shape[0] % dict(mesh.shape).get(DATA, 1) == 0 else P()
+
+    def local(x, experts, ids, weights):
+        first = jax.lax.axis_index(TP) * per_device
+        return jax.lax.psum(local_moe(x, experts, ids - first, weights), TP)
+
+    return jax.shard_map(local, in_specs=(tokens, P(TP), tokens, tokens), out_specs=tokens)(x, experts, ids, weights)
