@@ -45,12 +45,13 @@ BF16 = jnp.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------------- timing
-def _annotation_spans(trace_dir: str) -> dict[str, list[float]]:
-    """{annotation name: [device span in us of each call]} from the trace in trace_dir."""
+def _annotation_spans(trace_dir: str) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """From the trace in trace_dir: ({job: [device span in us of each call]},
+    {job: {GPU kernel name: [its total us in each call]}})."""
     from jax.profiler import ProfileData
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
-        return {}
+        return {}, {}
     data = ProfileData.from_file(sorted(files)[-1])
     windows, device = [], []
     for plane in data.planes:
@@ -58,18 +59,25 @@ def _annotation_spans(trace_dir: str) -> dict[str, list[float]]:
         for line in plane.lines:
             for ev in line.events:
                 if is_device and ev.duration_ns > 0:
-                    device.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+                    device.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
                 elif not is_device and ev.name.startswith("bench|"):
                     windows.append((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns))
     device.sort()
     starts = np.array([d[0] for d in device])
     spans: dict[str, list[float]] = {}
+    kernels: dict[str, dict[str, list[float]]] = {}
     for name, lo, hi in windows:
         i0, i1 = np.searchsorted(starts, lo), np.searchsorted(starts, hi)
         inside = [d for d in device[i0:i1] if d[1] <= hi]
         if inside:
-            spans.setdefault(name.split("|")[1], []).append((max(d[1] for d in inside) - inside[0][0]) / 1e3)
-    return spans
+            job = name.split("|")[1]
+            spans.setdefault(job, []).append((max(d[1] for d in inside) - inside[0][0]) / 1e3)
+            per_call: dict[str, float] = {}
+            for d in inside:
+                per_call[d[2]] = per_call.get(d[2], 0.0) + (d[1] - d[0]) / 1e3
+            for kernel, us in per_call.items():
+                kernels.setdefault(job, {}).setdefault(kernel[:80], []).append(us)
+    return spans, kernels
 
 
 @dataclasses.dataclass
@@ -103,13 +111,16 @@ def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
     finally:
         if traced:
             jax.profiler.stop_trace()
-    spans = _annotation_spans(trace_dir) if traced else {}
+    spans, kernels = _annotation_spans(trace_dir) if traced else ({}, {})
     out = {}
     for job in jobs:
         dev = spans.get(job.name, [])
         entry = {"wall_us": float(np.median(wall[job.name]))}
         if len(dev) >= reps // 2:
-            entry.update(us=float(np.median(dev)), method="device", device_spread_us=float(np.std(dev)))
+            busy = {k: float(np.median(v)) for k, v in kernels.get(job.name, {}).items()}
+            top = sorted(busy.items(), key=lambda kv: -kv[1])[:8]
+            entry.update(us=float(np.median(dev)), method="device", device_spread_us=float(np.std(dev)),
+                         kernels_us=dict(top), kernel_launches=len(busy))
         else:
             entry.update(us=entry["wall_us"], method="wall")
         out[job.name] = entry
@@ -270,7 +281,7 @@ def attention_f32_check() -> dict:
     ref = attn.tree_verify_attention_reference(*args, scale=0.05)
     out = {}
     for splits in (1, 4):
-        cfg = attn.AttentionConfig(block_q=64, block_k=32, num_splits=splits)
+        cfg = attn.AttentionConfig(block_q=16, block_k=16, num_splits=splits)   # f32 tiles: small, for shared memory
         got = attn.tree_verify_attention(*args, scale=0.05, config=cfg, interpret=interpret)
         out[f"splits={splits}"] = rel_err(got, ref)
     return out

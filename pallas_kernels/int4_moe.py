@@ -8,7 +8,8 @@ Weights arrive in the compressed-tensors layout (kdtree_jax/quant.py) and are re
 `Int4Experts.from_compressed_tensors`. The repack permutes the nibbles inside each 256-wide block of inputs so that
 nibble i of the block's 32 words holds the 32 inputs of quantisation group i: unpacking one nibble position of a
 [rows, 32] word tile gives one whole group, whose single scale per output row is applied to the f32 product after a
-dot on the raw integers (exact in bf16). No per-element scale multiply, no interleave.
+dot on the raw integers (exact in bf16, built from the nibbles with integer ops only: see `_group_dot`). No
+per-element scale multiply, no interleave, no int -> float conversion.
 
 Kernel: the (token, slot) pairs are sorted by expert and cut into blocks of block_m pairs, each block holding one
 expert's tokens, so only the experts actually touched are read. Kernel 1 computes gate and up for a block in one pass
@@ -167,7 +168,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     """Small blocks while a touched expert sees a handful of tokens; larger ones once the GEMMs are dense."""
     tokens_per_expert = num_pairs / num_experts
     if tokens_per_expert < 16:
-        return MoeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+        return MoeConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
     return MoeConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 
 
@@ -208,13 +209,26 @@ def _route(topk_ids, topk_weights, num_experts: int, block_m: int) -> _Routing:
 
 
 def _dot_nt(a, b):
-    """a [m, k] . b [n, k]^T -> [m, n] in f32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    """a [m, k] . b [n, k]^T -> [m, n] in f32 (HIGHEST: f32 operands stay IEEE, not TF32, under Triton)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
-def _group_tile(words, i: int, dtype):
-    """Nibble position i of a word tile [rows, 32] -> the integer weights of one group, [rows, 32] in dtype."""
-    return (((words >> (4 * i)) & 0xF) - 8).astype(dtype)
+# bf16 bit pattern 0x4300 | n is the number 128 + n for a nibble n: the tile is built with integer ops only (no
+# int -> float conversion, a quarter-rate instruction), and the offset 128 + 8 is taken out after the dot through
+# the sum of the activations: dot(128 + n, x) - 136 * sum(x) = dot(n - 8, x).
+BF16_MAGIC = 0x4300
+BF16_MAGIC_OFFSET = 136
+
+
+def _group_dot(words, i: int, act):
+    """Nibble position i of words [rows, 32] (one group of integer weights) . act [cols, 32]^T -> [rows, cols] f32."""
+    nib = (words >> (4 * i)) & 0xF
+    if act.dtype != jnp.bfloat16:
+        return _dot_nt((nib - 8).astype(act.dtype), act)
+    tile = lax.bitcast_convert_type((nib | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
+    act_sum = jnp.sum(act.astype(jnp.float32), axis=1)
+    return _dot_nt(tile, act) - BF16_MAGIC_OFFSET * act_sum[None, :]
 
 
 def _gate_up_kernel(block_expert_ref, block_token_ref, x_ref, gate_q_ref, gate_s_ref, up_q_ref, up_s_ref, h_ref, *,
@@ -244,8 +258,8 @@ def _gate_up_kernel(block_expert_ref, block_token_ref, x_ref, gate_q_ref, gate_s
                 g = kb * NIBBLES_PER_WORD + i
                 gate_s = plgpu.load(gate_s_ref.at[e, g, out_rows], mask=out_ok, other=0).astype(jnp.float32)
                 up_s = plgpu.load(up_s_ref.at[e, g, out_rows], mask=out_ok, other=0).astype(jnp.float32)
-                acc_g += gate_s[:, None] * _dot_nt(_group_tile(gate_words, i, xg.dtype), xg)
-                acc_u += up_s[:, None] * _dot_nt(_group_tile(up_words, i, xg.dtype), xg)
+                acc_g += gate_s[:, None] * _group_dot(gate_words, i, xg)
+                acc_u += up_s[:, None] * _group_dot(up_words, i, xg)
             return acc_g, acc_u
 
         zeros = jnp.zeros((bn, bm), jnp.float32)
@@ -272,7 +286,7 @@ def _down_kernel(block_expert_ref, block_token_ref, block_weight_ref, h_ref, dow
                 hg = h_ref[pl.ds(b * bm, bm), pl.ds(kb * BLOCK_IN + i * GROUP, GROUP)]              # [bm, 32]
                 s = plgpu.load(down_s_ref.at[e, kb * NIBBLES_PER_WORD + i, out_rows], mask=out_ok,
                                other=0).astype(jnp.float32)
-                acc += s[:, None] * _dot_nt(_group_tile(words, i, hg.dtype), hg)
+                acc += s[:, None] * _group_dot(words, i, hg)
             return acc
 
         acc = lax.fori_loop(0, down_q_ref.shape[2] // GROUP, step, jnp.zeros((bn, bm), jnp.float32))

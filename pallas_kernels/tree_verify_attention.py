@@ -54,10 +54,10 @@ class AttentionConfig:
 # Split-K heuristic. TARGET_PROGRAMS: about two resident programs per multiprocessor of an H200 (132 SMs).
 # RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a
 # call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read back) may move at most this fraction of
-# those bytes.
+# those bytes (0.5 measured slower than more splits on the H200: BUILD_NOTES).
 TARGET_PROGRAMS = 264
 RIDGE_FLOP_PER_BYTE = 180
-PARTIAL_BUDGET = 0.5
+PARTIAL_BUDGET = 1.0
 MIN_BLOCKS_PER_SPLIT = 2
 
 
@@ -127,8 +127,9 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
 
 
 def _dot_nt(a, b):
-    """a [m, k] . b [n, k]^T -> [m, n] in f32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    """a [m, k] . b [n, k]^T -> [m, n] in f32 (HIGHEST: f32 operands stay IEEE, not TF32, under Triton)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
 def _load_rows(ref, stream, start, size, row_ok, width, width_p):
@@ -160,7 +161,8 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
         alpha = jnp.exp(m - m_new)
         prob = jnp.where(allowed, jnp.exp(logits - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(prob, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(prob.astype(k_lat.dtype), k_lat, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + jnp.dot(prob.astype(k_lat.dtype), k_lat, precision=lax.Precision.HIGHEST,
+                                             preferred_element_type=jnp.float32)
         return acc, m_new, l
 
     def prefix_step(b, carry):
