@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdtree_jax import sharding
 from kdtree_jax import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
 from kdtree_jax.drafter import Drafter, DrafterCache
@@ -79,15 +80,23 @@ class GenerateResult(NamedTuple):
 
 
 class Decoder:
-    """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec."""
+    """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec.
 
-    def __init__(self, target: Transformer, drafter: Drafter | None = None):
+    mesh: a ("data", "tp") mesh (kdtree_jax.sharding): the target's params go into their shards, the drafter's onto
+    every device, and the loop is compiled with explicit in/out shardings (streams split over data).
+    """
+
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, mesh: jax.sharding.Mesh | None = None):
         if drafter is not None:
             drafter.cfg.check_fits(target.cfg)
         self.cfg = target.cfg
         self.target_def, self.target_params = nnx.split(target)
         self.drafter_def, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
         self.drafter_cfg = drafter.cfg if drafter is not None else None
+        self.mesh = mesh
+        if mesh is not None:
+            self.target_params = sharding.shard_params(self.target_params, mesh)
+            self.drafter_params = sharding.replicate(self.drafter_params, mesh)
         self._compiled = {}
 
     # ------------------------------------------------------------------------------------------- validation
@@ -111,6 +120,8 @@ class Decoder:
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        if self.mesh is not None:
+            sharding.check_streams(self.mesh, len(prompts))
         longest = max(len(p) for p in prompts)
         check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
                        f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
@@ -135,9 +146,7 @@ class Decoder:
             tokens[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         run = self._compile(spec, s, longest, cache_len)
-        cache = init_cache(self.cfg, s, cache_len)
-        dcache = (nnx.merge(self.drafter_def, self.drafter_params).init_cache(s, cache_len)
-                  if spec.policy != "ar" else None)
+        cache, dcache = self._new_caches(spec, s, cache_len)
         args = (self.target_params, self.drafter_params, cache, dcache, jnp.asarray(tokens), jnp.asarray(lengths),
                 jax.random.key(seed))
         start = time.perf_counter()
@@ -148,12 +157,35 @@ class Decoder:
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], np.asarray(state.taus)[:rounds],
                               rounds, seconds)
 
+    def _new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
+        """Empty target and drafter caches; under a mesh made in place, split over data (never whole on one device)."""
+        def make():
+            cache = init_cache(self.cfg, num_streams, cache_len)
+            dcache = (nnx.merge(self.drafter_def, self.drafter_params).init_cache(num_streams, cache_len)
+                      if spec.policy != "ar" else None)
+            return cache, dcache
+        if self.mesh is None:
+            return make()
+        return jax.jit(make, out_shardings=sharding.stream_sharding(self.mesh))()
+
     def _compile(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
-            fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3))
+            if self.mesh is None:
+                fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3))
+            else:
+                fn = sharding.under_mesh(self.mesh, jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3),
+                                                            **self._loop_shardings()))
             self._compiled[key] = fn
         return self._compiled[key]
+
+    def _loop_shardings(self) -> dict:
+        """in/out shardings of `_run`: params sharded (drafter replicated), per-stream arrays split over data."""
+        rep, streams = sharding.replicated(self.mesh), sharding.stream_sharding(self.mesh)
+        params = sharding.param_shardings(self.target_params, self.mesh)
+        out = LoopState(cache=streams, dcache=streams, bonus=streams, out=streams, num_out=streams, done=streams,
+                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, key=rep)
+        return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep), out_shardings=out)
 
     # ------------------------------------------------------------------------------------------- on device
     def _run(self, spec: DecodeSpec, params, dparams, cache, dcache, tokens, lengths, key):

@@ -17,6 +17,7 @@ experts to all tokens and one psum over tp adds the partial outputs; no expert w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -87,6 +88,15 @@ def parse_mesh(text: str) -> Mesh | None:
                              f"write e.g. 'tp=8' or 'data=2,tp=4'")
         sizes[name] = int(value)
     return make_mesh(tp=sizes.get(TP, 1), data=sizes.get(DATA, 1))
+
+
+def under_mesh(mesh: Mesh, fn: Callable) -> Callable:
+    """fn, called (and so traced) with jax.set_mesh(mesh) active: the mesh `expert_parallel` reads."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+    return call
 
 
 def tp_size(mesh) -> int:
