@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from kdtree_jax import config as config_lib
+from kdtree_jax import sharding
 from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
@@ -39,15 +40,19 @@ flags.DEFINE_integer("block_size", 8, "block size L of a random drafter (a check
 flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples the target per tree node")
 flags.DEFINE_integer("cache_len", 0, "cache rows per stream (0 = just enough)")
 flags.DEFINE_bool("compare", False, "also run ar and report both side by side, with whether outputs are identical")
+flags.DEFINE_string("mesh", "", "device mesh, e.g. 'tp=8' or 'data=2,tp=4' (empty: one device); for N fake CPU "
+                    "devices set XLA_FLAGS=--xla_force_host_platform_device_count=N")
 flags.DEFINE_bool("json", False, "print one JSON object as the last line")
 
 
-def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int, need_drafter: bool):
+def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int, need_drafter: bool,
+                mesh=None):
+    """mesh: a checkpointed target is restored straight into its shards."""
     if init == "random":
         target = Transformer(config_lib.preset(preset), nnx.Rngs(seed))
     else:
         from kdtree_jax.checkpoint import restore_target
-        target = restore_target(init)
+        target = restore_target(init, shardings=sharding.restore_shardings(mesh) if mesh is not None else None)
     if not need_drafter:
         return target, None
     if drafter_init == "random":
@@ -97,12 +102,13 @@ def main(argv):
         from kdtree_jax.data import load_tokenizer
         tokenizer = load_tokenizer(FLAGS.tokenizer)
     prompts = read_prompts(FLAGS.prompt, tokenizer, FLAGS.held_out_prompts, FLAGS.prompt_tokens, FLAGS.seed)
+    mesh = sharding.parse_mesh(FLAGS.mesh)
     target, drafter = load_models(FLAGS.init, FLAGS.config, FLAGS.drafter, FLAGS.block_size, FLAGS.seed,
-                                  FLAGS.policy != "ar")
+                                  FLAGS.policy != "ar", mesh)
     block = drafter.cfg.block_size if drafter is not None else FLAGS.block_size
     spec = DecodeSpec(policy=FLAGS.policy, budget=FLAGS.budget, block_size=block, temperature=FLAGS.temperature,
                       max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
-    decoder = Decoder(target, drafter)
+    decoder = Decoder(target, drafter, mesh=mesh)
     cache_len = FLAGS.cache_len or None
     report = run_policy(decoder, prompts, spec, FLAGS.seed, cache_len)
     runs = [report]
