@@ -169,6 +169,7 @@ class Decoder:
         return jax.jit(make, out_shardings=sharding.stream_sharding(self.mesh))()
 
     def _compile(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
+        spec = dataclasses.replace(spec, budget=spec.tree_budget, topk=spec.tree_topk)  # chain ignores the budget
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
             if self.mesh is None:
