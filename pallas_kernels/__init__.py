@@ -1,9 +1,22 @@
 """Pallas kernels (Triton lowering on the GPU, interpret mode on the CPU) with their pure-JAX references.
 
-The model calls them through `pallas_kernels.ops`, which picks the kernel or the reference.
+The model calls them through `pallas_kernels.ops`, which picks the kernel or the reference. Helpers shared by the
+kernels live here.
 """
 import warnings
+
+from jax import lax
+import jax.numpy as jnp
 
 # Pallas announces at every Triton lowering that this backend is deprecated. It is the project's chosen GPU baseline
 # (DESIGN.md section 6), so the warning is silenced here, in one place, for the whole package.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+
+MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def dot_nt(a, b):
+    """a [m, k] . b [n, k]^T -> [m, n] in f32. HIGHEST keeps f32 operands IEEE: the Triton lowering reads
+    Precision.DEFAULT as TF32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)

@@ -30,10 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kdtree_jax.quant import NIBBLES_PER_WORD, unpack_int4
+from pallas_kernels import MIN_DOT_DIM, dot_nt
 
 GROUP = 32                            # quantisation group along the input dim (compressed-tensors, K2.x)
 BLOCK_IN = GROUP * NIBBLES_PER_WORD   # inputs per repacked block: one group per nibble position
-MIN_DOT_DIM = 16                      # Triton's tl.dot needs every dimension >= 16
 
 
 class Int4Experts(NamedTuple):
@@ -208,12 +208,6 @@ def _route(topk_ids, topk_weights, num_experts: int, block_m: int) -> _Routing:
     return _Routing(block_expert, block_token, block_weight, pair_row, key < num_experts)
 
 
-def _dot_nt(a, b):
-    """a [m, k] . b [n, k]^T -> [m, n] in f32 (HIGHEST: f32 operands stay IEEE, not TF32, under Triton)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-
-
 # bf16 bit pattern 0x4300 | n is the number 128 + n for a nibble n: the tile is built with integer ops only (no
 # int -> float conversion, a quarter-rate instruction), and the offset 128 + 8 is taken out after the dot through
 # the sum of the activations: dot(128 + n, x) - 136 * sum(x) = dot(n - 8, x).
@@ -225,10 +219,10 @@ def _group_dot(words, i: int, act):
     """Nibble position i of words [rows, 32] (one group of integer weights) . act [cols, 32]^T -> [rows, cols] f32."""
     nib = (words >> (4 * i)) & 0xF
     if act.dtype != jnp.bfloat16:
-        return _dot_nt((nib - 8).astype(act.dtype), act)
+        return dot_nt((nib - 8).astype(act.dtype), act)
     tile = lax.bitcast_convert_type((nib | BF16_MAGIC).astype(jnp.int16), jnp.bfloat16)
     act_sum = jnp.sum(act.astype(jnp.float32), axis=1)
-    return _dot_nt(tile, act) - BF16_MAGIC_OFFSET * act_sum[None, :]
+    return dot_nt(tile, act) - BF16_MAGIC_OFFSET * act_sum[None, :]
 
 
 def _gate_up_kernel(block_expert_ref, block_token_ref, x_ref, gate_q_ref, gate_s_ref, up_q_ref, up_s_ref, h_ref, *,

@@ -27,10 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import MIN_DOT_DIM, dot_nt
+
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
 # zeroed explicitly, so a row with nothing allowed keeps sum 0 and returns 0.
 NEG_INF = -1e30
-MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class AttentionConfig:
 # Split-K heuristic. TARGET_PROGRAMS: about two resident programs per multiprocessor of an H200 (132 SMs).
 # RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a
 # call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read back) may move at most this fraction of
-# those bytes (0.5 measured slower than more splits on the H200: BUILD_NOTES).
+# those bytes (H200 runs 2-3 in BUILD_NOTES: the best count is about one wave of programs, see the notes).
 TARGET_PROGRAMS = 264
 RIDGE_FLOP_PER_BYTE = 180
 PARTIAL_BUDGET = 1.0
@@ -126,12 +127,6 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
     return out.astype(q_lat.dtype)
 
 
-def _dot_nt(a, b):
-    """a [m, k] . b [n, k]^T -> [m, n] in f32 (HIGHEST: f32 operands stay IEEE, not TF32, under Triton)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-
-
 def _load_rows(ref, stream, start, size, row_ok, width, width_p):
     """Rows [start, start + size) of ref[stream] as [size, width_p]: masked rows and padding columns read 0."""
     mask = row_ok[:, None]
@@ -155,7 +150,7 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
         acc, m, l = carry
         k_lat = _load_rows(c_kv_ref, s, start, bk, col_ok, *lat)       # [bk, Cp]
         k_rope = _load_rows(k_rope_ref, s, start, bk, col_ok, *rope)   # [bk, Rp]
-        logits = (_dot_nt(q_lat, k_lat) + _dot_nt(q_rope, k_rope)) * scale
+        logits = (dot_nt(q_lat, k_lat) + dot_nt(q_rope, k_rope)) * scale
         logits = jnp.where(allowed, logits, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
