@@ -58,8 +58,29 @@ def setup():
     return cfg, target, drafter
 
 
-def ar_tokens(target, prompts, max_new, eos=None):
-    return Decoder(target).generate(prompts, DecodeSpec(max_new_tokens=max_new, eos_token_id=eos)).tokens
+@pytest.fixture(scope="module")
+def ar_decoder(setup):
+    return Decoder(setup[1])
+
+
+@pytest.fixture(scope="module")
+def draft_decoder(setup):
+    return Decoder(setup[1], setup[2])
+
+
+@pytest.fixture(scope="module")
+def oracle_decoder(setup, ar_decoder):
+    """One decoder (one compile per spec) whose oracle knows 40 greedy tokens of every prompt in PROMPTS."""
+    cfg, target, _ = setup
+    truth = ar_tokens(ar_decoder, PROMPTS, 40)
+    seqs = np.zeros((len(PROMPTS), 64), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, truth)):
+        seqs[i, :len(p) + len(out)] = p + out
+    return Decoder(target, OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)), truth
+
+
+def ar_tokens(decoder, prompts, max_new, eos=None):
+    return decoder.generate(prompts, DecodeSpec(max_new_tokens=max_new, eos_token_id=eos)).tokens
 
 
 def test_tree_verify_logits_equal_path_forwards(setup):
@@ -99,49 +120,35 @@ def test_tree_verify_logits_equal_path_forwards(setup):
 
 
 @pytest.mark.parametrize("budget", [1, 4, 32])
-def test_greedy_ddtree_and_chain_equal_ar_random_drafter(setup, budget):
-    cfg, target, drafter = setup
-    expect = ar_tokens(target, PROMPTS, 14)
-    decoder = Decoder(target, drafter)
+def test_greedy_ddtree_and_chain_equal_ar_random_drafter(ar_decoder, draft_decoder, budget):
+    expect = ar_tokens(ar_decoder, PROMPTS, 14)
     for policy in ("chain", "ddtree"):
-        got = decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=budget, block_size=BLOCK,
-                                                   max_new_tokens=14)).tokens
+        got = draft_decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=budget, block_size=BLOCK,
+                                                         max_new_tokens=14)).tokens
         assert got == expect, policy
 
 
 @pytest.mark.parametrize("budget", [1, 4, 32])
-def test_greedy_ddtree_and_chain_equal_ar_oracle_drafter(setup, budget):
-    cfg, target, _ = setup
-    max_new = 20
-    expect = ar_tokens(target, PROMPTS, max_new + BLOCK)
-    seqs = np.zeros((len(PROMPTS), 64), np.int32)
-    for i, (p, out) in enumerate(zip(PROMPTS, expect)):
-        seqs[i, :len(p) + len(out)] = p + out
-    oracle = OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)
-    decoder = Decoder(target, oracle)
-    taus = {}
+def test_greedy_ddtree_and_chain_equal_ar_oracle_drafter(oracle_decoder, budget):
+    decoder, truth = oracle_decoder
+    max_new, taus = 20, {}
     for policy in ("chain", "ddtree"):
         res = decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=budget, block_size=BLOCK,
                                                    max_new_tokens=max_new))
-        assert res.tokens == [t[:max_new] for t in expect], policy
+        assert res.tokens == [t[:max_new] for t in truth], policy
         taus[policy] = res.taus[res.taus > 0].mean()
     assert taus["chain"] > 1.5  # multi-token rounds happen
     if budget >= 32:
         assert taus["ddtree"] > taus["chain"]  # a wide enough tree recovers the demoted tokens
 
 
-def test_eos_mid_round(setup):
-    cfg, target, _ = setup
-    free = ar_tokens(target, PROMPTS, 30)
-    eos = free[0][7]  # a token the first stream emits mid-way
-    expect = ar_tokens(target, PROMPTS, 20, eos=eos)
+def test_eos_mid_round(ar_decoder, oracle_decoder):
+    decoder, truth = oracle_decoder
+    eos = truth[0][7]  # a token the first stream emits mid-way
+    expect = ar_tokens(ar_decoder, PROMPTS, 20, eos=eos)
     assert len(expect[0]) < 20
-    seqs = np.zeros((len(PROMPTS), 64), np.int32)
-    for i, (p, out) in enumerate(zip(PROMPTS, free)):
-        seqs[i, :len(p) + len(out)] = p + out
-    oracle = OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)
-    res = Decoder(target, oracle).generate(PROMPTS, DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK,
-                                                               max_new_tokens=20, eos_token_id=eos))
+    res = decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=32, block_size=BLOCK, max_new_tokens=20,
+                                               eos_token_id=eos))
     assert res.tokens == expect
     assert res.taus.max() > 1
 
@@ -150,7 +157,7 @@ def test_sampling_matches_ar_distribution_and_is_reproducible():
     cfg = config_lib.tiny().replace(vocab_size=8)
     target = Transformer(cfg, nnx.Rngs(3))
     drafter = Drafter(config_lib.tiny_drafter(cfg, 4), cfg, nnx.Rngs(4))
-    streams, prompt = 3000, [1, 2, 3]
+    streams, prompt = 1500, [1, 2, 3]
     # Exact distribution of the first two tokens from full forwards.
     seqs = jnp.asarray([prompt + [a] for a in range(8)])
     fwd = target(seqs, jnp.arange(4)[None].repeat(8, 0), init_cache(cfg, 8, 8),
@@ -178,9 +185,9 @@ def test_sampling_matches_ar_distribution_and_is_reproducible():
     np.testing.assert_array_equal(again, tree_counts)
 
 
-def test_guard_rails(setup):
+def test_guard_rails(setup, draft_decoder):
     cfg, target, drafter = setup
-    decoder = Decoder(target, drafter)
+    decoder = draft_decoder
     with pytest.raises(ValueError, match="budget"):
         decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=-1, block_size=BLOCK))
     with pytest.raises(ValueError, match="budget"):
@@ -202,14 +209,14 @@ def test_guard_rails(setup):
         Decoder(target).generate(PROMPTS, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK))
 
 
-def test_invariant_with_pallas_kernels_in_interpret_mode(setup):
+def test_invariant_with_pallas_kernels_in_interpret_mode(setup, ar_decoder):
     from pallas_kernels import ops
     cfg, target, drafter = setup
     prompts = PROMPTS[:2]
-    expect = ar_tokens(target, prompts, 8)
+    expect = ar_tokens(ar_decoder, prompts, 8)
     with ops.implementation("kernel", interpret=True):
         got = Decoder(target, drafter).generate(prompts, DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK,
                                                                     max_new_tokens=8)).tokens
-        ar_kernel = ar_tokens(target, prompts, 8)
+        ar_kernel = ar_tokens(Decoder(target), prompts, 8)
     assert got == expect
     assert ar_kernel == expect
