@@ -32,6 +32,7 @@ class ModelConfig:
     norm_topk_prob: bool
     rms_norm_eps: float
     rope_theta: float
+    latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek-V3 builds them with the default eps
     rope_scaling_factor: float = 1.0  # YaRN factor; 1.0 means plain RoPE
     rope_original_max_position: int = 4096
     rope_beta_fast: float = 32.0
@@ -146,7 +147,7 @@ def kimi_k2_6() -> ModelConfig:
         intermediate_size=18432, moe_intermediate_size=2048, num_experts=384, num_experts_per_tok=8,
         num_shared_experts=1, first_k_dense=1, routed_scaling_factor=2.827, norm_topk_prob=True,
         rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling_factor=64.0, rope_original_max_position=4096,
-        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
         max_position_embeddings=262144, bos_token_id=163584, eos_token_id=163585, expert_quant="int4")
 
 
@@ -181,7 +182,32 @@ def tiny_drafter(target: ModelConfig, block_size: int = 8) -> DrafterConfig:
                          intermediate_size=128, rms_norm_eps=target.rms_norm_eps)
 
 
-PRESETS = {"kimi_k2_6": kimi_k2_6, "deepseek_v3": deepseek_v3, "tiny": tiny}
+def code_target() -> ModelConfig:
+    """The project's trained target: DeepSeek-V3 architecture at ~16M params for Python source (vocab = the shipped
+    tokenizer's). MLA with q_lora, sigmoid-routed MoE (16 experts of 128, top-2, one shared expert) after one dense
+    layer; plain RoPE (YaRN factor 1). Trained by experiments/train_target.py at 512 tokens per window."""
+    from kdtree_jax.data import DEFAULT_VOCAB_SIZE, EOS_ID
+    return ModelConfig(
+        name="code_target", vocab_size=DEFAULT_VOCAB_SIZE, hidden_size=256, num_layers=8, num_heads=8,
+        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        intermediate_size=768, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=2,
+        num_shared_experts=1, first_k_dense=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, eos_token_id=EOS_ID,
+        dtype="bfloat16")
+
+
+def code_drafter(target: ModelConfig) -> DrafterConfig:
+    """The DFlash drafter of `target` (code_target): 2 layers, block 16, context from 3 layers spread through the
+    target's depth (the second, the middle and the last), MASK = the shipped tokenizer's mask token."""
+    from kdtree_jax.data import MASK_ID
+    last = target.num_layers - 1
+    return DrafterConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=2, block_size=16,
+                         target_layer_ids=tuple(sorted({min(1, last), target.num_layers // 2, last})),
+                         mask_token_id=MASK_ID, num_heads=8, head_dim=32, intermediate_size=768,
+                         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta)
+
+
+PRESETS = {"kimi_k2_6": kimi_k2_6, "deepseek_v3": deepseek_v3, "tiny": tiny, "code_target": code_target}
 
 
 def preset(name: str) -> ModelConfig:

@@ -15,7 +15,7 @@ from conftest import causal_logits, rel_err
 from kdtree_jax import config, hf_import, quant
 from kdtree_jax.model.transformer import Transformer
 
-YARN_K2 = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+YARN_K2 = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 K2_6_TEXT = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168,

@@ -27,12 +27,12 @@ class MLA(nnx.Module):
         d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
             self.q_a_proj = init_weight(rngs, (d, cfg.q_lora_rank), d, dt)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dt)
             self.q_b_proj = init_weight(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), cfg.q_lora_rank, dt)
         else:
             self.q_proj = init_weight(rngs, (d, h, cfg.qk_head_dim), d, dt)
         self.kv_a_proj = init_weight(rngs, (d, c + r), d, dt)
-        self.kv_a_norm = RMSNorm(c, cfg.rms_norm_eps, dt)
+        self.kv_a_norm = RMSNorm(c, cfg.latent_norm_eps, dt)
         self.kv_b_proj = init_weight(rngs, (c, h, cfg.qk_nope_head_dim + cfg.v_head_dim), c, dt)
         self.o_proj = init_weight(rngs, (h, cfg.v_head_dim, d), h * cfg.v_head_dim, dt)
         self.cfg = cfg
