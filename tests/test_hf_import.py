@@ -44,7 +44,7 @@ DEEPSEEK_V3 = {  # the FP8 release's config.json
     "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
     "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
     "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000, "rope_scaling": {**YARN_K2, "factor": 40}, "attention_bias": False,
+    "rope_theta": 10000, "rope_scaling": {**YARN_K2, "factor": 40, "beta_fast": 32}, "attention_bias": False,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1,
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": [128, 128]},
