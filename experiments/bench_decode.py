@@ -1,0 +1,126 @@
+"""The paper's table on our models: tau, tokens/s and speedup of chain and ddtree over ar, per budget B.
+
+  python experiments/bench_decode.py --target=checkpoints/target --drafter=checkpoints/drafter \
+      --tokenizer=checkpoints/tokenizer.json --num_prompts=32 --batch_sizes=1,8 --temperatures=0,1
+
+Prompts come from held-out stdlib files only. Every policy runs the same prompts in the same process, one after the
+other (ar first, as the peer); compile time is excluded (each spec is warmed up on the first batch). At T = 0 every
+output is checked identical to ar. Writes a JSON (--out) and a plot of tau and speedup against B (--plot).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from kdtree_jax.checkpoint import restore_drafter, restore_target
+from kdtree_jax.data import eval_prompts, load_tokenizer
+from kdtree_jax.decode import DecodeSpec, Decoder
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
+flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter checkpoint directory")
+flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "tokenizer of the checkpoints")
+flags.DEFINE_integer("num_prompts", 32, "held-out prompts")
+flags.DEFINE_integer("prompt_tokens", 64, "tokens per prompt")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
+flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
+flags.DEFINE_list("batch_sizes", ["1", "8"], "streams decoded together")
+flags.DEFINE_list("temperatures", ["0", "1"], "sampling temperatures")
+flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
+flags.DEFINE_string("out", "experiments/results/decode.json", "JSON output")
+flags.DEFINE_string("plot", "experiments/results/decode.png", "PNG of tau and speedup vs B ('' to skip)")
+
+
+def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
+    """Decode all prompts in batches; returns totals, tau statistics and the outputs."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    decoder.generate(groups[0], spec, seed=seed)  # compile + warm up
+    seconds, tokens, taus = 0.0, [], []
+    for k, group in enumerate(groups):
+        res = decoder.generate(group, spec, seed=seed + k)
+        seconds += res.seconds
+        tokens += res.tokens
+        taus.append(res.taus[res.taus > 0])
+    taus = np.concatenate(taus)
+    new = sum(len(t) for t in tokens)
+    return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
+            "tokens_per_s": new / seconds, "tau": float(taus.mean()), "rounds": int(taus.size),
+            "accept_hist": np.bincount(taus, minlength=spec.block_size + 1)[1:].tolist(), "tokens": tokens}
+
+
+def main(argv):
+    del argv
+    tokenizer = load_tokenizer(FLAGS.tokenizer)
+    target = restore_target(FLAGS.target)
+    drafter = restore_drafter(FLAGS.drafter, target.cfg)
+    decoder = Decoder(target, drafter)
+    prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
+    block = drafter.cfg.block_size
+    rows = []
+    for temperature in map(float, FLAGS.temperatures):
+        for batch in map(int, FLAGS.batch_sizes):
+            def spec(policy, budget=0):
+                return DecodeSpec(policy=policy, budget=budget, block_size=block, temperature=temperature,
+                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
+            ar = run(decoder, prompts, spec("ar"), batch, FLAGS.seed)
+            runs = [ar, run(decoder, prompts, spec("chain"), batch, FLAGS.seed)]
+            runs += [run(decoder, prompts, spec("ddtree", int(b)), batch, FLAGS.seed) for b in FLAGS.budgets]
+            for r in runs:
+                r.update(temperature=temperature, batch=batch, speedup=r["tokens_per_s"] / ar["tokens_per_s"],
+                         identical_to_ar=(r["tokens"] == ar["tokens"]) if temperature == 0 else None)
+                logging.info("T=%g batch=%d %s B=%d: tau %.2f, %.1f tok/s, %.2fx", temperature, batch, r["policy"],
+                             r["budget"], r["tau"], r["tokens_per_s"], r["speedup"])
+                if temperature == 0 and not r["identical_to_ar"]:
+                    raise AssertionError(f"{r['policy']} B={r['budget']} differs from ar at T=0: losslessness broken")
+            rows += runs
+    print_table(rows)
+    meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
+            "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
+            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block}
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)
+    if FLAGS.plot:
+        plot(rows, FLAGS.plot, meta)
+
+
+def print_table(rows) -> None:
+    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'tau':>6} {'tok/s':>9} {'speedup':>8} {'same as ar':>10}")
+    for r in rows:
+        same = "-" if r["identical_to_ar"] is None else str(r["identical_to_ar"])
+        print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} {r['tau']:>6.2f} "
+              f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>10}")
+
+
+def plot(rows, path: str, meta: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for (temperature, batch) in sorted({(r["temperature"], r["batch"]) for r in rows}):
+        sel = [r for r in rows if r["temperature"] == temperature and r["batch"] == batch]
+        tree = [r for r in sel if r["policy"] == "ddtree"]
+        chain = next(r for r in sel if r["policy"] == "chain")
+        label = f"T={temperature:g}, batch {batch}"
+        line = ax_tau.plot([r["budget"] for r in tree], [r["tau"] for r in tree], "o-", label=f"ddtree {label}")
+        ax_tau.axhline(chain["tau"], ls="--", color=line[0].get_color(), alpha=0.6)
+        ax_speed.plot([r["budget"] for r in tree], [r["speedup"] for r in tree], "o-", label=f"ddtree {label}")
+        ax_speed.axhline(chain["speedup"], ls="--", color=line[0].get_color(), alpha=0.6)
+    for ax, name in ((ax_tau, "tau (tokens per round)"), (ax_speed, "speedup over ar")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget B (dashed: chain)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    ax_tau.legend(fontsize=7)
+    fig.suptitle(f"DDTree on the trained code target ({meta['backend']}, {meta['num_prompts']} held-out prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    app.run(main)
