@@ -1,0 +1,145 @@
+"""Train the DFlash drafter (preset code_drafter) of a trained target, which stays frozen.
+
+Per batch the target runs once over training windows (naive MLA path) for the hidden states of the drafter's target
+layers and its greedy next tokens; --anchors random anchors per window each make a block [token, MASK x (L-1)] that
+sees the context features of the positions before it, labelled with the target's greedy tokens and weighted
+exp(-(k-1)/gamma) by block position k (kdtree_jax.training). Held-out metrics on fixed windows and anchors: the
+weighted loss, per-position accuracy, the chain acceptance P(first k drafts right) and the expected tokens per round of
+chain decoding, tau = 1 + sum_k P(first k right). Writes the bf16 checkpoint (--out), the resumable train state,
+results/train_drafter.json and results/train_drafter_loss.png.
+
+  H200, inside one call:  PYTHONPATH=. python3 experiments/train_drafter.py --minutes=2.5
+  CPU smoke run:          .venv/bin/python experiments/train_drafter.py --steps=5 --batch=2 --seq_len=64 \\
+                            --anchors=4 --roots=<stdlib> --target=tmp/target --out=tmp/drafter \\
+                            --state_dir=tmp/drafter_state --results_dir=tmp/results
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable
+
+_STARTED = time.monotonic()  # --minutes counts from here
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax import checkpoint, config, data, training  # noqa: E402
+from kdtree_jax.drafter import Drafter  # noqa: E402
+
+NAME = "train_drafter"
+
+
+def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: float, started: float,
+          drafter_config: Callable[[config.ModelConfig], config.DrafterConfig] = config.code_drafter) -> dict:
+    """Train a drafter (`drafter_config(target config)`) against the frozen target in `target_dir`; save it and the
+    results; returns the results dict."""
+    tokenizer = data.load_tokenizer(run.tokenizer)
+    target = checkpoint.restore_target(target_dir)
+    if tokenizer.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"the target in {target_dir} has vocab_size={target.cfg.vocab_size} but the tokenizer "
+                         f"{run.tokenizer} has {tokenizer.vocab_size}; use the tokenizer it was trained with")
+    dcfg = drafter_config(target.cfg)
+    size = dcfg.block_size
+    weights = training.position_weights(size, gamma)
+    corpus = training.load_corpus(run.roots or training.default_roots(), tokenizer, run.token_cache)
+    training.say(f"corpus: {corpus.stats}")
+
+    target_graphdef, target_params = nnx.split(target)
+    layout, params = training.master_params(Drafter(dcfg, target.cfg, nnx.Rngs(run.seed)))
+    optimizer = training.make_optimizer(params, run.optim)
+    state = training.TrainState(params, optimizer.init(params))
+    checkpointer = training.StateCheckpointer(run.state_dir, {"config": dataclasses.asdict(dcfg),
+                                                              "target": os.path.abspath(target_dir)})
+    step, progress, history = 0, 0.0, training.History()
+    if run.resume and (got := checkpointer.restore(state)) is not None:
+        state, meta = got
+        step, progress, history = meta["step"], meta["progress"], training.History(**meta["history"])
+        training.say(f"resumed at step {step} (progress {progress:.3f})")
+
+    # Windows of seq_len tokens: the target's greedy labels come from its own logits, not from a shifted window.
+    rng = np.random.default_rng([run.seed, step])
+    windows = data.make_training_batches(corpus.train, run.seq_len - 1, run.batch, rng)
+    eval_rng = np.random.default_rng(run.seed + 1)
+    held_out = [(w, training.draw_anchors(eval_rng, run.batch, run.seq_len, num_anchors, size))
+                for w in training.fixed_windows(corpus.held_out, run.seq_len - 1, run.batch, run.eval_batches,
+                                                seed=run.seed)]
+
+    def next_batch(_):
+        return target_params, next(windows), training.draw_anchors(rng, run.batch, run.seq_len, num_anchors, size)
+
+    step_fn, step_s = training.compile_ahead(training.make_drafter_step(layout, target_graphdef, optimizer, weights),
+                                             state, *next_batch(0), np.float32(run.optim.lr))
+    eval_fn, eval_s = training.compile_ahead(training.make_drafter_eval(layout, target_graphdef, weights),
+                                             state.params, target_params, *held_out[0])
+    training.say(f"compiled the train step in {step_s:.1f} s and the evaluation in {eval_s:.1f} s")
+
+    def evaluate(p):
+        return training.drafter_summary(training.sum_over(eval_fn, [(p, target_params, *b) for b in held_out]))
+
+    def meta(at_step, at_progress):
+        return {"step": at_step, "progress": at_progress, "history": dataclasses.asdict(history)}
+
+    tokens_per_step = run.batch * run.seq_len
+    budget = training.Budget(run.steps, run.minutes and 60 * run.minutes, started, progress)
+    loop_start, start_step = time.monotonic(), step
+    state, step, last = training.train_loop(state, step_fn, next_batch, evaluate, budget, run.optim, run.loop,
+                                            history, tokens_per_step, step, checkpointer, meta)
+    loop_s = time.monotonic() - loop_start
+    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history)
+    params = jax.device_get(state.params)
+    checkpoint_bytes = training.save_model(run.out, layout.module(params))
+
+    train_metrics = training.drafter_summary({**last, "loss_sum": last["loss"] * last["blocks"]}) if last else {}
+    results = {
+        "config": dataclasses.asdict(dcfg),
+        "target": {"dir": target_dir, "config": target.cfg.name, "params": training.count_params(target_params)},
+        "params": training.count_params(params),
+        "device": training.device_name(),
+        "jax": jax.__version__,
+        "run": {"batch": run.batch, "seq_len": run.seq_len, "anchors": num_anchors, "gamma": gamma,
+                "optimizer": dataclasses.asdict(run.optim), "minutes": run.minutes, "max_steps": run.steps,
+                "seed": run.seed, "precision": "float32 master weights, bf16 compute and checkpoint"},
+        "corpus": corpus.stats,
+        "steps": step,
+        "tokens_seen": step * tokens_per_step,
+        "blocks_seen": step * run.batch * num_anchors,
+        "final_train_loss": history.train[-1]["loss"] if history.train else None,
+        "final_train_tau": train_metrics.get("tau"),
+        "held_out": final,
+        "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
+                    "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
+        "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
+        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes},
+    }
+    training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
+    history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
+                 f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="tau")
+    return results
+
+
+def define_flags() -> None:
+    """The script's flags (defined only when run as a script, so tests can import `train`)."""
+    training.define_run_flags(out="checkpoints/drafter", state_dir="tmp/train_state/drafter", minutes=2.5, batch=32,
+                              seq_len=512, lr=1e-3)
+    flags.DEFINE_string("target", "checkpoints/target", "the trained target's checkpoint directory")
+    flags.DEFINE_integer("anchors", 32, "anchor positions (blocks) per training window")
+    flags.DEFINE_float("gamma", 7.0, "loss weight decay over block positions: exp(-(k-1)/gamma)")
+
+
+def main(argv):
+    del argv
+    training.setup_process()
+    f = flags.FLAGS
+    results = train(training.run_config_from_flags(), f.target, f.anchors, f.gamma, _STARTED)
+    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "final_train_tau",
+                                              "held_out", "seconds", "tokens_per_second", "checkpoint")}, indent=1))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,126 @@
+"""Train the project's K2-architecture target (preset code_target) on Python source: next-token cross-entropy.
+
+Training windows come from the training split only (kdtree_jax.data: held-out files and their near copies never);
+the held-out loss and perplexity are measured on fixed windows of the held-out files. AdamW (warmup, then cosine over
+the run's progress) on float32 master weights, bf16 compute; the router's correction bias follows the aux-free
+balancing rule (--router_bias_rate, 0 leaves it at zero). Writes the bf16 checkpoint (--out, kdtree_jax.checkpoint),
+the resumable train state (--state_dir), results/train_target.json and results/train_target_loss.png.
+
+  H200, inside one call:  PYTHONPATH=. python3 experiments/train_target.py --minutes=5.5
+  CPU smoke run:          .venv/bin/python experiments/train_target.py --steps=5 --batch=2 --seq_len=64 \\
+                            --roots=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])') \\
+                            --out=tmp/target --state_dir=tmp/target_state --results_dir=tmp/results
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+_STARTED = time.monotonic()  # --minutes counts from here
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax import config, data, training  # noqa: E402
+from kdtree_jax.model.transformer import Transformer  # noqa: E402
+
+NAME = "train_target"
+
+
+def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: float, started: float) -> dict:
+    """Train `cfg` from scratch (or resume), save the bf16 checkpoint and the results; returns the results dict."""
+    tokenizer = data.load_tokenizer(run.tokenizer)
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size} but the tokenizer {run.tokenizer} "
+                         f"has {tokenizer.vocab_size}; use a config made for this tokenizer (code_target)")
+    if run.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len={run.seq_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    corpus = training.load_corpus(run.roots or training.default_roots(), tokenizer, run.token_cache)
+    training.say(f"corpus: {corpus.stats}")
+
+    layout, params = training.master_params(Transformer(cfg, nnx.Rngs(run.seed)))
+    optimizer = training.make_optimizer(params, run.optim)
+    state = training.TrainState(params, optimizer.init(params))
+    checkpointer = training.StateCheckpointer(run.state_dir, {"config": dataclasses.asdict(cfg)})
+    step, progress, history = 0, 0.0, training.History()
+    if run.resume and (got := checkpointer.restore(state)) is not None:
+        state, meta = got
+        step, progress, history = meta["step"], meta["progress"], training.History(**meta["history"])
+        training.say(f"resumed at step {step} (progress {progress:.3f})")
+
+    batches = data.make_training_batches(corpus.train, run.seq_len, run.batch, np.random.default_rng([run.seed, step]))
+    held_out = training.fixed_windows(corpus.held_out, run.seq_len, run.batch, run.eval_batches, seed=run.seed)
+    lr0 = np.float32(run.optim.lr)
+    step_fn, step_s = training.compile_ahead(training.make_target_step(layout, optimizer, router_bias_rate),
+                                             state, held_out[0], lr0)
+    eval_fn, eval_s = training.compile_ahead(training.make_target_eval(layout), state.params, held_out[0])
+    training.say(f"compiled the train step in {step_s:.1f} s and the evaluation in {eval_s:.1f} s")
+
+    def evaluate(p):
+        return training.target_summary(training.sum_over(eval_fn, [(p, w) for w in held_out]))
+
+    def meta(at_step, at_progress):
+        return {"step": at_step, "progress": at_progress, "history": dataclasses.asdict(history)}
+
+    tokens_per_step = run.batch * run.seq_len
+    budget = training.Budget(run.steps, run.minutes and 60 * run.minutes, started, progress)
+    loop_start, start_step = time.monotonic(), step
+    state, step, last = training.train_loop(state, step_fn, lambda _: (next(batches),), evaluate, budget, run.optim,
+                                            run.loop, history, tokens_per_step, step, checkpointer, meta)
+    loop_s = time.monotonic() - loop_start
+    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history)
+    params = jax.device_get(state.params)
+    checkpoint_bytes = training.save_model(run.out, layout.module(params))
+
+    results = {
+        "config": dataclasses.asdict(cfg),
+        "params": training.count_params(params),
+        "device": training.device_name(),
+        "jax": jax.__version__,
+        "run": {"batch": run.batch, "seq_len": run.seq_len, "optimizer": dataclasses.asdict(run.optim),
+                "router_bias_rate": router_bias_rate, "minutes": run.minutes, "max_steps": run.steps,
+                "seed": run.seed, "precision": "float32 master weights, bf16 compute and checkpoint"},
+        "corpus": corpus.stats,
+        "steps": step,
+        "tokens_seen": step * tokens_per_step,
+        "epochs": step * tokens_per_step / corpus.train.size,
+        "final_train_loss": history.train[-1]["loss"] if history.train else None,
+        "held_out": final,
+        "router_load_imbalance": float(last["imbalance"]) if "imbalance" in last else None,
+        "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
+                    "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
+        "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
+        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes},
+    }
+    training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
+    history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
+                 f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl")
+    return results
+
+
+def define_flags() -> None:
+    """The script's flags (defined only when run as a script, so tests can import `train`)."""
+    training.define_run_flags(out="checkpoints/target", state_dir="tmp/train_state/target", minutes=5.5, batch=32,
+                              seq_len=512, lr=2e-3)
+    flags.DEFINE_string("config", "code_target", f"target preset, one of {sorted(config.PRESETS)}")
+    flags.DEFINE_float("router_bias_rate", 1e-3, "aux-free balancing: per-step change of the router correction "
+                       "bias toward balanced expert loads (0: the bias stays at zero)")
+
+
+def main(argv):
+    del argv
+    training.setup_process()
+    f = flags.FLAGS
+    results = train(config.preset(f.config), training.run_config_from_flags(), f.router_bias_rate, _STARTED)
+    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "held_out",
+                                              "router_load_imbalance", "seconds", "tokens_per_second", "checkpoint")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
