@@ -1,0 +1,215 @@
+"""The ("data", "tp") mesh on 8 fake CPU devices: sharded == single-device, collectives, sharded loading, guard rails.
+
+XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax starts and the rest of the suite keeps its
+single device, so `test_on_8_cpu_devices` runs this file again in a child pytest process with the flag set; the tests
+below run only there (skipped in the parent, which reports the child's output on failure).
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import causal_logits, rel_err
+from kdtree_jax import checkpoint, config, hf_import, sharding
+from kdtree_jax.decode import DecodeSpec, Decoder
+from kdtree_jax.drafter import Drafter
+from kdtree_jax.model.transformer import Transformer
+
+DEVICES = 8
+IN_CHILD = os.environ.get("KDTREE_SHARDING_CHILD") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# heads, experts, vocab and both MLP widths divide 8; float32 so that only the reduction order differs.
+CFG = config.tiny().replace(num_heads=8, num_experts=16)
+BLOCK = 6
+PROMPTS = [[5, 9, 14, 3, 8, 1, 7, 22, 40], [11, 2], [4, 60, 4, 61, 4], [7]]  # ragged; 4 streams split over data=2
+
+on_devices = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process (test_on_8_cpu_devices)")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_on_8_cpu_devices():
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, KDTREE_SHARDING_CHILD="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-p", "no:cacheprovider",
+                           "-k", "not test_on_8_cpu_devices"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def models():
+    assert len(jax.devices()) == DEVICES
+    target = Transformer(CFG, nnx.Rngs(0))
+    return target, Drafter(config.tiny_drafter(CFG, BLOCK), CFG, nnx.Rngs(1))
+
+
+def sharded_forward(model, mesh, tokens):
+    """The causal forward of `model` with its params in their shards -> (logits, lowered text, compiled HLO, params)."""
+    graphdef, params = nnx.split(model)
+    params = sharding.shard_params(params, mesh)
+    fn = jax.jit(lambda p, t: causal_logits(nnx.merge(graphdef, p), t))
+    with jax.set_mesh(mesh):
+        lowered = fn.lower(params, tokens)
+    compiled = lowered.compile()
+    return compiled(params, tokens), lowered.as_text(), compiled.as_text(), params
+
+
+def collectives(hlo: str, op: str) -> list[str]:
+    """Result shapes (e.g. 'f32[16,64,32]'; each element of a combined tuple) of every `op` in compiled HLO text."""
+    shapes = []
+    for match in re.finditer(rf"= ([^=]*?) {op}(?:-start)?\(", hlo):
+        shapes += re.findall(r"\w+\[[\d,]*\]", match.group(1))
+    return shapes
+
+
+def full_shapes_of_split_params(params) -> set[str]:
+    """HLO shape strings of every param that the mesh splits: none may ever be gathered whole."""
+    out = set()
+    for _, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if any(a is not None for a in x.sharding.spec):
+            dtype = {"float32": "f32", "bfloat16": "bf16", "int32": "s32"}[str(x.dtype)]
+            out.add(f"{dtype}[{','.join(map(str, x.shape))}]")
+    return out
+
+
+@on_devices
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_forward_equals_single_device(models, tp):
+    target, _ = models
+    tokens = jax.random.randint(jax.random.key(tp), (2, 9), 0, CFG.vocab_size)
+    expect = jax.jit(lambda t: causal_logits(target, t))(tokens)
+    got, _, hlo, params = sharded_forward(target, sharding.make_mesh(tp=tp), tokens)
+    assert rel_err(got, expect) < 1e-5
+    attn, moe = params["layers"][1]["self_attn"], params["layers"][1]["mlp"]
+    assert {s.data.shape for s in attn["q_b_proj"][...].addressable_shards} == {(32, 8 // tp, 24)}
+    assert {s.data.shape for s in moe["w_down"][...].addressable_shards} == {(16 // tp, 32, 64)}
+    assert "all-reduce" in hlo
+
+
+@on_devices
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+def test_step_collectives_psum_and_no_weight_gather(models, quant):
+    """tp=8: one psum per MoE layer (XLA may fuse it with the shared expert's all-reduce into one tuple all-reduce);
+    the only all-gather is the router's scores; no split param is ever gathered whole."""
+    model = models[0] if quant == "bf16" else Transformer(CFG.replace(expert_quant="int4"), nnx.Rngs(2))
+    tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, CFG.vocab_size)
+    expect = jax.jit(lambda t: causal_logits(model, t))(tokens)
+    got, lowered, hlo, params = sharded_forward(model, sharding.make_mesh(tp=8), tokens)
+    assert rel_err(got, expect) < 1e-5
+    moe_layers = CFG.num_layers - CFG.first_k_dense
+    assert lowered.count("stablehlo.all_reduce") == moe_layers  # the shard_map's psum, before XLA partitions the rest
+    m, d = tokens.size, CFG.hidden_size
+    assert collectives(hlo, "all-reduce").count(f"f32[{m},{d}]") >= moe_layers
+    gathered = set(collectives(hlo, "all-gather"))
+    assert gathered <= {f"f32[{m},{CFG.num_experts}]"}, gathered  # the router's scores, split by expert, at most
+    assert not gathered & full_shapes_of_split_params(params)
+
+
+@on_devices
+def test_decode_equals_single_device_token_for_token(models):
+    target, drafter = models
+    max_new = 10
+    expect = Decoder(target).generate(PROMPTS, DecodeSpec(max_new_tokens=max_new)).tokens
+    tp8 = Decoder(target, drafter, mesh=sharding.make_mesh(tp=8))
+    for policy in ("ar", "chain", "ddtree"):
+        spec = DecodeSpec(policy=policy, budget=8, block_size=BLOCK, max_new_tokens=max_new)
+        assert tp8.generate(PROMPTS, spec).tokens == expect, policy
+    assert {s.data.shape for s in tp8.target_params["embed_tokens"][...].addressable_shards} == {(64, 64)}
+    mixed = Decoder(target, drafter, mesh=sharding.parse_mesh("data=2,tp=4"))
+    spec = DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK, max_new_tokens=max_new)
+    assert mixed.generate(PROMPTS, spec).tokens == expect
+
+
+def _assert_only_own_shards(params, mesh, reference):
+    """Every param lives on all mesh devices, each holding exactly its slice of `reference` (a pure dict)."""
+    flat = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, expect in jax.tree_util.tree_flatten_with_path(reference)[0]:
+        x = flat[path]
+        spec = sharding.param_spec(path, x.shape, mesh.shape)
+        assert x.sharding.spec == spec, path
+        assert len(x.addressable_shards) == DEVICES
+        for shard in x.addressable_shards:
+            assert shard.data.shape == x.sharding.shard_shape(x.shape), path
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(expect)[shard.index], err_msg=str(path))
+
+
+@on_devices
+def test_hf_import_places_each_shard_on_its_device(tmp_path, models):
+    target, _ = models
+    mesh = sharding.make_mesh(tp=8)
+    directory = hf_import.export_hf_checkpoint(target, str(tmp_path / "hf"))
+    loaded = hf_import.load_hf_checkpoint(directory, dtype=CFG.dtype, place=sharding.import_placer(mesh),
+                                          progress=False)
+    reference = nnx.to_pure_dict(nnx.state(target, nnx.Param))
+    _assert_only_own_shards(nnx.to_pure_dict(nnx.state(loaded, nnx.Param)), mesh, reference)
+    w_gate = loaded.layers[1].mlp.w_gate[...]
+    assert {s.data.shape for s in w_gate.addressable_shards} == {(2, CFG.hidden_size, CFG.moe_intermediate_size)}
+
+
+@on_devices
+def test_orbax_restore_into_shards_int4(tmp_path):
+    model = Transformer(CFG.replace(expert_quant="int4", num_layers=2), nnx.Rngs(5))
+    mesh = sharding.parse_mesh("data=2,tp=4")
+    path = checkpoint.save(str(tmp_path / "ckpt"), model)
+    restored = checkpoint.restore_target(path, shardings=sharding.restore_shardings(mesh))
+    reference = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    _assert_only_own_shards(nnx.to_pure_dict(nnx.state(restored, nnx.Param)), mesh, reference)
+    packed = restored.layers[1].mlp.gate_packed[...]
+    assert packed.sharding.shard_shape(packed.shape)[0] == CFG.num_experts // 4
+
+
+@on_devices
+def test_mesh_that_does_not_divide_raises(models):
+    target, drafter = models
+    bad = config.tiny().replace(num_heads=4, num_experts=12, vocab_size=500, intermediate_size=100)
+    with pytest.raises(ValueError) as err:
+        Decoder(Transformer(bad, nnx.Rngs(0)), mesh=sharding.make_mesh(tp=8))
+    for axis in ("heads = 4", "experts = 12", "vocab = 500", "mlp = 100"):
+        assert axis in str(err.value) and "tp = 8" in str(err.value), (axis, err.value)
+    with pytest.raises(ValueError, match="streams do not divide"):
+        Decoder(target, mesh=sharding.parse_mesh("data=2,tp=4")).generate(PROMPTS[:3], DecodeSpec(max_new_tokens=2))
+    for text, match in (("tp=16", "needs 16 devices"), ("pp=2", "axis=size"), ("tp=0", "positive"),
+                        ("tp=2,tp=4", "axis=size")):
+        with pytest.raises(ValueError, match=match):
+            sharding.parse_mesh(text)
+    assert sharding.parse_mesh("") is None
+
+
+def _memory_plan_module():
+    spec = importlib.util.spec_from_file_location("memory_plan", os.path.join(ROOT, "experiments", "memory_plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@on_devices
+def test_memory_plan_weights_are_the_sharded_layout(models):
+    """The plan's weight bytes per device == what device 0 actually holds; K2.6's routed experts by hand."""
+    memory_plan = _memory_plan_module()
+    target, _ = models
+    for mesh_text in ("tp=8", "data=2,tp=4"):
+        mesh = sharding.parse_mesh(mesh_text)
+        params = sharding.shard_params(nnx.state(target, nnx.Param), mesh)
+        device = mesh.devices.flat[0]
+        held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == device)
+        planned = memory_plan.weight_bytes(CFG, dict(mesh.shape))
+        assert sum(planned.values()) == held, mesh_text
+    k2 = config.kimi_k2_6()
+    plan = memory_plan.memory_plan(k2, tp=8, streams=64, context=4096, budget=64, block_size=16)
+    experts = (k2.num_layers - k2.first_k_dense) * k2.num_experts * 3 * k2.hidden_size * k2.moe_intermediate_size
+    bits = 4 + 16 / k2.quant_group_size  # a nibble per weight + a bf16 scale per group
+    assert plan.weights["routed experts"] == experts * bits / 8 / 8
+    assert plan.kv_bytes_per_token == k2.num_layers * (512 + 64) * 2
+    assert plan.cache == 64 * 4096 * plan.kv_bytes_per_token
+    assert 0 < plan.total < plan.hbm
