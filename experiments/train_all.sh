@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Train the shipped target and its drafter on one H200, inside one device call of < 10 minutes (start-up included):
+#
+#   bash experiments/train_all.sh
+#
+# 1. environment + tokenizer check (the shipped checkpoints/tokenizer.json, byte for byte)
+# 2. experiments/train_target.py   --minutes=$TARGET_MINUTES  (default 5.5; wall clock from its start, compilation in)
+# 3. experiments/train_drafter.py  --minutes=$DRAFTER_MINUTES (default 2.5)
+# 4. with $OUT set: the log, experiments/results/train_{target,drafter}{.json,_loss.png}, and checkpoints/target +
+#    checkpoints/drafter as one tar split into 15 MiB parts (8 files). Unpack in the repo root with
+#      cat checkpoints.tar.part* | tar -xf -
+# The train states (tmp/train_state/) and the token cache (checkpoints/tokens-*.npy) stay on the machine.
+# $TRAIN_ARGS adds flags to both scripts (a CPU smoke run: TRAIN_ARGS="--batch=2 --seq_len=64 --roots=STDLIB").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+TARGET_MINUTES=${TARGET_MINUTES:-5.5}
+DRAFTER_MINUTES=${DRAFTER_MINUTES:-2.5}
+TOKENIZER_SHA256=772022f7acec6af97c189f897c3f9da08461caee36fa80713c50d1d77b6780f6
+if [ -n "${OUT:-}" ]; then
+  exec > >(tee "$OUT/train_all.log") 2>&1
+fi
+start=$SECONDS
+
+echo "== environment and tokenizer"
+$PY - "$TOKENIZER_SHA256" <<'EOF'
+import hashlib, sys
+import flax, jax, optax, orbax.checkpoint
+from kdtree_jax import data
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+      "orbax", orbax.checkpoint.__version__, "devices", jax.devices())
+path = "checkpoints/tokenizer.json"
+with open(path, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+if digest != sys.argv[1]:
+    sys.exit(f"{path} has sha256 {digest}, not the shipped {sys.argv[1]}; restore it from git")
+tok = data.load_tokenizer(path)
+text = open(data.stdlib_root() + "/os.py", encoding="utf-8").read()
+assert tok.vocab_size == 4096 and tok.decode(tok.encode(text)) == text
+print(f"tokenizer ok: {tok.vocab_size} tokens, round trip of os.py exact")
+EOF
+# The router's aux-free balancing reads the MoE inputs through nnx.capture(method_outputs=...); without it in this
+# flax, the correction bias stays at zero (the other choice train_target.py offers).
+if $PY -c "import inspect; from flax import nnx; assert 'method_outputs' in inspect.signature(nnx.capture).parameters" 2>/dev/null; then
+  BIAS_RATE=1e-3
+else
+  BIAS_RATE=0
+  echo "flax has no nnx.capture(method_outputs=...): training with the router bias left at zero"
+fi
+
+echo "== target ($TARGET_MINUTES min)"
+$PY experiments/train_target.py --minutes="$TARGET_MINUTES" --router_bias_rate="$BIAS_RATE" ${TRAIN_ARGS:-}
+echo "== drafter ($DRAFTER_MINUTES min)"
+$PY experiments/train_drafter.py --minutes="$DRAFTER_MINUTES" ${TRAIN_ARGS:-}
+echo "== done in $((SECONDS - start)) s"
+
+if [ -n "${OUT:-}" ]; then
+  cp experiments/results/train_target.json experiments/results/train_target_loss.png \
+     experiments/results/train_drafter.json experiments/results/train_drafter_loss.png "$OUT"/
+  tar -cf - checkpoints/target checkpoints/drafter | split -b 15M -d -a 1 - "$OUT/checkpoints.tar.part"
+  ls -l "$OUT"
+fi
