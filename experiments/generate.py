@@ -27,6 +27,7 @@ from kdtree_jax.model.transformer import Transformer
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", f"model preset: {sorted(config_lib.PRESETS)} (ignored when --init is a checkpoint)")
 flags.DEFINE_string("init", "random", "'random' or a target checkpoint directory")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "dtype of a random target (default: the preset's)")
 flags.DEFINE_string("drafter", "random", "'random' or a drafter checkpoint directory (chain / ddtree)")
 flags.DEFINE_string("tokenizer", "", "tokenizer.json: prompts are text and outputs are decoded (empty: token ids)")
 flags.DEFINE_integer("seed", 0, "seed of random init and sampling")
@@ -46,10 +47,11 @@ flags.DEFINE_bool("json", False, "print one JSON object as the last line")
 
 
 def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int, need_drafter: bool,
-                mesh=None):
-    """mesh: a checkpointed target is restored straight into its shards."""
+                mesh=None, dtype: str | None = None):
+    """mesh: a checkpointed target is restored straight into its shards. dtype: of a random target."""
     if init == "random":
-        target = Transformer(config_lib.preset(preset), nnx.Rngs(seed))
+        cfg = config_lib.preset(preset)
+        target = Transformer(cfg.replace(dtype=dtype) if dtype else cfg, nnx.Rngs(seed))
     else:
         from kdtree_jax.checkpoint import restore_target
         target = restore_target(init, shardings=sharding.restore_shardings(mesh) if mesh is not None else None)
@@ -104,7 +106,7 @@ def main(argv):
     prompts = read_prompts(FLAGS.prompt, tokenizer, FLAGS.held_out_prompts, FLAGS.prompt_tokens, FLAGS.seed)
     mesh = sharding.parse_mesh(FLAGS.mesh)
     target, drafter = load_models(FLAGS.init, FLAGS.config, FLAGS.drafter, FLAGS.block_size, FLAGS.seed,
-                                  FLAGS.policy != "ar", mesh)
+                                  FLAGS.policy != "ar", mesh, FLAGS.dtype)
     block = drafter.cfg.block_size if drafter is not None else FLAGS.block_size
     spec = DecodeSpec(policy=FLAGS.policy, budget=FLAGS.budget, block_size=block, temperature=FLAGS.temperature,
                       max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
