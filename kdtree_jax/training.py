@@ -124,7 +124,7 @@ def make_optimizer(params, cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.multi_transform({"decay": optax.chain(adam, optax.add_decayed_weights(cfg.weight_decay)),
-                               "no_decay": optax.scale_by_adam(cfg.b1, cfg.b2),
+                               "no_decay": adam,
                                "frozen": optax.set_to_zero()}, labels))
 
 
@@ -257,7 +257,7 @@ def draw_anchors(rng: np.random.Generator, batch: int, seq_len: int, num_anchors
 
 
 class DraftBlocks(NamedTuple):
-    """N = S * A blocks, anchor-major within each sequence (block n is anchor n % A of sequence n // A)."""
+    """N = S * A blocks in sequence-major order: block n is anchor n % A of sequence n // A."""
 
     block: jax.Array  # [N, L] token at the anchor, then MASK
     positions: jax.Array  # [N, L] anchor .. anchor + L - 1
@@ -407,8 +407,8 @@ class Budget:
             raise ValueError("the run has no budget; pass --minutes=M (wall clock) and/or --steps=N")
         if (steps is not None and steps < 1) or (seconds is not None and seconds <= 0):
             raise ValueError(f"steps={steps} and seconds={seconds} must be positive when given")
-        self.steps, self.deadline, self.resumed = steps, None if seconds is None else started + seconds, resumed_progress
-        self.loop_start = None
+        self.steps, self.resumed, self.loop_start = steps, resumed_progress, None
+        self.deadline = None if seconds is None else started + seconds
 
     def begin(self) -> None:
         self.loop_start = time.monotonic()
