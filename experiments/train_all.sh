@@ -19,13 +19,10 @@ export PYTHONUNBUFFERED=1
 TARGET_MINUTES=${TARGET_MINUTES:-5.5}
 DRAFTER_MINUTES=${DRAFTER_MINUTES:-2.5}
 TOKENIZER_SHA256=772022f7acec6af97c189f897c3f9da08461caee36fa80713c50d1d77b6780f6
-if [ -n "${OUT:-}" ]; then
-  exec > >(tee "$OUT/train_all.log") 2>&1
-fi
-start=$SECONDS
-
-echo "== environment and tokenizer"
-$PY - "$TOKENIZER_SHA256" <<'EOF'
+train_all() {
+  start=$SECONDS
+  echo "== environment and tokenizer"
+  $PY - "$TOKENIZER_SHA256" <<'EOF'
 import hashlib, sys
 import flax, jax, optax, orbax.checkpoint
 from kdtree_jax import data
@@ -41,22 +38,26 @@ text = open(data.stdlib_root() + "/os.py", encoding="utf-8").read()
 assert tok.vocab_size == 4096 and tok.decode(tok.encode(text)) == text
 print(f"tokenizer ok: {tok.vocab_size} tokens, round trip of os.py exact")
 EOF
-# The router's aux-free balancing reads the MoE inputs through nnx.capture(method_outputs=...); without it in this
-# flax, the correction bias stays at zero (the other choice train_target.py offers).
-if $PY -c "import inspect; from flax import nnx; assert 'method_outputs' in inspect.signature(nnx.capture).parameters" 2>/dev/null; then
-  BIAS_RATE=1e-3
+  # The router's aux-free balancing reads the MoE inputs through nnx.capture(method_outputs=...); without it in this
+  # flax, the correction bias stays at zero (the other choice train_target.py offers).
+  if $PY -c "import inspect; from flax import nnx; assert 'method_outputs' in inspect.signature(nnx.capture).parameters" 2>/dev/null; then
+    BIAS_RATE=1e-3
+  else
+    BIAS_RATE=0
+    echo "flax has no nnx.capture(method_outputs=...): training with the router bias left at zero"
+  fi
+
+  echo "== target ($TARGET_MINUTES min)"
+  $PY experiments/train_target.py --minutes="$TARGET_MINUTES" --router_bias_rate="$BIAS_RATE" ${TRAIN_ARGS:-}
+  echo "== drafter ($DRAFTER_MINUTES min)"
+  $PY experiments/train_drafter.py --minutes="$DRAFTER_MINUTES" ${TRAIN_ARGS:-}
+  echo "== done in $((SECONDS - start)) s"
+}
+
+if [ -z "${OUT:-}" ]; then
+  train_all
 else
-  BIAS_RATE=0
-  echo "flax has no nnx.capture(method_outputs=...): training with the router bias left at zero"
-fi
-
-echo "== target ($TARGET_MINUTES min)"
-$PY experiments/train_target.py --minutes="$TARGET_MINUTES" --router_bias_rate="$BIAS_RATE" ${TRAIN_ARGS:-}
-echo "== drafter ($DRAFTER_MINUTES min)"
-$PY experiments/train_drafter.py --minutes="$DRAFTER_MINUTES" ${TRAIN_ARGS:-}
-echo "== done in $((SECONDS - start)) s"
-
-if [ -n "${OUT:-}" ]; then
+  train_all 2>&1 | tee "$OUT/train_all.log"
   cp experiments/results/train_target.json experiments/results/train_target_loss.png \
      experiments/results/train_drafter.json experiments/results/train_drafter_loss.png "$OUT"/
   tar -cf - checkpoints/target checkpoints/drafter | split -b 15M -d -a 1 - "$OUT/checkpoints.tar.part"
