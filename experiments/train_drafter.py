@@ -109,7 +109,7 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
         "tokens_seen": step * tokens_per_step,
         "blocks_seen": step * run.batch * num_anchors,
         "final_train_loss": history.train[-1]["loss"] if history.train else None,
-        "final_train_tau": train_metrics.get("tau"),
+        "final_train_batch": train_metrics,  # loss, tau, per-position acc and chain of the last step's batch
         "held_out": final,
         "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
                     "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
@@ -136,8 +136,8 @@ def main(argv):
     training.setup_process()
     f = flags.FLAGS
     results = train(training.run_config_from_flags(), f.target, f.anchors, f.gamma, _STARTED)
-    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "final_train_tau",
-                                              "held_out", "seconds", "tokens_per_second", "checkpoint")}, indent=1))
+    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "held_out",
+                                              "seconds", "tokens_per_second", "checkpoint")}, indent=1))
 
 
 if __name__ == "__main__":
