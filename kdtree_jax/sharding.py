@@ -1,4 +1,4 @@
-"""The device mesh and where every array lives on it (DESIGN.md section 5), plus the per-device memory plan.
+"""The device mesh and where every array lives on it (DESIGN.md section 5).
 
 One mesh, axes ("data", "tp"), both of type Auto (XLA's SPMD partitioner carries the shardings set at the jit boundary
 through the unchanged model code):
@@ -16,18 +16,13 @@ experts to all tokens and one psum over tp adds the partial outputs; no expert w
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from kdtree_jax.config import DrafterConfig, ModelConfig
 from pallas_kernels.int4_moe import Int4Experts
 
 DATA, TP = "data", "tp"
@@ -233,7 +228,8 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights):
         raise ValueError(f"experts = {num_experts} is not divisible by {TP} = {tp}; choose a {TP} size that divides "
                          f"the number of routed experts")
     per_device = num_experts // tp
-    tokens = P(DATA) if x.shape[0] % dict(mesh.shape).get(DATA, 1) == 0 else P()
+    data = dict(mesh.shape).get(DATA, 1)
+    tokens = P(DATA) if data > 1 and x.shape[0] % data == 0 else P()
 
     def local(x, experts, ids, weights):
         first = jax.lax.axis_index(TP) * per_device
