@@ -10,11 +10,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# AR and DDTree side by side on a held-out stdlib prompt, with the shipped target, drafter and tokenizer.
 demo: $(STAMP)
-	$(PY) experiments/generate.py --config=tiny --init=random --policy=ar --prompt=1,2,3,4,5 --max_new_tokens=16 --json
+	PYTHONPATH=. $(PY) experiments/generate.py --init=checkpoints/target --drafter=checkpoints/drafter \
+	    --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=32 \
+	    --max_new_tokens=64 --compare --json
 
 test: $(STAMP)
-	$(PY) -m pytest tests -m "not slow"
+	PYTHONPATH=. $(PY) -m pytest tests -m "not slow"
 
 clean:
 	rm -rf .venv

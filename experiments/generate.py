@@ -99,6 +99,7 @@ def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the report
     tokenizer = None
     if FLAGS.tokenizer:
         from kdtree_jax.data import load_tokenizer
@@ -141,7 +142,6 @@ def print_report(prompts, runs, tokenizer) -> None:
     for r in runs:
         print(f"{r['policy']:>8} {r['budget']:>6} {r['new_tokens']:>7} {r['seconds']:>8.3f} "
               f"{r['tokens_per_s']:>8.1f} {r['rounds']:>6} {r['tau_mean']:>5.2f}")
-    logging.info("done")
 
 
 if __name__ == "__main__":
