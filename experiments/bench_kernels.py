@@ -28,6 +28,7 @@ from jax import lax
 
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import tree_verify_attention as attn
+from kdtree_jax.tree import random_tree_visible
 
 flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
 flags.DEFINE_list("sections", ["ceilings", "attention", "moe"], "which parts to run")
@@ -198,14 +199,6 @@ def attention_sweep(case) -> list[attn.AttentionConfig]:
     return [dataclasses.replace(base, **v) for v in variants]
 
 
-def ancestor_visible(rng, streams, nodes):
-    vis = np.zeros((streams, nodes, nodes), bool)
-    for s in range(streams):
-        for i in range(nodes):
-            if i:
-                vis[s, i] = vis[s, rng.integers(0, i)]
-            vis[s, i, i] = True
-    return vis
 
 
 def attention_inputs(key, case, rng):
@@ -214,7 +207,7 @@ def attention_inputs(key, case, rng):
     k = jax.random.split(key, 4)
     return (jax.random.normal(k[0], (s, t, h, K26_LAT), BF16), jax.random.normal(k[1], (s, t, h, K26_ROPE), BF16),
             jax.random.normal(k[2], (s, n, K26_LAT), BF16), jax.random.normal(k[3], (s, n, K26_ROPE), BF16),
-            jnp.full((s,), p, jnp.int32), jnp.asarray(ancestor_visible(rng, s, t)))
+            jnp.full((s,), p, jnp.int32), jnp.asarray(random_tree_visible(rng, s, t)))
 
 
 def attention_cost(case) -> tuple[float, float]:
@@ -277,7 +270,7 @@ def attention_f32_check() -> dict:
     key = jax.random.split(jax.random.key(7), 4)
     args = (jax.random.normal(key[0], (s, t, h, K26_LAT)), jax.random.normal(key[1], (s, t, h, K26_ROPE)),
             jax.random.normal(key[2], (s, n, K26_LAT)), jax.random.normal(key[3], (s, n, K26_ROPE)),
-            jnp.asarray([0, n - t, 37, n // 2], jnp.int32), jnp.asarray(ancestor_visible(rng, s, t)))
+            jnp.asarray([0, n - t, 37, n // 2], jnp.int32), jnp.asarray(random_tree_visible(rng, s, t)))
     ref = attn.tree_verify_attention_reference(*args, scale=0.05)
     out = {}
     for splits in (1, 4):

@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from kdtree_jax import quant
 from kdtree_jax.config import ModelConfig, from_hf_config
-from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
 
 NESTED_PREFIX = "language_model."  # K2.5 / K2.6 nest the text model under this prefix

@@ -236,3 +236,30 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights):
         return jax.lax.psum(local_moe(x, experts, ids - first, weights), TP)
 
     return jax.shard_map(local, in_specs=(tokens, P(TP), tokens, tokens), out_specs=tokens)(x, experts, ids, weights)
+
+
+# ----------------------------------------------------------------------------------------------- head parallelism
+
+def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    """Tree-verify attention with its heads split over tp when the current mesh has tp > 1.
+
+    attention(q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S],
+    visible [S, T, T]) -> [S, T, H, C]. A Pallas call cannot be partitioned by XLA, so without this every device would
+    gather all H heads and attend for all of them; under shard_map each device attends for its own H / tp heads over
+    the replicated latent cache, and no collective is needed (o_proj is split on heads too). Streams stay split over
+    data when it divides S.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    heads = q_lat.shape[2]
+    if heads % tp:
+        raise ValueError(f"heads = {heads} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
+                         f"number of attention heads")
+    data = dict(mesh.shape).get(DATA, 1)
+    streams = DATA if data > 1 and q_lat.shape[0] % data == 0 else None
+    per_head = P(streams, None, TP, None)
+    per_stream = P(streams)
+    return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
+                         out_specs=per_head)(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)

@@ -345,3 +345,14 @@ def accept_tree(tree: TreeArrays, target_tokens, max_depth: int) -> AcceptResult
 
     path, num_accepted, next_token = jax.vmap(walk)(parent, tokens, target_tokens)
     return AcceptResult(path, num_accepted, next_token)
+
+
+def random_tree_visible(rng: np.random.Generator, streams: int, nodes: int) -> np.ndarray:
+    """visible [S, T, T] bool of random trees (parent[i] drawn below i; row i = row parent(i) | {i}): test inputs."""
+    vis = np.zeros((streams, nodes, nodes), bool)
+    for s in range(streams):
+        for i in range(nodes):
+            if i:
+                vis[s, i] = vis[s, rng.integers(0, i)]
+            vis[s, i, i] = True
+    return vis

@@ -1,5 +1,6 @@
 """Shared test helpers."""
 import jax.numpy as jnp
+import numpy as np
 
 from kdtree_jax.cache import init_cache
 
@@ -13,6 +14,6 @@ def causal_logits(model, tokens, absorbed: bool = True):
 
 
 def rel_err(a, b) -> float:
-    """|a - b| / |b| in float32 (Frobenius norms)."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    """|a - b| / |b| (Frobenius norms), computed in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -11,23 +11,10 @@ from pallas_kernels import ops
 from pallas_kernels.tree_verify_attention import (AttentionConfig, tree_verify_attention,
                                                   tree_verify_attention_reference)
 
+from conftest import rel_err
+from kdtree_jax.tree import random_tree_visible
+
 SCALE = 0.125
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def ancestor_masks(rng, streams, nodes):
-    """visible [S, T, T] of random trees: parent[i] < i, row i = row parent(i) | {i}."""
-    vis = np.zeros((streams, nodes, nodes), bool)
-    for s in range(streams):
-        for i in range(nodes):
-            if i:
-                vis[s, i] = vis[s, rng.integers(0, i)]
-            vis[s, i, i] = True
-    return vis
 
 
 def make_inputs(rng, streams, nodes, heads, lat, rope, capacity, dtype=jnp.float32, prefix=None):
@@ -40,7 +27,7 @@ def make_inputs(rng, streams, nodes, heads, lat, rope, capacity, dtype=jnp.float
         prefix[0] = 0
         prefix[-1] = capacity - nodes
     arrays = [jnp.asarray(a, dtype) for a in (q_lat, q_rope, c_kv, k_rope)]
-    return (*arrays, jnp.asarray(prefix, jnp.int32), jnp.asarray(ancestor_masks(rng, streams, nodes)))
+    return (*arrays, jnp.asarray(prefix, jnp.int32), jnp.asarray(random_tree_visible(rng, streams, nodes)))
 
 
 def numpy_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):

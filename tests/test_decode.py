@@ -11,14 +11,12 @@ from kdtree_jax.cache import init_cache
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
+from conftest import rel_err
 
 BLOCK = 6
 PROMPTS = [[5, 9, 14, 3, 8, 1, 7, 22, 40], [11, 2], [4, 60, 4, 61, 4]]
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 class OracleDrafter(nnx.Module):

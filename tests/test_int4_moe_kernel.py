@@ -10,14 +10,12 @@ import pytest
 from kdtree_jax import quant
 from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts, MoeConfig, int4_moe, int4_moe_reference
+from conftest import rel_err
 
 # One shape family for most tests, so that the interpret-mode kernels compile once per token count.
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 64, 96, 4
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def compressed_tensors_experts(rng, experts, hidden, inter):

@@ -10,11 +10,8 @@ from kdtree_jax.cache import init_cache
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.model.moe import route
 from kdtree_jax.model.transformer import Transformer
+from conftest import rel_err
 
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def causal(s, t):

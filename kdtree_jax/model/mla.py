@@ -10,6 +10,8 @@ the C-wide latent space, scores = q_lat . c_kv + q_rope . k_rope, out_lat = p . 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,6 +20,7 @@ from kdtree_jax.cache import block_attention_mask, write_rows
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.rope import apply_rope
+from kdtree_jax.sharding import head_parallel
 from pallas_kernels import ops
 
 
@@ -69,8 +72,9 @@ class MLA(nnx.Module):
         w_uv = self.kv_b_proj[..., cfg.qk_nope_head_dim:]  # [C, H, V]
         if absorbed:
             q_lat = jnp.einsum("sthp,chp->sthc", q_nope, w_uk)
-            out_lat = ops.tree_verify_attention(q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len,
-                                                visible, scale=cfg.softmax_scale)
+            attention = functools.partial(ops.tree_verify_attention, scale=cfg.softmax_scale)
+            out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len,
+                                    visible)
             out = jnp.einsum("sthc,chv->sthv", out_lat, w_uv)
         else:
             out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,
