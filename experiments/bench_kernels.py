@@ -7,10 +7,16 @@ Every timing is device time: the span of the GPU events of one call, read from a
 inside a TraceAnnotation and is waited for), median over --reps calls after a warm-up, with inputs rotated over
 enough sets to exceed the L2 cache. Ceilings are measured in the same run: the best of a plain copy and an
 elementwise pass for bandwidth (bytes read + written), an 8192^3 bf16 matmul for FLOP/s.
+
+Sections (--sections): ceilings, attention (tree_verify_attention), moe (int4_moe), tree (tree_build and tree_accept
+at S = 16 streams, D = 15, V = 163840, B = 16..512: kernel, jnp reference, and the CPU heap per request that the
+paper's code uses, timed by wall clock since it crosses the host; every tree is checked bit-identical to the heapq
+specification and every accept walk to the python loop).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -26,16 +32,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kdtree_jax.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
+                             build_tree_heapq_from_topk, draft_topk, random_tree_visible, resolve_topk)
 from pallas_kernels import int4_moe as moe
+from pallas_kernels import ops
+from pallas_kernels import tree_accept as taccept
+from pallas_kernels import tree_build as tbuild
 from pallas_kernels import tree_verify_attention as attn
-from kdtree_jax.tree import random_tree_visible
 
 flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
-flags.DEFINE_list("sections", ["ceilings", "attention", "moe"], "which parts to run")
+flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which parts to run")
 flags.DEFINE_integer("reps", 15, "timed calls per measurement (median reported)")
 flags.DEFINE_bool("sweep", True, "also time alternative tilings on the representative cases")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
+flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
 flags.DEFINE_bool("quick", False, "small shapes in interpret mode, to smoke-test the script on a CPU")
 F = flags.FLAGS
 
@@ -46,13 +57,21 @@ BF16 = jnp.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------------- timing
-def _annotation_spans(trace_dir: str) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
-    """From the trace in trace_dir: ({job: [device span in us of each call]},
-    {job: {GPU kernel name: [its total us in each call]}})."""
+@dataclasses.dataclass
+class Call:
+    """The device side of one timed call, from the profiler trace."""
+    span_us: float                  # first event start to last event end
+    events_us: dict[str, float]     # total us per GPU event name (kernels and copies)
+    events: int                     # device events (kernel launches + copies)
+    d2h_copies: int                 # device-to-host copies (e.g. a while loop's predicate, once per iteration)
+
+
+def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
+    """From the trace in trace_dir: {job: [Call of each timed call]}."""
     from jax.profiler import ProfileData
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
-        return {}, {}
+        return {}
     data = ProfileData.from_file(sorted(files)[-1])
     windows, device = [], []
     for plane in data.planes:
@@ -65,34 +84,44 @@ def _annotation_spans(trace_dir: str) -> tuple[dict[str, list[float]], dict[str,
                     windows.append((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns))
     device.sort()
     starts = np.array([d[0] for d in device])
-    spans: dict[str, list[float]] = {}
-    kernels: dict[str, dict[str, list[float]]] = {}
+    calls: dict[str, list[Call]] = {}
     for name, lo, hi in windows:
         i0, i1 = np.searchsorted(starts, lo), np.searchsorted(starts, hi)
         inside = [d for d in device[i0:i1] if d[1] <= hi]
         if inside:
-            job = name.split("|")[1]
-            spans.setdefault(job, []).append((max(d[1] for d in inside) - inside[0][0]) / 1e3)
-            per_call: dict[str, float] = {}
+            per_event: dict[str, float] = {}
             for d in inside:
-                per_call[d[2]] = per_call.get(d[2], 0.0) + (d[1] - d[0]) / 1e3
-            for kernel, us in per_call.items():
-                kernels.setdefault(job, {}).setdefault(kernel[:80], []).append(us)
-    return spans, kernels
+                per_event[d[2][:80]] = per_event.get(d[2][:80], 0.0) + (d[1] - d[0]) / 1e3
+            calls.setdefault(name.split("|")[1], []).append(Call(
+                span_us=(max(d[1] for d in inside) - inside[0][0]) / 1e3, events_us=per_event, events=len(inside),
+                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside)))
+    return calls
 
 
 @dataclasses.dataclass
 class Job:
     name: str
-    fn: object          # jitted callable
-    arg_sets: list      # list of argument tuples, rotated
+    fn: object                  # jitted callable
+    arg_sets: list = dataclasses.field(default_factory=list)   # argument tuples, rotated
+    fresh_args: object = None   # or () -> a new argument tuple for every call (donated arguments), made and waited
+                                # for outside the timed window
+
+    def args(self, r: int):
+        if self.fresh_args is not None:
+            return jax.block_until_ready(self.fresh_args())
+        return self.arg_sets[r % len(self.arg_sets)]
+
+    def warmups(self) -> int:
+        return 2 if self.fresh_args is not None else min(2, len(self.arg_sets))
 
 
 def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
-    """Warm up every job, then time them all in one profiler session. Returns {name: timing dict}."""
+    """Warm up every job, then time them all in one profiler session. Returns {name: timing dict}: `us` (device span,
+    or wall clock when there is no device trace), `wall_us`; with a trace also `busy_us` (sum of the call's device
+    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call."""
     for job in jobs:
-        for args in job.arg_sets[:2]:
-            jax.block_until_ready(job.fn(*args))
+        for r in range(job.warmups()):
+            jax.block_until_ready(job.fn(*job.args(r)))
     wall: dict[str, list[float]] = {job.name: [] for job in jobs}
     trace_dir = tempfile.mkdtemp(prefix="bench_trace_")
     traced = True
@@ -103,7 +132,7 @@ def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
     try:
         for job in jobs:
             for r in range(reps):
-                args = job.arg_sets[r % len(job.arg_sets)]
+                args = job.args(r)
                 time.sleep(GAP_S)
                 with jax.profiler.TraceAnnotation(f"bench|{job.name}|{r}"):
                     t0 = time.perf_counter()
@@ -112,16 +141,21 @@ def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
     finally:
         if traced:
             jax.profiler.stop_trace()
-    spans, kernels = _annotation_spans(trace_dir) if traced else ({}, {})
+    calls = _annotation_calls(trace_dir) if traced else {}
     out = {}
     for job in jobs:
-        dev = spans.get(job.name, [])
+        dev = calls.get(job.name, [])
         entry = {"wall_us": float(np.median(wall[job.name]))}
         if len(dev) >= reps // 2:
-            busy = {k: float(np.median(v)) for k, v in kernels.get(job.name, {}).items()}
-            top = sorted(busy.items(), key=lambda kv: -kv[1])[:8]
-            entry.update(us=float(np.median(dev)), method="device", device_spread_us=float(np.std(dev)),
-                         kernels_us=dict(top), kernel_launches=len(busy))
+            names = {k for c in dev for k in c.events_us}
+            per_name = {k: float(np.median([c.events_us.get(k, 0.0) for c in dev])) for k in names}
+            top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
+            entry.update(us=float(np.median([c.span_us for c in dev])), method="device",
+                         device_spread_us=float(np.std([c.span_us for c in dev])),
+                         busy_us=float(np.median([sum(c.events_us.values()) for c in dev])),
+                         kernels_us=dict(top), kernel_launches=len(names),
+                         device_events=float(np.median([c.events for c in dev])),
+                         d2h_copies=float(np.median([c.d2h_copies for c in dev])))
         else:
             entry.update(us=entry["wall_us"], method="wall")
         out[job.name] = entry
@@ -440,6 +474,151 @@ def _moe_f32_check(experts, shape, interpret) -> float:
     return rel_err(moe.int4_moe(x, experts, ids, w, interpret=interpret), moe.int4_moe_reference(x, experts, ids, w))
 
 
+# -------------------------------------------------------------------------------------------------------- tree
+TREE_BLOCK = 16             # L: the root plus D = L - 1 drafted depths
+DRAFT_LOGIT_SCALE = 4.0     # random draft logits N(0, 4^2): a few tokens carry most of each depth's mass
+ACCEPT_FOLLOW = 0.8         # chance that the target's token at a node is one of the node's children's
+
+
+def tree_shapes() -> tuple[dict, tuple[int, ...]]:
+    """(streams, depth, vocab) and the budgets B."""
+    if F.quick:
+        return dict(streams=4, depth=TREE_BLOCK - 1, vocab=1000), (7, 40)
+    return dict(streams=16, depth=TREE_BLOCK - 1, vocab=163840), (16, 64, 256, 512)
+
+
+def same_arrays(got, want) -> bool:
+    """Every field bit-identical, same shapes and dtypes (NamedTuples of arrays)."""
+    return all(np.asarray(g).shape == np.asarray(w).shape and np.asarray(g).dtype == np.asarray(w).dtype
+               and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+
+
+def walk_targets(rng: np.random.Generator, tree: TreeArrays, vocab: int) -> np.ndarray:
+    """target_tokens [S, B+1] for an accept walk: at each node, with probability ACCEPT_FOLLOW the token of one of its
+    children (picked at random), else a random token."""
+    parent, tokens = np.asarray(tree.parent), np.asarray(tree.tokens)
+    out = rng.integers(0, vocab, size=parent.shape).astype(np.int32)
+    for s in range(parent.shape[0]):
+        for node in range(parent.shape[1]):
+            children = np.flatnonzero(parent[s] == node)
+            if children.size and rng.random() < ACCEPT_FOLLOW:
+                out[s, node] = tokens[s, rng.choice(children)]
+    return out
+
+
+def _ops_tree_build(implementation: str, budget: int, example):
+    """ops.tree_build(logits, root, budget) compiled with the kernel or the reference (ops reads the choice when
+    tracing)."""
+    with ops.implementation(implementation):
+        return jax.jit(lambda logits, root: ops.tree_build(logits, root, budget)).lower(*example).compile()
+
+
+def time_heap_peer(topk_fn, logit_sets, budget: int, reps: int) -> tuple[dict, list[TreeArrays]]:
+    """The CPU heap per request, as the paper's code and SGLang's port do it: device top-K -> copy to the host ->
+    python heapq, one stream after the other -> copy the tree arrays back to the device. Wall clock (perf_counter)
+    per stage, median over reps after one warm-up pass over the sets. Returns ({stage or "total": us}, the host
+    trees of each set)."""
+    stages: dict[str, list[float]] = {name: [] for name in ("topk", "d2h", "heap", "h2d", "total")}
+    trees: list = [None] * len(logit_sets)
+    for r in range(reps + len(logit_sets)):
+        i = r % len(logit_sets)
+        logits, root = logit_sets[i]
+        t0 = time.perf_counter()
+        top = jax.block_until_ready(topk_fn(logits))
+        t1 = time.perf_counter()
+        (top_logprobs, top_ids), root_host = jax.device_get((top, root))
+        t2 = time.perf_counter()
+        tree = build_tree_heapq_from_topk(top_logprobs, top_ids, root_host, budget)
+        t3 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(tree))
+        t4 = time.perf_counter()
+        if r < len(logit_sets):
+            trees[i] = tree
+            continue
+        for name, us in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            stages[name].append(us * 1e6)
+    return {name: float(np.median(v)) for name, v in stages.items()}, trees
+
+
+def wall_us(fn, arg_sets, reps: int) -> float:
+    """Median wall clock of fn(*args), waited for, outside any profiler: the host's view of a call, as for the peer."""
+    times = []
+    for r in range(reps):
+        args = arg_sets[r % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, interpret: bool) -> dict:
+    """Build (kernel, reference, heap peer) and accept (kernel, reference) at one budget; bit-identity checks."""
+    depth, vocab = shape["depth"], shape["vocab"]
+    k = resolve_topk(budget, vocab)
+    topk_fn = jax.jit(lambda logits: draft_topk(logits, k))
+    topk_sets = [(*topk_fn(logits), root) for logits, root in logit_sets]
+    peer, specs = time_heap_peer(topk_fn, logit_sets, budget, F.reps)
+    builds = {"kernel_from_topk": jax.jit(functools.partial(tbuild.tree_build_from_topk, budget=budget,
+                                                            interpret=interpret)),
+              "reference_from_topk": jax.jit(functools.partial(build_tree_from_topk, budget=budget)),
+              "kernel_from_logits": _ops_tree_build("kernel", budget, logit_sets[0]),
+              "reference_from_logits": _ops_tree_build("reference", budget, logit_sets[0])}
+    identical = {name: all(same_arrays(fn(*args), spec)
+                           for args, spec in zip(topk_sets if name.endswith("topk") else logit_sets, specs))
+                 for name, fn in builds.items()}
+    accept_sets = [(TreeArrays(*map(jnp.asarray, spec)), jnp.asarray(walk_targets(rng, spec, vocab))) for spec in specs]
+    walks = [accept_tree_python(spec, target, depth) for spec, (_, target) in zip(specs, accept_sets)]
+    accepts = {"accept_kernel": jax.jit(functools.partial(taccept.tree_accept, max_depth=depth, interpret=interpret)),
+               "accept_reference": jax.jit(functools.partial(accept_tree, max_depth=depth))}
+    accept_identical = {name: all(same_arrays(fn(*args), walk) for args, walk in zip(accept_sets, walks))
+                        for name, fn in accepts.items()}
+    jobs = [Job(name, fn, topk_sets if name.endswith("topk") else logit_sets) for name, fn in builds.items()]
+    jobs += [Job("topk", topk_fn, [(logits,) for logits, _ in logit_sets])]
+    jobs += [Job(name, fn, accept_sets) for name, fn in accepts.items()]
+    t = time_jobs(jobs, F.reps)
+    kernel_us, end_to_end_wall = t["kernel_from_topk"]["us"], wall_us(builds["kernel_from_logits"], logit_sets, F.reps)
+    peer_after_topk = peer["d2h"] + peer["heap"] + peer["h2d"]
+    build_kernel = [us for name, us in t["kernel_from_topk"].get("kernels_us", {}).items() if "tree_build" in name]
+    return dict(shape, budget=budget, topk=k, input_sets=len(logit_sets),
+                identical=identical["kernel_from_topk"] and identical["kernel_from_logits"],
+                identical_detail=identical, accept_identical=all(accept_identical.values()),
+                accept_identical_detail=accept_identical,
+                mean_accepted=float(np.mean([w.num_accepted for w in walks])),
+                kernel_from_topk_us=kernel_us, build_kernel_us=build_kernel[0] if build_kernel else None,
+                reference_from_topk_us=t["reference_from_topk"]["us"],
+                kernel_from_logits_us=t["kernel_from_logits"]["us"],
+                reference_from_logits_us=t["reference_from_logits"]["us"], topk_us=t["topk"]["us"],
+                accept_kernel_us=t["accept_kernel"]["us"], accept_reference_us=t["accept_reference"]["us"],
+                peer_us=peer["total"], peer_stages_us=peer, peer_after_topk_us=peer_after_topk,
+                peer_over_kernel=peer_after_topk / kernel_us, meets_50x=peer_after_topk / kernel_us >= 50,
+                kernel_from_logits_wall_us=end_to_end_wall, peer_over_kernel_end_to_end=peer["total"] / end_to_end_wall,
+                reference_over_kernel=t["reference_from_topk"]["us"] / kernel_us,
+                timing_method=t["kernel_from_topk"]["method"], timings=t)
+
+
+def run_tree(results, checks, deadline):
+    interpret = jax.default_backend() != "gpu"
+    shape, budgets = tree_shapes()
+    s, d, v = shape["streams"], shape["depth"], shape["vocab"]
+    n_sets = int(min(8, max(2, math.ceil(ROTATE_BYTES / (4.0 * s * d * v)))))
+    rng = np.random.default_rng(5)
+    logit_sets = [(jax.random.normal(jax.random.key(500 + i), (s, d, v)) * DRAFT_LOGIT_SCALE,
+                   jnp.asarray(rng.integers(0, v, s), jnp.int32)) for i in range(n_sets)]
+    for budget in budgets:
+        if time.time() > deadline:
+            results.append(dict(shape, budget=budget, skipped="time budget"))
+            continue
+        try:
+            entry = tree_case(shape, budget, logit_sets, rng, interpret)
+        except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
+            entry = dict(shape, budget=budget, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        results.append(entry)
+        _print_tree_row(entry)
+        _dump()
+    done = [r for r in results if "identical" in r]
+    checks["tree_identical"] = bool(done) and all(r["identical"] and r["accept_identical"] for r in done)
+
+
 # ------------------------------------------------------------------------------------------------------ output
 RESULTS: dict = {}
 
@@ -472,12 +651,26 @@ def _print_moe_row(r):
           f"{r['rel_err_bf16_first_tokens']:.1e}", flush=True)
 
 
+def _print_tree_row(r):
+    if "error" in r or "skipped" in r:
+        print(f"tree S={r['streams']} B={r['budget']}: {r.get('error') or r.get('skipped')}", flush=True)
+        return
+    print(f"tree S={r['streams']:2d} D={r['depth']} V={r['vocab']} B={r['budget']:4d} | kernel {r['kernel_from_topk_us']:8.1f}"
+          f" us (ref {r['reference_from_topk_us']:9.1f}) | from logits {r['kernel_from_logits_us']:8.1f} (top-K "
+          f"{r['topk_us']:8.1f}, ref {r['reference_from_logits_us']:9.1f}) | heap peer {r['peer_us']:9.1f} = top-K "
+          f"{r['peer_stages_us']['topk']:.1f} + d2h {r['peer_stages_us']['d2h']:.1f} + heap "
+          f"{r['peer_stages_us']['heap']:.1f} + h2d {r['peer_stages_us']['h2d']:.1f} | peer/kernel "
+          f"{r['peer_over_kernel']:6.1f}x (end to end {r['peer_over_kernel_end_to_end']:5.1f}x) | accept "
+          f"{r['accept_kernel_us']:.1f} (ref {r['accept_reference_us']:.1f}) | identical {r['identical']} "
+          f"accept {r['accept_identical']}", flush=True)
+
+
 def main(_):
     start = time.time()
     dev = jax.devices()[0]
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
-                             quick=F.quick), ceilings={}, checks={}, attention=[], int4_moe=[])
+                             quick=F.quick), ceilings={}, checks={}, attention=[], int4_moe=[], tree=[])
     if "ceilings" in F.sections:
         RESULTS["ceilings"] = measure_ceilings(F.reps)
     else:   # H200_FACTS.md leads, used only when the ceilings are not measured
@@ -496,6 +689,10 @@ def main(_):
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s)
         print("int4_moe f32 check:", RESULTS["checks"].get("int4_moe_f32_16_tokens"), flush=True)
+    if "tree" in F.sections:
+        run_tree(RESULTS["tree"], RESULTS["checks"], time.time() + F.tree_budget_s)
+        print("tree kernels identical to the heapq spec and the python accept walk:",
+              RESULTS["checks"]["tree_identical"], flush=True)
     RESULTS["meta"]["wall_s"] = time.time() - start
     _dump()
     print(f"wrote {F.out} in {time.time() - start:.0f} s", flush=True)
