@@ -25,6 +25,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
 flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter checkpoint directory")
 flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "tokenizer of the checkpoints")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "run the models in this dtype (default: the checkpoint's)")
 flags.DEFINE_integer("num_prompts", 32, "held-out prompts")
 flags.DEFINE_integer("prompt_tokens", 64, "tokens per prompt")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
@@ -56,7 +57,7 @@ def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> d
 def main(argv):
     del argv
     tokenizer = load_tokenizer(FLAGS.tokenizer)
-    target = restore_target(FLAGS.target)
+    target = restore_target(FLAGS.target, dtype=FLAGS.dtype)
     drafter = restore_drafter(FLAGS.drafter, target.cfg)
     decoder = Decoder(target, drafter)
     prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
@@ -80,6 +81,7 @@ def main(argv):
             rows += runs
     print_table(rows)
     meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
+            "dtype": target.cfg.dtype,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
             "max_new_tokens": FLAGS.max_new_tokens, "block_size": block}
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)

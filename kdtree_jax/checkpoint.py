@@ -39,11 +39,18 @@ def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
     return directory
 
 
-def restore_target(directory: str, step: int | None = None, shardings: Shardings = None) -> Transformer:
-    """The Transformer saved in `directory` (latest step unless `step`), built from its stored ModelConfig."""
+def restore_target(directory: str, step: int | None = None, shardings: Shardings = None,
+                   dtype: str | None = None) -> Transformer:
+    """The Transformer saved in `directory` (latest step unless `step`), built from its stored ModelConfig.
+
+    dtype: run the model in this dtype instead of the stored one ("float32" for exact equivalence checks); the
+    params are cast on restore.
+    """
     meta = read_meta(directory, step)
     _expect_kind(meta, TARGET, directory)
     cfg = _config_from_dict(ModelConfig, meta["config"])
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
     return _restore_new(directory, step, lambda: Transformer(cfg, nnx.Rngs(0)), shardings)
 
 
