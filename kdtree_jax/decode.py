@@ -69,7 +69,7 @@ class LoopState(NamedTuple):
     done: jax.Array  # [S] bool
     taus: jax.Array  # [max_rounds, S] tokens emitted per round (0 once done)
     rounds: jax.Array  # int32
-    key: jax.Array
+    keys: jax.Array  # [S] one PRNG key per stream: a stream's samples do not depend on the other streams
 
 
 class GenerateResult(NamedTuple):
@@ -185,7 +185,7 @@ class Decoder:
         rep, streams = sharding.replicated(self.mesh), sharding.stream_sharding(self.mesh)
         params = sharding.param_shardings(self.target_params, self.mesh)
         out = LoopState(cache=streams, dcache=streams, bonus=streams, out=streams, num_out=streams, done=streams,
-                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, key=rep)
+                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, keys=streams)
         return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep), out_shardings=out)
 
     # ------------------------------------------------------------------------------------------- on device
@@ -197,11 +197,19 @@ class Decoder:
                                   functools.partial(decode_round, target, drafter, spec), state)
 
 
-def pick_tokens(logits, temperature: float, key):
-    """logits [S, T, V] -> [S, T] tokens: argmax at temperature 0, else one independent sample per position."""
+def pick_tokens(logits, temperature: float, keys):
+    """logits [S, T, V], keys [S] -> [S, T] tokens: argmax at temperature 0, else one independent sample per position
+    drawn with the stream's own key."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+    sample = lambda k, l: jax.random.categorical(k, l / temperature, axis=-1)
+    return jax.vmap(sample)(keys, logits).astype(jnp.int32)
+
+
+def split_each(keys):
+    """keys [S] -> (next keys [S], keys to use now [S])."""
+    pairs = jax.vmap(jax.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
 
 
 def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cache: KVCache, dcache, tokens,
@@ -214,7 +222,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (s, p))
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tokens, positions, cache, visible, hidden_layers=layer_ids)
-    key, sub = jax.random.split(key)
+    keys, sub = split_each(jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(s)))
     last = jnp.take_along_axis(fwd.logits, (lengths - 1)[:, None, None], axis=1)  # [S, 1, V]
     first = pick_tokens(last, spec.temperature, sub)[:, 0]
     cache = fwd.cache._replace(length=lengths)
@@ -225,7 +233,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens
     return LoopState(cache, dcache, first, out, num_out, done, jnp.zeros((max_rounds, s), jnp.int32),
-                     jnp.zeros((), jnp.int32), key)
+                     jnp.zeros((), jnp.int32), keys)
 
 
 def _is_eos(tokens, spec: DecodeSpec):
@@ -252,7 +260,7 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
         tree = ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
-    key, sub = jax.random.split(st.key)
+    keys, sub = split_each(st.keys)
     verdict = ops.tree_accept(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)
 
     # Emitted this round: the accepted draft tokens, then the new bonus; cut at EOS and at max_new_tokens.
@@ -279,4 +287,4 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
         hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in fwd.hidden)  # [S, D+1, D_model]
         dcache = drafter.extend_cache(dcache, hidden, length[:, None] + slots, length)
     return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
-                     st.taus.at[st.rounds].set(count), st.rounds + 1, key)
+                     st.taus.at[st.rounds].set(count), st.rounds + 1, keys)

@@ -218,3 +218,11 @@ def test_invariant_with_pallas_kernels_in_interpret_mode(setup, ar_decoder):
         ar_kernel = ar_tokens(Decoder(target), prompts, 8)
     assert got == expect
     assert ar_kernel == expect
+
+
+def test_samples_of_a_stream_do_not_depend_on_its_batch(draft_decoder):
+    spec = DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK, temperature=1.0, max_new_tokens=10)
+    first = draft_decoder.generate([PROMPTS[0], [4, 60, 4, 61, 4]], spec, seed=5).tokens
+    second = draft_decoder.generate([PROMPTS[0], [9, 9, 9, 9, 9]], spec, seed=5).tokens
+    assert first[0] == second[0]
+    assert first[1] != second[1]
