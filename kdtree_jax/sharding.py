@@ -21,9 +21,10 @@ from typing import Callable, Mapping
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_kernels.int4_moe import Int4Experts
+from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 
 DATA, TP = "data", "tp"
 MESH_AXES = (DATA, TP)
@@ -263,3 +264,50 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
     per_stream = P(streams)
     return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
                          out_specs=per_head)(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+
+
+# ----------------------------------------------------------------------------------------------- random params in shards
+
+def init_in_shards(make_model: Callable, mesh: Mesh, seed: int = 0):
+    """make_model(nnx.Rngs(seed)) (a target model) with random params made on the devices, each in its shards.
+
+    No param is ever whole on one device or on the host, so a model larger than one device (Kimi K2.6 on 8 GPUs) can
+    be made for benchmarks. The model's own initializers run in one jit whose out_shardings are `param_shardings`:
+    with jax's partitionable threefry, XLA generates on each device only its slice. The INT4 routed experts are left
+    out of that jit (XLA drops their unused computation), since their one-time repack is a lax.map over the expert
+    axis that the partitioner would run whole on every device; instead, one MoE layer at a time, each device makes its
+    own E / tp experts under a shard_map with the MoE module's INT4 path (`random_int4_experts`, a key per tp index).
+    The values therefore differ from make_model(nnx.Rngs(seed)) on one device; shapes, dtypes and shardings do not.
+    """
+    from kdtree_jax.model.moe import random_int4_experts  # noqa: PLC0415 - here, since moe imports this module
+
+    int4 = lambda path, _: path[-1] in Int4Experts._fields  # noqa: E731
+    graphdef, int4_state, rest = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(seed))), int4, ...)
+    rest = jax.jit(lambda: nnx.split(make_model(nnx.Rngs(seed)), int4, ...)[2],
+                   out_shardings=param_shardings(rest, mesh))()
+    modules: dict = {}
+    for path, variable in nnx.to_flat_state(int4_state):
+        modules.setdefault(path[:-1], {})[path[-1]] = variable
+    tp, makers = tp_size(mesh), {}
+
+    def maker(shapes: Int4Experts, specs: Int4Experts):
+        """One jitted shard_map per distinct expert shape: each device makes its E / tp experts."""
+        if (shapes, specs) not in makers:
+            def local(key):
+                rngs = nnx.Rngs(jax.random.fold_in(key, jax.lax.axis_index(TP)))
+                return random_int4_experts(rngs, shapes.gate_packed[0] // tp, shapes.down_packed[1],
+                                           shapes.gate_packed[1], INT4_GROUP)
+            makers[(shapes, specs)] = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=specs))
+        return makers[(shapes, specs)]
+
+    for number, (module, variables) in enumerate(modules.items()):
+        shapes = Int4Experts(*(variables[name].get_value().shape for name in Int4Experts._fields))
+        specs = Int4Experts(*(param_spec(module + (name,), shape, mesh.shape)
+                              for name, shape in zip(Int4Experts._fields, shapes)))
+        made = maker(shapes, specs)(jax.random.fold_in(jax.random.key(seed), number))
+        for name, value in made._asdict().items():
+            if value.shape != getattr(shapes, name):
+                raise ValueError(f"{'/'.join(map(str, module))}/{name}: made {value.shape}, the model holds "
+                                 f"{getattr(shapes, name)}; random_int4_experts and the model disagree")
+            variables[name].set_value(value)
+    return nnx.merge(graphdef, int4_state, rest)

@@ -1,0 +1,570 @@
+"""Step times of the Kimi K2.6 target sharded over a mesh: AR decode steps and DDTree verify steps.
+
+    # 8 x H200 (the full model: 61 layers, INT4 routed experts, tp=8 with expert parallelism)
+    NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python experiments/bench_k26.py \
+        --layers=61 --mesh=tp=8 --time_budget_s=500 --out=experiments/results/k26_x8.json
+    # one H200: K2.6 shapes, fewer layers
+    PYTHONPATH=. python experiments/bench_k26.py --layers=4 --mesh=tp=1 --out=experiments/results/k26_h200_4l.json
+    # CPU smoke run on 8 fake devices (a shrunken config; the times mean nothing)
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_k26.py --scale=tiny \
+        --prefix=64 --budgets=4,8 --reps=2 --out=/tmp/k26_tiny.json
+
+What runs:
+- The params are random and made on the devices in their shards (`sharding.init_in_shards`): nothing is ever whole
+  on one device or the host; the INT4 routed experts are made directly in packed form by the MoE module's INT4 path.
+  The script checks that every device holds exactly its shard of every param and records the bytes per device.
+- The KV cache of each stream count holds --prefix rows of RANDOM latents per stream (unit normal, like the normed
+  c_kv), written in place on the devices: a stand-in for a prefill of that length, which is only there to be read
+  (attention's cost does not depend on the values). One real prefill of --prefill_tokens tokens (one stream, from an
+  empty cache) is timed as its own case.
+- AR step: one target forward of T = 1 token per stream against the cache (its latent row written), argmax over the
+  vocabulary. DDTree verify step: one forward of T = B + 1 nodes per stream of a random valid tree (each node sees its
+  ancestors; positions prefix + depth), argmax per node. Drafting, tree build, accept and compaction are not in it.
+- Time: wall clock of the compiled step with `jax.block_until_ready`, the cache donated and fed back, median of
+  --reps calls after --warmup calls (at these step sizes, milliseconds, the host's dispatch is a small part).
+  --profile_dir also writes a profiler trace with one annotation per call ("k26|case|rep").
+- Bytes per device: the params and the cache each device actually holds, and `compiled.memory_analysis()`.
+- Collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in the compiled HLO,
+  counted by (op, dtype, elements); each distinct one is timed standalone on the mesh (a chain of 16 inside one
+  jit, per-op time = call / 16); the estimate is the sum of count x time (serial: overlap with compute not counted).
+- Floors. Bytes a step must read: every param once except the embedding (a gather of M rows), the routed experts
+  only as touched (expected distinct experts of M = S x T tokens, each choosing top-k of E uniformly at random), and
+  each stream's latent cache rows once. Model floor = those bytes / (devices x --bandwidth_GBps): the issue's floor
+  (about 33 GB per AR token at K2.6). Device floor = what one device must read under this layout (its shards of the
+  dense params, the replicated q_a / kv_a projections, its touched local experts, the whole latent cache of its
+  streams, since the cache is replicated over tp) / --bandwidth_GBps. Compute floor = FLOPs / (devices x
+  --matmul_TFLOPs). Each fraction is floor / measured step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kdtree_jax import config as config_lib
+from kdtree_jax import sharding
+from kdtree_jax.cache import KVCache
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.decode import pick_tokens
+from kdtree_jax.model.layers import dtype_of
+from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.tree import random_tree_visible
+
+GB = 1e9
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+CHAIN = 16  # collectives per standalone timing call
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # CPU smoke runs
+HLO_DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "s32": jnp.int32, "u32": jnp.uint32,
+              "pred": jnp.uint8, "s8": jnp.int8, "u8": jnp.uint8, "f64": jnp.float64, "s64": jnp.int64}
+
+
+# ----------------------------------------------------------------------------------------------------- config
+def tiny_scale(cfg: ModelConfig) -> ModelConfig:
+    """cfg shrunk for a CPU smoke run, K2.6's proportions kept loosely (hidden = 28 x 256 -> 256; 64 heads -> 8;
+    384 experts top-8 -> 64 top-4; 61 layers -> 3, one dense), every split axis divisible by 8, INT4 groups whole."""
+    return cfg.replace(name=f"{cfg.name}_tiny", vocab_size=2048, hidden_size=256, num_layers=3, num_heads=8,
+                       q_lora_rank=64 if cfg.q_lora_rank else None, kv_lora_rank=64, qk_nope_head_dim=32,
+                       qk_rope_head_dim=16, v_head_dim=32, intermediate_size=640, moe_intermediate_size=64,
+                       num_experts=64, num_experts_per_tok=4, first_k_dense=min(cfg.first_k_dense, 1))
+
+
+def bench_config(preset: str, scale: str, layers: int) -> ModelConfig:
+    """The preset, shrunk when scale == 'tiny', with num_layers = layers when layers > 0."""
+    if scale not in ("full", "tiny"):
+        raise ValueError(f"--scale={scale!r} must be 'full' or 'tiny'")
+    cfg = config_lib.preset(preset)
+    if scale == "tiny":
+        cfg = tiny_scale(cfg)
+    if layers < 0:
+        raise ValueError(f"--layers={layers} must be >= 0 (0 keeps the config's {cfg.num_layers})")
+    if layers:
+        cfg = cfg.replace(num_layers=layers, first_k_dense=min(cfg.first_k_dense, layers))
+    return cfg
+
+
+def bench_mesh(text: str):
+    """--mesh as sharding.parse_mesh reads it; empty: every local device on tp."""
+    return sharding.parse_mesh(text) or sharding.make_mesh(tp=jax.local_device_count())
+
+
+# ------------------------------------------------------------------------------------------------------ floors
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """Param bytes of a target by how a forward reads them: in total (each param once) and on one device."""
+
+    experts: int  # routed experts of every MoE layer, all E
+    experts_per_device: int
+    resident: int  # every other param a forward reads whole (attention, dense / shared MLP, router, norms, lm_head)
+    resident_per_device: int
+    resident_params: int  # their element count (2 FLOPs per token each)
+    embedding: int  # embed_tokens when not tied: a gather of M rows, not read whole
+    embedding_per_device: int
+
+
+def weight_bytes(cfg: ModelConfig, axis_sizes: dict) -> WeightBytes:
+    """From the abstract model (no memory) and the sharding rules; axis_sizes: {"data": ..., "tp": ...}."""
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    sums = {"experts": [0, 0], "resident": [0, 0], "embedding": [0, 0]}
+    resident_params = 0
+    for path, variable in nnx.to_flat_state(state):
+        leaf = variable.get_value()
+        spec = sharding.param_spec(path, leaf.shape, axis_sizes)
+        split = math.prod(axis_sizes[axis] for axis in spec if axis is not None)
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        axes = sharding.PARAM_AXES[path[-1]]
+        if axes[0] == "experts" and len(axes) == 3:
+            role = "experts"
+        elif path[-1] == "embed_tokens" and not cfg.tie_word_embeddings:
+            role = "embedding"
+        else:
+            role = "resident"
+            resident_params += math.prod(leaf.shape)
+        sums[role][0] += nbytes
+        sums[role][1] += nbytes // split
+    return WeightBytes(*sums["experts"], *sums["resident"], resident_params, *sums["embedding"])
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts hit by `tokens` tokens, each choosing top_k distinct experts uniformly at random."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one forward of `nodes` tokens per stream over `streams` streams with `prefix` cached rows must do."""
+
+    tokens: int  # M = streams x nodes
+    experts_touched: float  # expected distinct routed experts per MoE layer
+    weight_bytes: float  # resident params once + touched experts
+    kv_bytes: float  # each stream's latent rows read once
+    device_bytes: float  # one device under the layout: its resident shards + touched local experts + its streams' KV
+    flops: float  # all devices together
+
+    @property
+    def model_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    def floors_s(self, devices: int, bandwidth: float, matmul: float) -> dict:
+        """Seconds: model (bytes over all devices' bandwidth), device (one device's bytes), compute."""
+        return {"model": self.model_bytes / (devices * bandwidth), "device": self.device_bytes / bandwidth,
+                "compute": self.flops / (devices * matmul)}
+
+
+def step_cost(cfg: ModelConfig, weights: WeightBytes, axis_sizes: dict, streams: int, nodes: int,
+              prefix: int) -> StepCost:
+    tp, data = axis_sizes[sharding.TP], axis_sizes[sharding.DATA]
+    m = streams * nodes
+    moe_layers = cfg.num_layers - cfg.first_k_dense
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = expected_experts(e, k, m) if moe_layers else 0.0
+    per_expert = weights.experts / max(moe_layers * e, 1)  # bytes of one expert of one layer
+    local_touched = expected_experts(e, k, m / data) / tp if moe_layers else 0.0
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * np.dtype(dtype_of(cfg.dtype)).itemsize * cfg.num_layers
+    kv = streams * (prefix + nodes) * row
+    expert_flops = m * k * moe_layers * 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    attention_flops = (2 * m * cfg.num_heads * (prefix + nodes) * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                       * cfg.num_layers)
+    return StepCost(tokens=m, experts_touched=touched,
+                    weight_bytes=weights.resident + touched * moe_layers * per_expert, kv_bytes=kv,
+                    device_bytes=weights.resident_per_device + local_touched * moe_layers * per_expert + kv / data,
+                    flops=2 * m * weights.resident_params + expert_flops + attention_flops)
+
+
+# ------------------------------------------------------------------------------------------------- collectives
+_COLLECTIVE = re.compile(rf"= (.*?) ({'|'.join(COLLECTIVE_OPS)})(-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def hlo_collectives(hlo: str) -> dict[tuple[str, str, int], int]:
+    """{(op, dtype, elements of one result on one device): count} over every collective of compiled HLO text.
+
+    A combined op (tuple result) counts each of its results. An async `-start` op of all-gather / collective-permute
+    returns (operands, results[, scalar contexts]): only its results count; all-reduce-start returns its results.
+    """
+    counts: dict = {}
+    for match in _COLLECTIVE.finditer(hlo):
+        shapes = [(dtype, math.prod(int(d) for d in dims.split(",")) if dims else 1)
+                  for dtype, dims in _SHAPE.findall(match.group(1)) if dims]
+        if match.group(3) and match.group(2) in ("all-gather", "collective-permute"):
+            shapes = shapes[len(shapes) // 2:]
+        for dtype, elements in shapes:
+            key = (match.group(2), dtype, elements)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def time_collective(mesh, op: str, dtype: str, elements: int, reps: int) -> float:
+    """Seconds per `op` over tp whose result on each device has `elements` elements of HLO dtype `dtype`."""
+    tp = sharding.tp_size(mesh)
+    n = -(-max(elements, 1) // tp) * tp
+    local = {"all-gather": n // tp, "reduce-scatter": n * tp}.get(op, n)
+
+    def one(x):
+        if op == "all-reduce":
+            return jax.lax.psum(x, sharding.TP)
+        if op == "all-gather":
+            return jax.lax.all_gather(x, sharding.TP, tiled=True).reshape(tp, local).sum(0, dtype=x.dtype)
+        if op == "reduce-scatter":
+            return jnp.tile(jax.lax.psum_scatter(x, sharding.TP, tiled=True), tp)
+        if op == "all-to-all":
+            return jax.lax.all_to_all(x, sharding.TP, 0, 0, tiled=True)
+        return jax.lax.ppermute(x, sharding.TP, [(i, (i + 1) % tp) for i in range(tp)])
+
+    def chain(x):
+        for _ in range(CHAIN):
+            x = one(x)
+        return x
+
+    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(sharding.TP), out_specs=P(sharding.TP), check_vma=False))
+    x = jax.device_put(jnp.ones((local * tp,), HLO_DTYPES.get(dtype, jnp.float32)),
+                       NamedSharding(mesh, P(sharding.TP)))
+    return median_seconds(lambda: fn(x), reps, warmup=2) / CHAIN
+
+
+def median_seconds(call, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def collective_estimate(mesh, counts: dict, reps: int, timed: dict) -> dict:
+    """Count, bytes per device and estimated serial seconds of the step's collectives; timed: a cache across cases."""
+    ops, seconds = [], 0.0
+    for (op, dtype, elements), count in sorted(counts.items()):
+        key = (op, dtype, elements)
+        if key not in timed:
+            timed[key] = time_collective(mesh, op, dtype, elements, reps)
+        seconds += count * timed[key]
+        itemsize = np.dtype(HLO_DTYPES.get(dtype, jnp.float32)).itemsize
+        ops.append(dict(op=op, dtype=dtype, elements=elements, count=count, bytes=elements * itemsize,
+                        us_each=timed[key] * 1e6))
+    return dict(count=sum(counts.values()), bytes=sum(o["count"] * o["bytes"] for o in ops), seconds=seconds,
+                ops=ops)
+
+
+# --------------------------------------------------------------------------------------------- model and cache
+def param_layout(params, mesh) -> dict:
+    """Bytes of the params in total and on each device, after checking that every param lives on every device of
+    the mesh, each holding exactly the shard its rule gives (raises RuntimeError otherwise)."""
+    devices = {d.id for d in mesh.devices.flat}
+    per_device = dict.fromkeys(sorted(devices), 0)
+    total = count = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shard_shape = NamedSharding(mesh, sharding.param_spec(path, x.shape, mesh.shape)).shard_shape(x.shape)
+        held = {s.device.id: s.data.shape for s in x.addressable_shards}
+        if set(held) != devices or set(held.values()) != {shard_shape}:
+            raise RuntimeError(f"param {jax.tree_util.keystr(path)} {x.shape}: devices hold {held}, expected "
+                               f"{shard_shape} on each of {sorted(devices)}")
+        for s in x.addressable_shards:
+            per_device[s.device.id] += s.data.nbytes
+        total += x.nbytes
+        count += 1
+    return dict(params=count, total_bytes=total, per_device_bytes=list(per_device.values()))
+
+
+def random_cache(cfg: ModelConfig, mesh, streams: int, capacity: int, filled: int, seed: int) -> KVCache:
+    """A latent cache of `capacity` rows per stream, rows [0, filled) random (unit normal), lengths `filled`: a
+    stand-in for a prefill of `filled` tokens, made in place on the devices (split over data, replicated over tp)."""
+    dt = dtype_of(cfg.dtype)
+
+    def make(key):
+        keys = jax.random.split(key, 2 * cfg.num_layers)
+        rows = (jnp.arange(capacity) < filled)[None, :, None]
+
+        def layer(key, width):
+            return jnp.where(rows, jax.random.normal(key, (streams, capacity, width), dt), jnp.zeros((), dt))
+
+        return KVCache(tuple(layer(keys[2 * i], cfg.kv_lora_rank) for i in range(cfg.num_layers)),
+                       tuple(layer(keys[2 * i + 1], cfg.qk_rope_head_dim) for i in range(cfg.num_layers)),
+                       jnp.full((streams,), filled, jnp.int32))
+
+    return jax.jit(make, out_shardings=sharding.stream_sharding(mesh))(jax.random.key(seed))
+
+
+def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams: int, nodes: int, prefix: int):
+    """(tokens [S, T], positions [S, T], visible [S, T, T]) of one step: 'ar' (T = 1), 'verify' (a random tree of
+    T nodes: each sees its ancestors, positions prefix + depth) or 'prefill' (causal, positions 0..T-1)."""
+    tokens = rng.integers(0, cfg.vocab_size, (streams, nodes), dtype=np.int32)
+    if kind == "prefill":
+        visible = np.broadcast_to(np.tril(np.ones((nodes, nodes), bool)), (streams, nodes, nodes))
+        return tokens, np.broadcast_to(np.arange(nodes, dtype=np.int32), (streams, nodes)), visible
+    visible = random_tree_visible(rng, streams, nodes)
+    return tokens, (prefix + visible.sum(-1) - 1).astype(np.int32), visible
+
+
+def make_step(graphdef, params, mesh):
+    """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache), cache donated;
+    params in their shards, every per-stream array split over data. Lower it under jax.set_mesh(mesh)."""
+    streams = sharding.stream_sharding(mesh)
+
+    def step(params, cache, tokens, positions, visible):
+        fwd = nnx.merge(graphdef, params)(tokens, positions, cache, visible)
+        return pick_tokens(fwd.logits, 0.0, None), fwd.cache
+
+    return jax.jit(step, donate_argnums=(1,), out_shardings=(streams, streams),
+                   in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams))
+
+
+# ----------------------------------------------------------------------------------------------------- one case
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str  # "prefill" | "ar" | "verify"
+    streams: int
+    nodes: int  # T
+    prefix: int  # committed rows each stream attends to
+
+    @property
+    def budget(self) -> int:
+        return self.nodes - 1 if self.kind == "verify" else 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} S={self.streams} T={self.nodes}"
+
+
+def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_collectives, run: dict):
+    """Compile, inspect and time one case; returns (result row, the cache handed back by the last call)."""
+    inputs = tuple(jax.device_put(a, sharding.stream_sharding(mesh))
+                   for a in block_inputs(rng, cfg, case.kind, case.streams, case.nodes, case.prefix))
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
+    compile_s = time.perf_counter() - start
+    hlo = compiled.as_text()
+    memory = compiled.memory_analysis()
+    state = {"cache": cache}
+
+    def call():
+        tokens, state["cache"] = compiled(params, state["cache"], *inputs)
+        return tokens, state["cache"]
+
+    times = []
+    for r in range(run["warmup"] + run["reps"]):
+        with jax.profiler.TraceAnnotation(f"k26|{case.name}|{r}"):
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            elapsed = time.perf_counter() - start
+        if r >= run["warmup"]:
+            times.append(elapsed)
+    step_s = float(np.median(times))
+    axis_sizes = dict(mesh.shape)
+    cost = step_cost(cfg, weights, axis_sizes, case.streams, case.nodes, case.prefix)
+    floors = cost.floors_s(mesh.size, run["bandwidth"], run["matmul"])
+    collectives = collective_estimate(mesh, hlo_collectives(hlo), run["reps"], timed_collectives)
+    row = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes, prefix=case.prefix,
+               tokens=cost.tokens, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
+               step_ms_std=float(np.std(times)) * 1e3, reps=len(times), compile_s=compile_s,
+               experts_touched_per_layer=cost.experts_touched, model_bytes=cost.model_bytes,
+               weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
+               flops=cost.flops, floor_ms={k: v * 1e3 for k, v in floors.items()},
+               fraction_of_floor={k: v / step_s for k, v in floors.items()},
+               collectives=dict(collectives, ms=collectives["seconds"] * 1e3,
+                                fraction_of_step=collectives["seconds"] / step_s),
+               memory_per_device=_memory(memory))
+    return row, state["cache"]
+
+
+def _memory(stats) -> dict:
+    if stats is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    return {f.removesuffix("_size_in_bytes"): int(getattr(stats, f)) for f in fields if hasattr(stats, f)}
+
+
+# ------------------------------------------------------------------------------------------------------ output
+def format_row(r: dict) -> str:
+    if "step_ms" not in r:
+        return f"{r['kind']:>7} S={r['streams']:<3d} T={r['nodes']:<4d} {r.get('skipped') or r.get('error')}"
+    frac, floor, coll = r["fraction_of_floor"], r["floor_ms"], r["collectives"]
+    return (f"{r['kind']:>7} S={r['streams']:<3d} B={r['budget']:<3d} M={r['tokens']:<5d} | step {r['step_ms']:9.3f} ms"
+            f" (compile {r['compile_s']:5.1f} s) | floors ms model {floor['model']:7.3f} ({frac['model']:6.1%}) device "
+            f"{floor['device']:7.3f} ({frac['device']:6.1%}) compute {floor['compute']:7.3f} | read "
+            f"{r['model_bytes'] / GB:7.2f} GB, {r['device_bytes'] / GB:6.2f} GB/dev | coll {coll['count']:4d} "
+            f"{coll['bytes'] / 1e6:8.2f} MB/dev ~{coll['ms']:7.3f} ms ({coll['fraction_of_step']:5.1%}) | temp "
+            f"{r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
+
+
+def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, label: str) -> dict:
+    """Print and return the AR floor (one token, one stream) of cfg on this layout."""
+    cost = step_cost(cfg, weight_bytes(cfg, axis_sizes), axis_sizes, 1, 1, prefix)
+    devices = math.prod(axis_sizes.values())
+    floors = cost.floors_s(devices, run["bandwidth"], run["matmul"])
+    print(f"AR floor, {label} ({cfg.num_layers} layers, {cfg.num_experts_per_tok} of {cfg.num_experts} experts per "
+          f"token, prefix {prefix}): weights {cost.weight_bytes / GB:.2f} GB + KV {cost.kv_bytes / GB:.3f} GB read "
+          f"per token = {floors['model'] * 1e3:.3f} ms over {devices} devices at {run['bandwidth'] / GB:.0f} GB/s "
+          f"each; one device under this layout reads {cost.device_bytes / GB:.2f} GB = "
+          f"{floors['device'] * 1e3:.3f} ms", flush=True)
+    return dict(weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
+                floor_ms={k: v * 1e3 for k, v in floors.items()})
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def define_flags() -> None:
+    """The script's flags (defined only when run as a script, so tests can import its functions)."""
+    flags.DEFINE_string("config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}")
+    flags.DEFINE_integer("layers", 0, "override num_layers (0: the config's; e.g. 61 on 8 GPUs, 4-8 on one H200)")
+    flags.DEFINE_string("mesh", "", "'tp=8' | 'data=2,tp=4' (empty: every local device on tp)")
+    flags.DEFINE_list("streams", ["1", "8"], "stream counts S")
+    flags.DEFINE_integer("prefix", 4096, "committed cache rows per stream (random latents)")
+    flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets B (verify T = B + 1)")
+    flags.DEFINE_integer("prefill_tokens", 512, "tokens of the one timed prefill (one stream per data group, empty cache; 0: none)")
+    flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
+    flags.DEFINE_integer("warmup", 2, "untimed calls per case after compiling")
+    flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: a shrunken config for a CPU smoke run")
+    flags.DEFINE_float("bandwidth_GBps", 4300.0, "HBM bandwidth of one device for the floors (H200: ~4.3 TB/s copy)")
+    flags.DEFINE_float("matmul_TFLOPs", 780.0, "bf16 matmul rate of one device for the compute floor")
+    flags.DEFINE_float("time_budget_s", 0.0, "start no new case after this many seconds (0: no limit)")
+    flags.DEFINE_string("profile_dir", "", "also write a profiler trace of the timed calls here")
+    flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)")
+    flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees")
+    flags.DEFINE_string("out", "experiments/results/k26.json", "JSON results path (rewritten after every case)")
+    flags.DEFINE_bool("append", False, "keep the cases already measured in --out (same config, mesh and prefix) and "
+                      "run only the others: resumes a run cut short, or splits one over several commands")
+
+
+def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
+    """The prefill (data streams, one per data group) first, then AR and verify for each stream count."""
+    streams = [int(s) for s in f.streams]
+    budgets = [int(b) for b in f.budgets]
+    if not streams or min(streams) < 1 or min(budgets, default=1) < 1 or f.prefix < 0 or f.prefill_tokens < 0:
+        raise ValueError(f"--streams {streams} and --budgets {budgets} must be positive, --prefix {f.prefix} and "
+                         f"--prefill_tokens {f.prefill_tokens} non-negative")
+    if f.prefix + max(budgets, default=0) + 1 > max_position or f.prefill_tokens > max_position:
+        raise ValueError(f"--prefix {f.prefix} + the largest tree ({max(budgets, default=0) + 1} nodes) or "
+                         f"--prefill_tokens {f.prefill_tokens} passes the model's max_position_embeddings "
+                         f"{max_position}; shorten them")
+    cases = [Case("prefill", data, f.prefill_tokens, 0)] if f.prefill_tokens else []
+    for s in streams:
+        cases += [Case("ar", s, 1, f.prefix)] + [Case("verify", s, b + 1, f.prefix) for b in budgets]
+    return cases
+
+
+def case_key(row: dict) -> tuple:
+    return row["kind"], row["streams"], row["nodes"], row.get("prefix")
+
+
+def previous_results(path: str, meta: dict) -> dict | None:
+    """The results at `path` when they are of the same config and mesh (--append), else None; raises on a mismatch."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        previous = json.load(fh)
+    for field in ("config", "mesh", "prefix"):
+        if previous["meta"][field] != json.loads(json.dumps(meta[field])):
+            raise ValueError(f"--append: {path} holds a run with another {field} ({previous['meta'][field]}); "
+                             f"choose another --out or drop --append")
+    return previous
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    start = time.time()
+    cfg = bench_config(f.config, f.scale, f.layers)
+    mesh = bench_mesh(f.mesh)
+    cases = cases_from_flags(f, cfg.max_position_embeddings, mesh.shape[sharding.DATA])
+    for case in cases:
+        sharding.check_streams(mesh, case.streams)
+    run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
+               compiler_options=FAST_COMPILE if f.fast_compile else None)
+    axis_sizes = dict(mesh.shape)
+    meta = dict(jax=jax.__version__, backend=jax.default_backend(),
+                devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
+                prefix=f.prefix, reps=f.reps, warmup=f.warmup, bandwidth_GBps=f.bandwidth_GBps,
+                matmul_TFLOPs=f.matmul_TFLOPs, cache="random latents written in place (no prefill), lengths = prefix",
+                env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
+    results = dict(meta=meta, runs=[], floors={}, params={}, cases=[])
+    previous = previous_results(f.out, meta) if f.append else None
+    if previous is not None:  # keep what was measured; errors and skipped cases run again
+        results["runs"] = previous.get("runs", [])
+        results["cases"] = [c for c in previous["cases"] if "step_ms" in c]
+    done = {case_key(c) for c in results["cases"]}
+    results["runs"].append(dict(date=meta["date"], host=meta["host"]))
+
+    def dump():
+        os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+        with open(f.out, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+    print(f"{cfg.name}: {cfg.num_layers} layers, {cfg.expert_quant} experts, {cfg.dtype}; mesh {axis_sizes} on "
+          f"{mesh.size} x {mesh.devices.flat[0].device_kind}", flush=True)
+    results["floors"]["this_config"] = print_floor(cfg, axis_sizes, f.prefix, run, "this config")
+    full = config_lib.preset(f.config)
+    if f.scale == "full" and full.num_layers != cfg.num_layers:
+        results["floors"]["full_model"] = print_floor(full, axis_sizes, f.prefix, run, f"full {full.name}")
+
+    t0 = time.perf_counter()
+    model = sharding.init_in_shards(lambda rngs: Transformer(cfg, rngs), mesh, f.seed)
+    graphdef, params = nnx.split(model)
+    jax.block_until_ready(params)
+    results["params"] = dict(param_layout(params, mesh), init_s=time.perf_counter() - t0)
+    print(f"params made in shards in {results['params']['init_s']:.1f} s: {results['params']['total_bytes'] / GB:.2f}"
+          f" GB in total, per device {[round(b / GB, 3) for b in results['params']['per_device_bytes']]} GB",
+          flush=True)
+    dump()
+
+    weights = weight_bytes(cfg, axis_sizes)
+    step = make_step(graphdef, params, mesh)
+    rng = np.random.default_rng(f.seed)
+    timed_collectives: dict = {}
+    if f.profile_dir:
+        jax.profiler.start_trace(f.profile_dir)
+    try:
+        cache, cache_key = None, None
+        for case in cases:
+            head = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes,
+                        prefix=case.prefix)
+            if case_key(head) in done:
+                continue
+            if f.time_budget_s and time.time() - start > f.time_budget_s:
+                row = dict(head, skipped=f"time budget {f.time_budget_s:.0f} s spent")
+            else:
+                key = (case.streams, case.kind == "prefill")
+                try:
+                    if key != cache_key:
+                        cache = None  # the previous cache's buffers go before the next is made
+                        rows = case.nodes if case.kind == "prefill" else case.prefix + max(
+                            c.nodes for c in cases if c.kind != "prefill")
+                        cache = random_cache(cfg, mesh, case.streams, -(-rows // 128) * 128,
+                                             0 if case.kind == "prefill" else case.prefix, f.seed + case.streams)
+                        cache_key = key
+                    row, cache = run_case(case, step, params, cache, mesh, cfg, weights, rng, timed_collectives,
+                                          run)
+                    row["cache_bytes_per_device"] = sum(s.data.nbytes for x in jax.tree.leaves(cache)
+                                                        for s in x.addressable_shards
+                                                        if s.device == mesh.devices.flat[0])
+                except Exception as e:  # noqa: BLE001 - a failed case (compile error, out of memory) is a result
+                    row = dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")
+                    cache, cache_key = None, None  # a donated cache may be gone: make a new one
+            results["cases"].append(row)
+            print(format_row(row), flush=True)
+            dump()
+    finally:
+        if f.profile_dir:
+            jax.profiler.stop_trace()
+    results["meta"]["wall_s"] = time.time() - start
+    dump()
+    print(f"wrote {f.out} in {time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

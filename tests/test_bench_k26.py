@@ -1,0 +1,133 @@
+"""experiments/bench_k26.py: the whole script at tiny scale on 8 fake CPU devices (a child process), its floors at
+the full Kimi K2.6 shapes, and its reading of collectives from compiled HLO text."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdtree_jax import config, sharding
+from kdtree_jax.model.transformer import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "experiments", "bench_k26.py")
+DEVICES = 8
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_k26", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def test_tiny_run_on_8_cpu_devices(tmp_path):
+    """The script's main path: params made in their shards, every case timed, floors and collectives reported."""
+    out = tmp_path / "k26_tiny.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+               f"--xla_force_host_platform_device_count={DEVICES}".strip())
+    args = ["--scale=tiny", "--layers=2", "--prefix=64", "--streams=1,8", "--budgets=4", "--prefill_tokens=16",
+            "--reps=2", "--warmup=1", "--fast_compile", f"--out={out}"]
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    assert results["meta"]["mesh"] == {"data": 1, "tp": DEVICES}
+    assert results["meta"]["config"]["num_layers"] == 2 and results["meta"]["config"]["expert_quant"] == "int4"
+    cases = {(c["kind"], c["streams"], c["nodes"]): c for c in results["cases"]}
+    assert set(cases) == {("prefill", 1, 16), ("ar", 1, 1), ("verify", 1, 5), ("ar", 8, 1), ("verify", 8, 5)}
+    for case in cases.values():
+        assert "error" not in case and "skipped" not in case, case
+        for key in ("step_ms", "step_ms_min", "compile_s", "model_bytes", "device_bytes", "flops"):
+            assert np.isfinite(case[key]) and case[key] > 0, (key, case)
+        for kind in ("model", "device", "compute"):
+            assert np.isfinite(case["floor_ms"][kind]) and case["floor_ms"][kind] > 0, case
+            assert case["fraction_of_floor"][kind] == pytest.approx(case["floor_ms"][kind] / case["step_ms"])
+        assert case["collectives"]["count"] > 0 and case["collectives"]["ms"] > 0, case  # tp = 8: psums at least
+        assert case["memory_per_device"]["temp"] >= 0 and case["cache_bytes_per_device"] > 0
+    assert cases[("verify", 8, 5)]["tokens"] == 40 and cases[("verify", 8, 5)]["budget"] == 4
+
+    # Each device holds exactly its shard: the script checked every param's shards; here the bytes add up to the
+    # rules' split of the abstract model, far below the whole.
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    whole = per_device = 0
+    for path, variable in nnx.to_flat_state(state):
+        leaf = variable.get_value()
+        spec = sharding.param_spec(path, leaf.shape, {"data": 1, "tp": DEVICES})
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        whole += nbytes
+        per_device += nbytes // (DEVICES if sharding.TP in spec else 1)
+    params = results["params"]
+    assert params["total_bytes"] == whole
+    assert params["per_device_bytes"] == [per_device] * DEVICES
+    assert per_device < whole / 4
+
+
+def test_k26_ar_floor_is_33_gb_per_token():
+    """The AR floor at the full K2.6 shapes on tp=8, against the parameter counts written out from the config."""
+    k2 = config.kimi_k2_6()
+    axis_sizes = {"data": 1, "tp": 8}
+    weights = bench.weight_bytes(k2, axis_sizes)
+    d, layers, moe = k2.hidden_size, k2.num_layers, k2.num_layers - k2.first_k_dense
+    attention = (d * k2.q_lora_rank + k2.q_lora_rank + k2.q_lora_rank * k2.num_heads * k2.qk_head_dim
+                 + d * (k2.kv_lora_rank + k2.qk_rope_head_dim) + k2.kv_lora_rank
+                 + k2.kv_lora_rank * k2.num_heads * (k2.qk_nope_head_dim + k2.v_head_dim)
+                 + k2.num_heads * k2.v_head_dim * d + 2 * d)
+    bf16 = (layers * attention + 3 * d * k2.intermediate_size + moe * 3 * d * k2.moe_intermediate_size + d
+            + d * k2.vocab_size)
+    router_f32 = moe * (d + 1) * k2.num_experts
+    assert weights.resident == 2 * bf16 + 4 * router_f32
+    expert = 3 * d * k2.moe_intermediate_size * (4 + 16 / k2.quant_group_size) / 8  # nibbles + a bf16 scale per 32
+    assert weights.experts == moe * k2.num_experts * expert
+
+    ar = bench.step_cost(k2, weights, axis_sizes, streams=1, nodes=1, prefix=0)
+    assert ar.experts_touched == pytest.approx(k2.num_experts_per_tok)
+    assert ar.weight_bytes == pytest.approx(weights.resident + moe * k2.num_experts_per_tok * expert)
+    assert 33.0e9 < ar.weight_bytes < 33.6e9
+    assert ar.floors_s(8, 4.3e12, 780e12)["model"] == pytest.approx((ar.weight_bytes + ar.kv_bytes) / (8 * 4.3e12))
+    # One device: its resident shards + one of the 8 experts on average (E/8 local) + the whole latent cache.
+    at_4k = bench.step_cost(k2, weights, axis_sizes, streams=8, nodes=65, prefix=4096)
+    assert at_4k.kv_bytes == 8 * (4096 + 65) * layers * (k2.kv_lora_rank + k2.qk_rope_head_dim) * 2
+    assert ar.device_bytes == pytest.approx(weights.resident_per_device + moe * expert + ar.kv_bytes)
+    assert at_4k.experts_touched == pytest.approx(k2.num_experts, rel=1e-3)  # 520 tokens touch every expert
+
+
+def test_hlo_collectives_reads_sync_async_and_combined_ops():
+    hlo = "\n".join([
+        "  %all-reduce-start = bf16[8,7168]{1,0} all-reduce-start(bf16[8,7168]{1,0} %fusion.1), channel_id=1",
+        "  %all-reduce-done = bf16[8,7168]{1,0} all-reduce-done(bf16[8,7168]{1,0} %all-reduce-start)",
+        "  %ag = (f32[8,48]{1,0}, f32[8,384]{1,0}) all-gather-start(f32[8,48]{1,0} %x), dimensions={1}",
+        "  %ag.done = f32[8,384]{1,0} all-gather-done((f32[8,48]{1,0}, f32[8,384]{1,0}) %ag)",
+        "  %ar = (f32[8,7168]{1,0}, f32[8,8]{1,0}) all-reduce(f32[8,7168]{1,0} %a, f32[8,8]{1,0} %b), to_apply=%add",
+        "  %cp = (bf16[4]{0}, bf16[4]{0}, u32[], u32[]) collective-permute-start(bf16[4]{0} %z)",
+        "  %f = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, calls=%fused_all-reduce",
+    ])
+    assert bench.hlo_collectives(hlo) == {("all-reduce", "bf16", 8 * 7168): 1, ("all-gather", "f32", 8 * 384): 1,
+                                          ("all-reduce", "f32", 8 * 7168): 1, ("all-reduce", "f32", 64): 1,
+                                          ("collective-permute", "bf16", 4): 1}
+
+
+def test_flag_errors_and_append_guard(tmp_path):
+    with pytest.raises(ValueError, match="--layers"):
+        bench.bench_config("kimi_k2_6", "full", -1)
+    with pytest.raises(ValueError, match="--scale"):
+        bench.bench_config("kimi_k2_6", "huge", 0)
+    assert bench.bench_config("kimi_k2_6", "full", 4).num_layers == 4
+    path = tmp_path / "old.json"
+    meta = dict(config={"num_layers": 4}, mesh={"data": 1, "tp": 1}, prefix=4096)
+    path.write_text(json.dumps({"meta": meta, "cases": []}))
+    assert bench.previous_results(str(path), meta) is not None
+    with pytest.raises(ValueError, match="another mesh"):
+        bench.previous_results(str(path), dict(meta, mesh={"data": 1, "tp": 8}))
+    assert bench.previous_results(str(tmp_path / "none.json"), meta) is None
