@@ -1,0 +1,285 @@
+"""Per-round cost of the decode loop on the device, stage by stage, and the loop's own overhead.
+
+    PYTHONPATH=. python3 experiments/bench_round.py                 # shipped code_target + drafter checkpoints
+    PYTHONPATH=. python3 experiments/bench_round.py --config=tiny --init=random --drafter=random \\
+        --budgets=0,8 --streams=2 --prompt_len=8 --rounds=4 --reps=3        # CPU smoke run
+
+For each (streams, budget) (budget 0 = ar, else ddtree with B nodes), from the state after prefilling random prompts
+of --prompt_len tokens:
+  * each stage of a round as its own jitted function on that state: draft (the drafter's block), build (ops.tree_build),
+    verify (the target's forward over the B+1 nodes), accept (argmax per node + ops.tree_accept), commit (KV
+    compaction + the drafter context of the accepted tokens); their sum. The emitted-token bookkeeping of a round is
+    in none of them;
+  * `round`: one whole `decode_round` in one jit (one dispatch; the bookkeeping included);
+  * `while_loop`: prefill + the `lax.while_loop` exactly as `Decoder.generate` compiles it, up to --rounds rounds;
+    per round = (loop - prefill) / rounds, prefill timed on its own;
+  * `fixed_loop`: the same prefill + rounds as a `lax.fori_loop` with a fixed trip count (no data-dependent predicate).
+    XLA:GPU reads a while loop's predicate back to the host and waits for it every iteration unless the trip count
+    is known, so `while_loop - fixed_loop` per round is the cost of that round trip;
+  * overhead = while_loop per round - sum of the stages.
+Times are device spans from profiler traces (experiments/bench_kernels.time_jobs; wall clock where there is no device
+trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
+On the GPU the loops also report device busy time, device events and device-to-host copies per round.
+
+Flags --out and --reps are bench_kernels.py's (this script uses its timing); --out defaults here to
+experiments/results/round_<backend>.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments.bench_kernels import Job, rel_err, time_jobs
+from kdtree_jax import config as config_lib
+from kdtree_jax.cache import compact
+from kdtree_jax.decode import DecodeSpec, Decoder, LoopState, decode_round, pick_tokens, prefill, root_only_tree
+from kdtree_jax.drafter import Drafter
+from kdtree_jax.model.transformer import Transformer
+from pallas_kernels import ops
+
+F = flags.FLAGS
+flags.DEFINE_string("config", "code_target", f"model preset of a random target: {sorted(config_lib.PRESETS)}")
+flags.DEFINE_string("init", "checkpoints/target", "'random' (at --config) or a target checkpoint directory")
+flags.DEFINE_string("drafter", "checkpoints/drafter", "'random' or a drafter checkpoint directory")
+flags.DEFINE_integer("block_size", 16, "block size L of a random drafter (a checkpointed drafter has its own)")
+flags.DEFINE_list("budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
+flags.DEFINE_list("streams", ["1", "8"], "streams decoded together")
+flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
+flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is done)")
+flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
+flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
+flags.declare_key_flag("out")
+flags.declare_key_flag("reps")
+F.set_default("out", "")
+F.set_default("reps", 10)
+
+STAGES = ("draft", "build", "verify", "accept", "commit")
+
+
+# ------------------------------------------------------------------------------------------------------ models
+def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int) -> tuple[Transformer, Drafter]:
+    """The target (checkpoint or random at `preset`) and its drafter (checkpoint or random: the code_target's own
+    drafter config for code_target, the tiny drafter config otherwise)."""
+    if init == "random":
+        target = Transformer(config_lib.preset(preset), nnx.Rngs(seed))
+    else:
+        from kdtree_jax.checkpoint import restore_target
+        target = restore_target(init)
+    if drafter_init == "random":
+        cfg = (config_lib.code_drafter(target.cfg) if target.cfg.name == "code_target"
+               else config_lib.tiny_drafter(target.cfg, block_size))
+        return target, Drafter(cfg, target.cfg, nnx.Rngs(seed + 1))
+    from kdtree_jax.checkpoint import restore_drafter
+    return target, restore_drafter(drafter_init, target.cfg)
+
+
+# ------------------------------------------------------------------------------------------------------ stages
+@dataclasses.dataclass
+class RoundFunctions:
+    """Jitted functions of one DecodeSpec; every one takes the target and drafter params first, so that weights are
+    arguments as in the loop (not constants folded into the executable)."""
+    prefill: object
+    stages: dict
+    round: object
+    while_loop: object
+
+
+def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt_len: int,
+                    cache_len: int) -> RoundFunctions:
+    def models(params, dparams):
+        target = nnx.merge(decoder.target_def, params)
+        drafter = nnx.merge(decoder.drafter_def, dparams) if spec.policy != "ar" else None
+        return target, drafter
+
+    def prefill_fn(params, dparams, cache, dcache, tokens, lengths, key):
+        return prefill(*models(params, dparams), spec, cache, dcache, tokens, lengths, key)
+
+    def draft(params, dparams, bonus, length, dcache):
+        target, drafter = models(params, dparams)
+        return drafter.draft(target.embed, target.logits, bonus, length, dcache, length)
+
+    def build(draft_logits, bonus):
+        if spec.policy == "ar":
+            return root_only_tree(bonus)
+        return ops.tree_build(draft_logits, bonus, spec.tree_budget, spec.tree_topk)
+
+    def verify(params, dparams, cache, tree):
+        target, drafter = models(params, dparams)
+        layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
+        return target(tree.tokens, cache.length[:, None] + tree.depth, cache, tree.visible, hidden_layers=layer_ids)
+
+    def accept(tree, logits):
+        # greedy (checked in `measure`): pick_tokens draws no random key at temperature 0
+        return ops.tree_accept(tree, pick_tokens(logits, spec.temperature, None), spec.depth)
+
+    def commit(params, dparams, cache, dcache, hidden, verdict, active):
+        """As at the end of decode_round: compaction, then the drafter context of the root and accepted nodes."""
+        _, drafter = models(params, dparams)
+        length = cache.length
+        cache = compact(cache, verdict.path, verdict.num_accepted, active)
+        if drafter is not None:
+            path = jnp.maximum(verdict.path, 0)
+            hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)
+            slots = jnp.arange(spec.depth + 1)[None, :]
+            dcache = drafter.extend_cache(dcache, hidden, length[:, None] + slots, length)
+        return cache, dcache
+
+    def one_round(params, dparams, state):
+        return decode_round(*models(params, dparams), spec, state)
+
+    stages = {"build": jax.jit(build), "verify": jax.jit(verify, donate_argnums=2), "accept": jax.jit(accept),
+              "commit": jax.jit(commit, donate_argnums=(2, 3))}
+    if spec.policy != "ar":
+        stages["draft"] = jax.jit(draft)
+    return RoundFunctions(jax.jit(prefill_fn, donate_argnums=(2, 3)), stages, jax.jit(one_round, donate_argnums=2),
+                          decoder._compile(spec, num_streams, prompt_len, cache_len))
+
+
+def fixed_loop(decoder: Decoder, spec: DecodeSpec, rounds: int):
+    """Decoder's prefill + loop with a fixed trip count: `lax.fori_loop` over `rounds` rounds instead of the
+    while_loop on (rounds left) & (a stream still going). Finished streams are frozen by decode_round itself."""
+    def run(params, dparams, cache, dcache, tokens, lengths, key):
+        target = nnx.merge(decoder.target_def, params)
+        drafter = nnx.merge(decoder.drafter_def, dparams) if spec.policy != "ar" else None
+        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key)
+        return jax.lax.fori_loop(0, rounds, lambda _, st: decode_round(target, drafter, spec, st), state)
+    return jax.jit(run, donate_argnums=(2, 3))
+
+
+def copies(tree):
+    """A fresh device copy of every array (for a donated argument)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+# ------------------------------------------------------------------------------------------------------ one case
+def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, prompt_len: int, reps: int,
+            seed: int) -> dict:
+    if spec.temperature != 0:
+        raise ValueError(f"temperature={spec.temperature}: this benchmark times greedy rounds only (temperature 0)")
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(4, target_cfg.vocab_size, (num_streams, prompt_len)), jnp.int32)
+    lengths = jnp.full((num_streams,), prompt_len, jnp.int32)
+    prompts = [[0] * prompt_len] * num_streams
+    cache_len = Decoder.default_cache_len(spec, prompts)
+    decoder.validate(spec, prompts, cache_len)
+    fns = round_functions(decoder, spec, num_streams, prompt_len, cache_len)
+    params, dparams = decoder.target_params, decoder.drafter_params
+    key = jax.random.key(seed)
+
+    def loop_args():
+        return (params, dparams, *decoder._new_caches(spec, num_streams, cache_len), tokens, lengths, key)
+
+    # The realistic state of every stage: a prefilled batch, then one round's intermediates.
+    state: LoopState = fns.prefill(*loop_args())
+    length = state.cache.length
+    inputs = {"draft": lambda: (params, dparams, state.bonus, length, state.dcache)}
+    draft = fns.stages["draft"](*inputs["draft"]()) if "draft" in fns.stages else None
+    inputs["build"] = lambda: (draft, state.bonus)
+    tree = fns.stages["build"](*inputs["build"]())
+    inputs["verify"] = lambda: (params, dparams, copies(state.cache), tree)
+    fwd = fns.stages["verify"](*inputs["verify"]())
+    inputs["accept"] = lambda: (tree, fwd.logits)
+    verdict = fns.stages["accept"](*inputs["accept"]())
+    inputs["commit"] = lambda: (params, dparams, copies(fwd.cache), copies(state.dcache), fwd.hidden, verdict,
+                                ~state.done)
+    staged = fns.stages["commit"](*inputs["commit"]())
+    whole = fns.round(params, dparams, copies(state))
+
+    final = fns.while_loop(*loop_args())
+    rounds = int(final.rounds)
+    taus = np.asarray(final.taus)[:rounds]
+    fixed = fixed_loop(decoder, spec, rounds)
+    final_fixed = fixed(*loop_args())
+    checks = dict(stages_length_equal=bool(np.array_equal(staged[0].length, whole.cache.length)),
+                  stages_vs_round_rel_err=max(rel_err(a, b) for a, b in zip(jax.tree.leaves(staged[:2]),
+                                                                              jax.tree.leaves((whole.cache, whole.dcache)))),
+                  fixed_loop_same_output=bool(np.array_equal(final.out, final_fixed.out)
+                                              and np.array_equal(final.num_out, final_fixed.num_out)))
+
+    jobs = [Job(name, fns.stages[name], fresh_args=inputs[name]) for name in STAGES if name in fns.stages]
+    jobs += [Job("round", fns.round, fresh_args=lambda: (params, dparams, copies(state))),
+             Job("prefill", fns.prefill, fresh_args=loop_args),
+             Job("while_loop", fns.while_loop, fresh_args=loop_args),
+             Job("fixed_loop", fixed, fresh_args=loop_args)]
+    t = time_jobs(jobs, reps)
+
+    def per_round(job: str, field: str = "us"):
+        if field not in t[job]:
+            return None
+        return (t[job][field] - t["prefill"][field]) / max(rounds, 1)
+
+    stages_us = {name: t[name]["us"] for name in STAGES if name in t}
+    stages_sum = sum(stages_us.values())
+    while_round, fixed_round = per_round("while_loop"), per_round("fixed_loop")
+    return dict(policy=spec.policy, budget=spec.tree_budget, streams=num_streams, prompt_len=prompt_len,
+                cache_len=cache_len, rounds=rounds, tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
+                stages_us=stages_us, stages_sum_us=stages_sum, round_us=t["round"]["us"], prefill_us=t["prefill"]["us"],
+                while_loop_us=t["while_loop"]["us"], fixed_loop_us=t["fixed_loop"]["us"],
+                while_per_round_us=while_round, fixed_per_round_us=fixed_round,
+                overhead_us=while_round - stages_sum, overhead_vs_round_us=while_round - t["round"]["us"],
+                predicate_us=while_round - fixed_round,
+                while_busy_per_round_us=per_round("while_loop", "busy_us"),
+                fixed_busy_per_round_us=per_round("fixed_loop", "busy_us"),
+                while_events_per_round=per_round("while_loop", "device_events"),
+                while_d2h_per_round=per_round("while_loop", "d2h_copies"),
+                fixed_d2h_per_round=per_round("fixed_loop", "d2h_copies"),
+                checks=checks, timing_method=t["while_loop"]["method"], timings=t)
+
+
+# ------------------------------------------------------------------------------------------------------ output
+def print_table(rows) -> None:
+    head = (f"{'policy':>7} {'B':>4} {'S':>3} | " + " ".join(f"{s:>8}" for s in STAGES)
+            + f" {'sum':>8} | {'round':>8} {'while/r':>8} {'fixed/r':>8} | {'overhead':>8} {'pred/r':>7} | "
+            f"{'tau':>5} {'rounds':>6}")
+    print(f"us per round ({rows[0]['timing_method'] if rows else '-'} time)\n{head}")
+    for r in rows:
+        stages = " ".join(f"{r['stages_us'][s]:8.1f}" if s in r["stages_us"] else f"{'-':>8}" for s in STAGES)
+        print(f"{r['policy']:>7} {r['budget']:>4} {r['streams']:>3} | {stages} {r['stages_sum_us']:8.1f} | "
+              f"{r['round_us']:8.1f} {r['while_per_round_us']:8.1f} {r['fixed_per_round_us']:8.1f} | "
+              f"{r['overhead_us']:8.1f} {r['predicate_us']:7.1f} | {r['tau_mean']:5.2f} {r['rounds']:>6}", flush=True)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the table
+    start = time.time()
+    out = F.out or f"experiments/results/round_{jax.default_backend()}.json"
+    target, drafter = load_models(F.init, F.config, F.drafter, F.block_size, F.seed)
+    decoder = Decoder(target, drafter)
+    block = drafter.cfg.block_size
+    results = dict(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                             host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), model=target.cfg.name,
+                             init=F.init, drafter=F.drafter, block_size=block, reps=F.reps,
+                             kernels=ops.uses_kernel()), rows=[])
+    for num_streams in map(int, F.streams):
+        for budget in map(int, F.budgets):
+            if time.time() - start > F.time_budget_s:
+                results["rows"].append(dict(budget=budget, streams=num_streams, skipped="time budget"))
+                continue
+            spec = DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget, block_size=block,
+                              max_new_tokens=F.rounds + 1)
+            row = measure(decoder, target.cfg, spec, num_streams, F.prompt_len, F.reps, F.seed)
+            results["rows"].append(row)
+            print_table([row])
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    print()
+    print_table([r for r in results["rows"] if "skipped" not in r])
+    results["meta"]["wall_s"] = time.time() - start
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"wrote {out} in {time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

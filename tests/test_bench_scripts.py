@@ -1,0 +1,74 @@
+"""The benchmark scripts' CPU smoke runs: experiments/bench_kernels.py --quick --sections=tree and
+experiments/bench_round.py on the tiny preset run to the end and write the JSON the H200 runs will be read from.
+
+CPU timings mean nothing here (interpret-mode kernels, wall clock under the profiler), so the child processes compile
+with LLVM's cheap settings; what is checked is the JSON: the fields, their arithmetic, and the runs' own checks
+(tree kernels bit-identical to the heapq spec and the python accept walk; the staged round equal to decode_round;
+the fixed-trip-count loop emitting what the while loop emits).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+STAGES = ("draft", "build", "verify", "accept", "commit")
+
+
+def run_script(name: str, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_bench_kernels_tree_section(tmp_path):
+    out = tmp_path / "kernels.json"
+    stdout = run_script("bench_kernels.py", "--quick", "--sections=tree", "--reps=2", f"--out={out}")
+    result = json.loads(out.read_text())
+    assert result["checks"]["tree_identical"] is True
+    assert result["attention"] == [] and result["int4_moe"] == []
+    rows = result["tree"]
+    assert [r["budget"] for r in rows] == [7, 40]
+    for r in rows:
+        assert "error" not in r, r.get("error")
+        assert (r["streams"], r["depth"], r["vocab"]) == (4, 15, 1000)
+        assert r["identical"] is True and r["accept_identical"] is True
+        assert all(r["identical_detail"].values()) and all(r["accept_identical_detail"].values())
+        assert 0 <= r["mean_accepted"] <= r["depth"]
+        for key in ("kernel_from_topk_us", "reference_from_topk_us", "kernel_from_logits_us", "reference_from_logits_us",
+                    "topk_us", "accept_kernel_us", "accept_reference_us", "peer_us", "kernel_from_logits_wall_us"):
+            assert r[key] > 0, key
+        stages = r["peer_stages_us"]
+        assert set(stages) == {"topk", "d2h", "heap", "h2d", "total"}
+        assert r["peer_after_topk_us"] == pytest.approx(stages["d2h"] + stages["heap"] + stages["h2d"])
+        assert r["peer_over_kernel"] == pytest.approx(r["peer_after_topk_us"] / r["kernel_from_topk_us"])
+        assert r["meets_50x"] == (r["peer_over_kernel"] >= 50)
+        assert {"kernel_from_topk", "kernel_from_logits", "accept_kernel", "topk"} <= set(r["timings"])
+    assert "peer/kernel" in stdout
+
+
+def test_bench_round_tiny(tmp_path):
+    out = tmp_path / "round.json"
+    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8",
+                        "--streams=2", "--prompt_len=8", "--rounds=3", "--reps=2", f"--out={out}")
+    result = json.loads(out.read_text())
+    assert result["meta"]["model"] == "tiny" and result["meta"]["backend"] == "cpu"
+    ar, tree = result["rows"]
+    assert (ar["policy"], ar["budget"], tree["policy"], tree["budget"]) == ("ar", 0, "ddtree", 8)
+    assert set(ar["stages_us"]) == set(STAGES) - {"draft"} and set(tree["stages_us"]) == set(STAGES)
+    for r in (ar, tree):
+        assert r["streams"] == 2 and 1 <= r["rounds"] <= 3 and r["tau_mean"] >= 1
+        assert r["checks"] == dict(stages_length_equal=True, stages_vs_round_rel_err=pytest.approx(0, abs=1e-6),
+                                   fixed_loop_same_output=True)
+        assert r["stages_sum_us"] == pytest.approx(sum(r["stages_us"].values()))
+        assert r["while_per_round_us"] == pytest.approx((r["while_loop_us"] - r["prefill_us"]) / r["rounds"])
+        assert r["fixed_per_round_us"] == pytest.approx((r["fixed_loop_us"] - r["prefill_us"]) / r["rounds"])
+        assert r["overhead_us"] == pytest.approx(r["while_per_round_us"] - r["stages_sum_us"])
+        assert r["predicate_us"] == pytest.approx(r["while_per_round_us"] - r["fixed_per_round_us"])
+        assert r["timing_method"] == "wall" and r["while_busy_per_round_us"] is None  # no device trace on the CPU
+    assert "us per round" in stdout
