@@ -21,7 +21,6 @@ import numpy as np
 from absl import app, flags
 
 from kdtree_jax import hf_import
-from kdtree_jax.cache import init_cache
 from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
@@ -69,10 +68,7 @@ def build_hf_model(seed: int, **config_kwargs):
 
 def causal_logits(model, tokens, absorbed: bool):
     """Our causal prefill of tokens [S, T] from an empty cache -> logits [S, T, V] f32."""
-    s, t = tokens.shape
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
-    return model(tokens, positions, init_cache(model.cfg, s, t), visible, absorbed=absorbed).logits
+    return model.causal(tokens, absorbed=absorbed).logits
 
 
 def errors(ours, ref) -> dict:

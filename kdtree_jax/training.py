@@ -39,7 +39,6 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdtree_jax import checkpoint, data
-from kdtree_jax.cache import init_cache
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.moe import MoE, route
 from kdtree_jax.model.transformer import ForwardOutput, Transformer
@@ -142,12 +141,8 @@ def _apply(optimizer, grads, opt_state, params, lr):
 
 
 def causal_forward(model: Transformer, tokens, hidden_layers: tuple = ()) -> ForwardOutput:
-    """Naive-MLA causal forward of tokens [S, T] from an empty cache of capacity T."""
-    s, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
-    return model(tokens, positions, init_cache(model.cfg, s, t), visible, absorbed=False,
-                 hidden_layers=hidden_layers)
+    """Naive-MLA (differentiable) causal forward of tokens [S, T] from an empty cache of capacity T."""
+    return model.causal(tokens, absorbed=False, hidden_layers=hidden_layers)
 
 
 def token_nll(logits, labels):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.cache import KVCache
+from kdtree_jax.cache import KVCache, init_cache
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.mla import MLA
@@ -74,3 +74,10 @@ class Transformer(nnx.Module):
         logits = self.logits(self.norm(x))
         return ForwardOutput(logits, KVCache(tuple(c_all), tuple(r_all), cache.length), tuple(hidden))
 
+    def causal(self, tokens, *, absorbed: bool = True, hidden_layers: tuple = ()) -> ForwardOutput:
+        """A causal forward of tokens [S, T] from an empty cache of capacity T (training, equivalence checks)."""
+        s, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+        visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (s, t, t))
+        return self(tokens, positions, init_cache(self.cfg, s, t), visible, absorbed=absorbed,
+                    hidden_layers=hidden_layers)
