@@ -32,15 +32,16 @@ def routed_experts(x, w_gate, w_up, w_down, ids, weights):
     """Grouped GEMM over experts (sort by expert, ragged_dot, unsort, weighted sum).
 
     x [M, D]; w_gate, w_up [E, D, I]; w_down [E, I, D]; ids [M, k]; weights [M, k] -> [M, D] in x.dtype.
-    An id outside [0, E) (an expert held by another device under expert parallelism) contributes zero.
+    An id outside [0, E) (an expert held by another device under expert parallelism) contributes zero: such pairs sort
+    past the last group, which ragged_dot leaves out (their rows come back zero) instead of loading an expert with them.
     """
     num_experts = w_gate.shape[0]
     m, k = ids.shape
     flat = ids.reshape(-1)
     local = (flat >= 0) & (flat < num_experts)
-    flat = jnp.where(local, flat, num_experts - 1)
+    flat = jnp.where(local, flat, num_experts)
     order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     xs = x[order // k]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes, preferred_element_type=jnp.float32))
     h = h * jax.lax.ragged_dot(xs, w_up, group_sizes, preferred_element_type=jnp.float32)
