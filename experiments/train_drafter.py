@@ -5,8 +5,10 @@ layers and its greedy next tokens; --anchors random anchors per window each make
 sees the context features of the positions before it, labelled with the target's greedy tokens and weighted
 exp(-(k-1)/gamma) by block position k (kdtree_jax.training). Held-out metrics on fixed windows and anchors: the
 weighted loss, per-position accuracy, the chain acceptance P(first k drafts right) and the expected tokens per round of
-chain decoding, tau = 1 + sum_k P(first k right). Writes the bf16 checkpoint (--out), the resumable train state,
-results/train_drafter.json and results/train_drafter_loss.png.
+chain decoding, tau = 1 + sum_k P(first k right), every --eval_every of the budget and at the end. The bf16
+checkpoint (--out) holds the params of the lowest held-out loss (--nokeep_best: the last ones). Also writes the
+resumable train state, results/train_drafter.json (with the epochs of the corpus seen: beyond 2 a warning) and
+results/train_drafter_loss.png.
 
   H200, inside one call:  PYTHONPATH=. python3 experiments/train_drafter.py --minutes=2.5
   CPU smoke run:          .venv/bin/python experiments/train_drafter.py --steps=5 --batch=2 --seq_len=64 \\
@@ -55,9 +57,9 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
     state = training.TrainState(params, optimizer.init(params))
     checkpointer = training.StateCheckpointer(run.state_dir, {"config": dataclasses.asdict(dcfg),
                                                               "target": os.path.abspath(target_dir)})
-    step, progress, history = 0, 0.0, training.History()
-    if run.resume and (got := checkpointer.restore(state)) is not None:
-        state, meta = got
+    step, progress, history, best = 0, 0.0, training.History(), training.BestParams(run.keep_best)
+    if run.resume and (got := checkpointer.restore(state, run.keep_best)) is not None:
+        state, meta, best = got
         step, progress, history = meta["step"], meta["progress"], training.History(**meta["history"])
         training.say(f"resumed at step {step} (progress {progress:.3f})")
 
@@ -88,10 +90,11 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
     budget = training.Budget(run.steps, run.minutes and 60 * run.minutes, started, progress)
     loop_start, start_step = time.monotonic(), step
     state, step, last = training.train_loop(state, step_fn, next_batch, evaluate, budget, run.optim, run.loop,
-                                            history, tokens_per_step, step, checkpointer, meta)
+                                            history, best, tokens_per_step, step, checkpointer, meta)
     loop_s = time.monotonic() - loop_start
-    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history)
-    params = jax.device_get(state.params)
+    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history, best)
+    saved_step, params = best.to_save(step, state.params)
+    params = jax.device_get(params)
     checkpoint_bytes = training.save_model(run.out, layout.module(params))
 
     train_metrics = training.drafter_summary({**last, "loss_sum": last["loss"] * last["blocks"]}) if last else {}
@@ -103,22 +106,27 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
         "jax": jax.__version__,
         "run": {"batch": run.batch, "seq_len": run.seq_len, "anchors": num_anchors, "gamma": gamma,
                 "optimizer": dataclasses.asdict(run.optim), "minutes": run.minutes, "max_steps": run.steps,
-                "seed": run.seed, "precision": "float32 master weights, bf16 compute and checkpoint"},
+                "seed": run.seed, "eval_every": run.loop.eval_every, "keep_best": run.keep_best,
+                "precision": "float32 master weights, bf16 compute and checkpoint"},
         "corpus": corpus.stats,
         "steps": step,
         "tokens_seen": step * tokens_per_step,
+        "epochs": training.count_epochs(step * tokens_per_step, corpus, NAME),
         "blocks_seen": step * run.batch * num_anchors,
         "final_train_loss": history.train[-1]["loss"] if history.train else None,
         "final_train_batch": train_metrics,  # loss, tau, per-position acc and chain of the last step's batch
-        "held_out": final,
+        "final": {"step": step, "held_out": final},
+        "best": best.summary(),  # the lowest held-out loss of the run's evaluations
         "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
                     "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
         "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
-        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes},
+        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes, "step": saved_step,
+                       "params": "best held-out" if run.keep_best else "last"},
     }
     training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
     history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
-                 f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="tau")
+                 f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="tau",
+                 saved_step=saved_step)
     return results
 
 
@@ -136,8 +144,8 @@ def main(argv):
     training.setup_process()
     f = flags.FLAGS
     results = train(training.run_config_from_flags(), f.target, f.anchors, f.gamma, _STARTED)
-    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "held_out",
-                                              "seconds", "tokens_per_second", "checkpoint")}, indent=1))
+    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "epochs", "final_train_loss", "final",
+                                              "best", "seconds", "tokens_per_second", "checkpoint")}, indent=1))
 
 
 if __name__ == "__main__":

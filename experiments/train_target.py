@@ -3,8 +3,11 @@
 Training windows come from the training split only (kdtree_jax.data: held-out files and their near copies never);
 the held-out loss and perplexity are measured on fixed windows of the held-out files. AdamW (warmup, then cosine over
 the run's progress) on float32 master weights, bf16 compute; the router's correction bias follows the aux-free
-balancing rule (--router_bias_rate, 0 leaves it at zero). Writes the bf16 checkpoint (--out, kdtree_jax.checkpoint),
-the resumable train state (--state_dir), results/train_target.json and results/train_target_loss.png.
+balancing rule (--router_bias_rate, 0 leaves it at zero). The held-out set is evaluated every --eval_every of the
+budget and at the end; the bf16 checkpoint (--out, kdtree_jax.checkpoint) holds the params of the lowest held-out loss
+(--nokeep_best: the last ones). Also writes the resumable train state (--state_dir), results/train_target.json (with
+the epochs of the corpus seen: beyond 2 a warning, the fix being the default --roots) and
+results/train_target_loss.png.
 
   H200, inside one call:  PYTHONPATH=. python3 experiments/train_target.py --minutes=5.5
   CPU smoke run:          .venv/bin/python experiments/train_target.py --steps=5 --batch=2 --seq_len=64 \\
@@ -46,9 +49,9 @@ def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: fl
     optimizer = training.make_optimizer(params, run.optim)
     state = training.TrainState(params, optimizer.init(params))
     checkpointer = training.StateCheckpointer(run.state_dir, {"config": dataclasses.asdict(cfg)})
-    step, progress, history = 0, 0.0, training.History()
-    if run.resume and (got := checkpointer.restore(state)) is not None:
-        state, meta = got
+    step, progress, history, best = 0, 0.0, training.History(), training.BestParams(run.keep_best)
+    if run.resume and (got := checkpointer.restore(state, run.keep_best)) is not None:
+        state, meta, best = got
         step, progress, history = meta["step"], meta["progress"], training.History(**meta["history"])
         training.say(f"resumed at step {step} (progress {progress:.3f})")
 
@@ -70,10 +73,11 @@ def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: fl
     budget = training.Budget(run.steps, run.minutes and 60 * run.minutes, started, progress)
     loop_start, start_step = time.monotonic(), step
     state, step, last = training.train_loop(state, step_fn, lambda _: (next(batches),), evaluate, budget, run.optim,
-                                            run.loop, history, tokens_per_step, step, checkpointer, meta)
+                                            run.loop, history, best, tokens_per_step, step, checkpointer, meta)
     loop_s = time.monotonic() - loop_start
-    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history)
-    params = jax.device_get(state.params)
+    final = training.evaluate_final(evaluate, state.params, step, tokens_per_step, history, best)
+    saved_step, params = best.to_save(step, state.params)
+    params = jax.device_get(params)
     checkpoint_bytes = training.save_model(run.out, layout.module(params))
 
     results = {
@@ -83,22 +87,26 @@ def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: fl
         "jax": jax.__version__,
         "run": {"batch": run.batch, "seq_len": run.seq_len, "optimizer": dataclasses.asdict(run.optim),
                 "router_bias_rate": router_bias_rate, "minutes": run.minutes, "max_steps": run.steps,
-                "seed": run.seed, "precision": "float32 master weights, bf16 compute and checkpoint"},
+                "seed": run.seed, "eval_every": run.loop.eval_every, "keep_best": run.keep_best,
+                "precision": "float32 master weights, bf16 compute and checkpoint"},
         "corpus": corpus.stats,
         "steps": step,
         "tokens_seen": step * tokens_per_step,
-        "epochs": step * tokens_per_step / corpus.train.size,
+        "epochs": training.count_epochs(step * tokens_per_step, corpus, NAME),
         "final_train_loss": history.train[-1]["loss"] if history.train else None,
-        "held_out": final,
+        "final": {"step": step, "held_out": final},
+        "best": best.summary(),  # the lowest held-out loss of the run's evaluations
         "router_load_imbalance": float(last["imbalance"]) if "imbalance" in last else None,
         "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
                     "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
         "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
-        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes},
+        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes, "step": saved_step,
+                       "params": "best held-out" if run.keep_best else "last"},
     }
     training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
     history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
-                 f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl")
+                 f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl",
+                 saved_step=saved_step)
     return results
 
 
@@ -116,9 +124,9 @@ def main(argv):
     training.setup_process()
     f = flags.FLAGS
     results = train(config.preset(f.config), training.run_config_from_flags(), f.router_bias_rate, _STARTED)
-    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "final_train_loss", "held_out",
-                                              "router_load_imbalance", "seconds", "tokens_per_second", "checkpoint")},
-                     indent=1))
+    print(json.dumps({k: results[k] for k in ("params", "steps", "tokens_seen", "epochs", "final_train_loss", "final",
+                                              "best", "router_load_imbalance", "seconds", "tokens_per_second",
+                                              "checkpoint")}, indent=1))
 
 
 if __name__ == "__main__":

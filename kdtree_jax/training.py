@@ -17,6 +17,10 @@ Drafter objective (DESIGN.md section 4). The frozen target runs once over a wind
 target layers and its greedy next tokens). At each anchor a (1 <= a <= T - L) the block is [token a, MASK x (L-1)]
 at positions a .. a+L-1, attending to the context features of positions < a; the label of block position k (1..L-1)
 is the target's greedy token after position a+k-1, weighted exp(-(k-1)/gamma).
+
+Held-out evaluation. `train_loop` evaluates at the start and every `LoopConfig.eval_every` of the budget; `BestParams`
+keeps a device copy of the params of the lowest held-out loss, which the scripts save instead of the last params (a
+small corpus overfits within a few epochs; `count_epochs` warns beyond MAX_EPOCHS).
 """
 from __future__ import annotations
 
@@ -428,8 +432,9 @@ class History:
     train: list = dataclasses.field(default_factory=list)  # {"step", "tokens", "loss", ...}
     held_out: list = dataclasses.field(default_factory=list)  # {"step", "tokens", "loss", ...}
 
-    def plot(self, path: str, title: str, metric: str | None = None) -> None:
-        """Loss curves (train and held out) vs tokens seen; a second panel with a held-out `metric` when given."""
+    def plot(self, path: str, title: str, metric: str | None = None, saved_step: int | None = None) -> None:
+        """Loss curves (train and held out) vs tokens seen; a second panel with a held-out `metric` when given; a
+        dotted line at `saved_step` (the params saved as the checkpoint) when given."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -439,6 +444,9 @@ class History:
         ax = axes[0, 0]
         ax.plot([r["tokens"] / 1e6 for r in self.train], [r["loss"] for r in self.train], lw=1, label="train")
         ax.plot([r["tokens"] / 1e6 for r in self.held_out], [r["loss"] for r in self.held_out], "o-", label="held out")
+        if saved_step is not None:
+            tokens = next(r["tokens"] for r in self.held_out if r["step"] == saved_step)
+            ax.axvline(tokens / 1e6, color="gray", ls=":", label=f"saved (step {saved_step})")
         ax.set_xlabel("tokens seen (M)")
         ax.set_ylabel("loss (nats)")
         ax.set_title(title)
@@ -456,8 +464,38 @@ class History:
         plt.close(fig)
 
 
+class BestParams:
+    """The lowest held-out loss seen so far: its step and metrics and, with `keep`, a device copy of its params (a copy,
+    since the train step donates its state: a reference would not survive the next step)."""
+
+    def __init__(self, keep: bool, step: int | None = None, held_out: dict | None = None, params=None):
+        self.keep, self.step, self.held_out, self.params = keep, step, held_out, params
+
+    def offer(self, step: int, held_out: dict, params) -> bool:
+        """Record the evaluation `held_out` (with "loss") of `params` at `step`; True when it is the new best (the
+        first one, or a strictly lower loss; a NaN loss never is)."""
+        if self.step is not None and not held_out["loss"] < self.held_out["loss"]:
+            return False
+        self.step, self.held_out = step, held_out
+        if self.keep:
+            self.params = jax.tree.map(jnp.copy, params)
+        return True
+
+    def summary(self) -> dict:
+        return {"step": self.step, "held_out": self.held_out}
+
+    def to_save(self, step: int, params) -> tuple[int, Any]:
+        """(step, params) of the checkpoint to ship: the best ones when kept, else the given last ones."""
+        if not self.keep:
+            return step, params
+        if self.params is None:
+            raise ValueError("no held-out evaluation was offered, so there are no best params to save; call "
+                             "evaluate_final before saving")
+        return self.step, self.params
+
+
 class StateCheckpointer:
-    """Resumable train state under `directory` (orbax, latest step only): TrainState + JSON meta.
+    """Resumable train state under `directory` (orbax, latest step only): TrainState, the kept best params + JSON meta.
 
     `identity` (JSON-able: the config, the target...) is stored with every save; restoring a state saved under another
     identity raises ValueError.
@@ -473,15 +511,19 @@ class StateCheckpointer:
                                      item_handlers={"state": ocp.StandardCheckpointHandler(),
                                                     "meta": ocp.JsonCheckpointHandler()})
 
-    def save(self, step: int, state: TrainState, meta: dict) -> None:
-        meta = {**meta, "identity": self.identity}
+    def save(self, step: int, state: TrainState, meta: dict, best: BestParams) -> None:
+        tree = state._asdict()
+        if best.params is not None:
+            tree["best_params"] = best.params
+        meta = {**meta, "identity": self.identity, "best": best.summary(), "best_params": best.params is not None}
         with self._manager() as mngr:
-            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+                      force=True)
             mngr.wait_until_finished()
 
-    def restore(self, like: TrainState) -> tuple[TrainState, dict] | None:
-        """The latest saved (state, meta) in the layout of `like`, or None when nothing is saved."""
+    def restore(self, like: TrainState, keep_best: bool) -> tuple[TrainState, dict, BestParams] | None:
+        """The latest saved (state, meta, best) in the layout of `like`, or None when nothing is saved. With
+        `keep_best`, a state saved without best params starts a fresh BestParams (its best so far is lost)."""
         if not os.path.isdir(self.directory):
             return None
         with self._manager() as mngr:
@@ -492,32 +534,49 @@ class StateCheckpointer:
             if meta.get("identity") != self.identity:
                 raise ValueError(f"the train state in {self.directory} belongs to another run (config or target "
                                  f"differ); drop --resume or use another --state_dir")
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like._asdict())
-            state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        return TrainState(**state), meta
+            tree = like._asdict()
+            if meta["best_params"]:
+                tree["best_params"] = like.params
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+            tree = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        best_params = tree.pop("best_params", None)
+        if keep_best and best_params is None:
+            best = BestParams(keep=True)
+        else:
+            best = BestParams(keep_best, **meta["best"], params=best_params if keep_best else None)
+        return TrainState(**tree), meta, best
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    eval_every_s: float = 60.0
+    eval_every: float = 0.05  # held-out evaluation period, as a fraction of the budget (plus one at the start)
     save_every_s: float = 120.0  # train-state checkpoint period (0: only at the end)
     log_every: int = 20  # steps per train-loss record
 
+    def __post_init__(self):
+        if not 0 < self.eval_every <= 1:
+            raise ValueError(f"eval_every={self.eval_every} is a fraction of the budget; use a value in (0, 1], "
+                             f"e.g. 0.05 for 20 held-out evaluations per run")
+
 
 def train_loop(state: TrainState, step_fn: Callable, next_batch: Callable[[int], tuple], evaluate: Callable,
-               budget: Budget, optim: OptimConfig, loop: LoopConfig, history: History, tokens_per_step: int,
-               start_step: int, checkpointer: StateCheckpointer | None, meta: Callable[[int, float], dict]):
+               budget: Budget, optim: OptimConfig, loop: LoopConfig, history: History, best: BestParams,
+               tokens_per_step: int, start_step: int, checkpointer: StateCheckpointer | None,
+               meta: Callable[[int, float], dict]):
     """Run `step_fn(state, *next_batch(step), lr)` until the budget ends; evaluate and save periodically.
 
-    `evaluate(params) -> dict` (with "loss"); `meta(step, progress)` is stored with each train-state save. At most one
-    step is in flight ahead of the host, so the clock checks are honest. Returns (state, step, last metrics).
+    `evaluate(params) -> dict` (with "loss") runs at the start (unless `history` has evaluations already) and every
+    `loop.eval_every` of the budget's progress; each evaluation is offered to `best`. `meta(step, progress)` is stored
+    with each train-state save. At most one step is in flight ahead of the host, so the clock checks are honest.
+    Returns (state, step, last metrics).
     """
     step, pending, window = start_step, None, []
     if not history.held_out:
-        _evaluate(evaluate, state.params, step, tokens_per_step, history)
-    last_eval = last_save = time.monotonic()
+        _evaluate(evaluate, state.params, step, tokens_per_step, history, best)
+    last_save = time.monotonic()
     saved_step = start_step  # a resumed state is already saved; a fresh one needs no save before its first step
     budget.begin()
+    next_eval = _next_mark(budget.progress(step), loop.eval_every)
     bar = tqdm(total=budget.steps, initial=start_step, mininterval=10.0, file=sys.stderr, unit="step")
     last = {}
     while not budget.done(step):
@@ -528,19 +587,24 @@ def train_loop(state: TrainState, step_fn: Callable, next_batch: Callable[[int],
         if pending is not None:
             last = _record(pending, window, history, loop, tokens_per_step, bar)
         pending = (step, metrics, float(lr))
-        now = time.monotonic()
-        if now - last_eval >= loop.eval_every_s:
-            _evaluate(evaluate, state.params, step, tokens_per_step, history)
-            last_eval = time.monotonic()
-        if checkpointer is not None and loop.save_every_s and now - last_save >= loop.save_every_s:
-            checkpointer.save(step, state, meta(step, budget.progress(step)))
+        progress = budget.progress(step)
+        if progress >= next_eval:
+            _evaluate(evaluate, state.params, step, tokens_per_step, history, best)
+            next_eval = _next_mark(progress, loop.eval_every)
+        if checkpointer is not None and loop.save_every_s and time.monotonic() - last_save >= loop.save_every_s:
+            checkpointer.save(step, state, meta(step, budget.progress(step)), best)
             last_save, saved_step = time.monotonic(), step
     if pending is not None:
         last = _record(pending, window, history, loop, tokens_per_step, bar, flush=True)
     bar.close()
     if checkpointer is not None and saved_step != step:
-        checkpointer.save(step, state, meta(step, budget.progress(step)))
+        checkpointer.save(step, state, meta(step, budget.progress(step)), best)
     return state, step, last
+
+
+def _next_mark(progress: float, every: float) -> float:
+    """The first multiple of `every` above `progress` (the next evaluation's progress)."""
+    return (math.floor(progress / every + 1e-9) + 1) * every
 
 
 def _record(pending, window: list, history: History, loop: LoopConfig, tokens_per_step: int, bar, flush=False):
@@ -556,20 +620,41 @@ def _record(pending, window: list, history: History, loop: LoopConfig, tokens_pe
     return host
 
 
-def _evaluate(evaluate: Callable, params, step: int, tokens_per_step: int, history: History) -> dict:
+def _evaluate(evaluate: Callable, params, step: int, tokens_per_step: int, history: History,
+              best: BestParams) -> dict:
     start = time.perf_counter()
     result = evaluate(params)
     history.held_out.append({"step": step, "tokens": step * tokens_per_step, **result})
+    improved = best.offer(step, result, params)
     shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if k not in ("acc", "chain")}
-    say(f"step {step}: held-out {shown} ({time.perf_counter() - start:.1f} s)")
+    say(f"step {step}: held-out {shown} ({time.perf_counter() - start:.1f} s){' best so far' if improved else ''}")
     return result
 
 
-def evaluate_final(evaluate: Callable, params, step: int, tokens_per_step: int, history: History) -> dict:
-    """The end-of-run held-out evaluation (recorded unless the last periodic one was at this step)."""
+def evaluate_final(evaluate: Callable, params, step: int, tokens_per_step: int, history: History,
+                   best: BestParams) -> dict:
+    """The end-of-run held-out evaluation, offered to `best` (recorded unless the last periodic one was at this step:
+    that one is reused)."""
     if history.held_out and history.held_out[-1]["step"] == step:
-        return {k: v for k, v in history.held_out[-1].items() if k not in ("step", "tokens")}
-    return _evaluate(evaluate, params, step, tokens_per_step, history)
+        result = {k: v for k, v in history.held_out[-1].items() if k not in ("step", "tokens")}
+        best.offer(step, result, params)  # a no-op unless `best` started after that evaluation (a resumed run)
+        return result
+    return _evaluate(evaluate, params, step, tokens_per_step, history, best)
+
+
+MAX_EPOCHS = 2.0  # beyond this many passes over its training tokens a run is warned about overfitting
+
+
+def count_epochs(tokens_seen: int, corpus: Corpus, script: str) -> float:
+    """Epochs of `corpus`'s training tokens that `tokens_seen` make; logs a warning beyond MAX_EPOCHS."""
+    epochs = tokens_seen / corpus.train.size
+    if epochs > MAX_EPOCHS:
+        logging.warning(
+            "%s saw %.1f epochs of its %.2f M training tokens (roots %s); beyond %g epochs a model this size overfits "
+            "(its held-out loss rises again). Train on more tokens: the default roots (drop --roots: the standard "
+            "library plus the installed packages), or shorten --steps/--minutes.", script, epochs,
+            corpus.train.size / 1e6, corpus.stats["roots"], MAX_EPOCHS)
+    return epochs
 
 
 def sum_over(eval_fn: Callable, batches: Sequence[tuple]) -> dict:
@@ -614,6 +699,7 @@ class RunConfig:
     token_cache: str | None = "checkpoints"
     resume: bool = False
     seed: int = 0
+    keep_best: bool = True  # save the params of the lowest held-out loss (False: the last params)
 
 
 def define_run_flags(*, out: str, state_dir: str, minutes: float, batch: int, seq_len: int, lr: float) -> None:
@@ -629,7 +715,10 @@ def define_run_flags(*, out: str, state_dir: str, minutes: float, batch: int, se
     flags.DEFINE_float("lr", lr, "peak learning rate")
     flags.DEFINE_integer("warmup", OptimConfig.warmup_steps, "linear warmup steps")
     flags.DEFINE_float("weight_decay", OptimConfig.weight_decay, "AdamW decoupled weight decay (matrices only)")
-    flags.DEFINE_float("eval_every_minutes", LoopConfig.eval_every_s / 60, "held-out evaluation period")
+    flags.DEFINE_float("eval_every", LoopConfig.eval_every, "held-out evaluation period as a fraction of the "
+                       "budget (of --steps or --minutes, whichever ends the run first)")
+    flags.DEFINE_bool("keep_best", RunConfig.keep_best, "save the params of the lowest held-out loss (a device copy "
+                      "kept at each improvement) as the checkpoint; --nokeep_best saves the last params")
     flags.DEFINE_float("save_every_minutes", LoopConfig.save_every_s / 60, "train-state save period (0: at end)")
     flags.DEFINE_integer("eval_batches", RunConfig.eval_batches, "held-out batches per evaluation")
     flags.DEFINE_list("roots", None, "source roots (comma-separated); default: the standard library and the "
@@ -646,9 +735,9 @@ def run_config_from_flags() -> RunConfig:
         out=f.out, state_dir=f.state_dir, results_dir=f.results_dir, steps=f.steps, minutes=f.minutes or None,
         batch=f.batch,
         seq_len=f.seq_len, optim=OptimConfig(lr=f.lr, warmup_steps=f.warmup, weight_decay=f.weight_decay),
-        loop=LoopConfig(eval_every_s=60 * f.eval_every_minutes, save_every_s=60 * f.save_every_minutes),
+        loop=LoopConfig(eval_every=f.eval_every, save_every_s=60 * f.save_every_minutes),
         eval_batches=f.eval_batches, roots=tuple(f.roots) if f.roots else None, tokenizer=f.tokenizer,
-        token_cache=f.token_cache or None, resume=f.resume, seed=f.seed)
+        token_cache=f.token_cache or None, resume=f.resume, seed=f.seed, keep_best=f.keep_best)
 
 
 def default_roots() -> list[str]:

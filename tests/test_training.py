@@ -206,6 +206,55 @@ def test_drafter_step_fits_a_fixed_batch_with_the_target_frozen():
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, target_params), frozen)
 
 
+# --------------------------------------------------------------------------------------------------------- loop
+
+
+def test_best_params_keep_the_lowest_held_out_loss():
+    best = training.BestParams(keep=True)
+    for step, loss in [(0, 5.0), (10, 3.0), (20, 3.0), (30, float("nan")), (40, 4.0)]:
+        best.offer(step, {"loss": loss}, {"w": jnp.float32(step)})
+    assert best.summary() == {"step": 10, "held_out": {"loss": 3.0}}  # a tie or a NaN does not replace the best
+    assert best.to_save(40, {"w": jnp.float32(40)}) == (10, {"w": 10.0})
+    last = training.BestParams(keep=False)
+    assert last.offer(0, {"loss": 1.0}, {"w": jnp.float32(0)}) and last.params is None
+    assert last.to_save(40, "last params") == (40, "last params")
+    with pytest.raises(ValueError, match="no held-out evaluation"):
+        training.BestParams(keep=True).to_save(0, {})
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_train_loop_keeps_the_params_of_the_best_evaluation(keep_best):
+    """A fake run whose held-out loss (w - 3)^2 falls until step 3 and then rises; the step donates its state, so the
+    best params must be a copy."""
+    step_fn = jax.jit(lambda state, lr: (training.TrainState({"w": state.params["w"] + 1.0}, state.opt_state),
+                                         {"loss": state.params["w"]}), donate_argnums=0)
+    evaluate = lambda p: {"loss": float((p["w"] - 3.0) ** 2)}
+    state = training.TrainState({"w": jnp.float32(0.0)}, ())
+    history, best = training.History(), training.BestParams(keep_best)
+    loop = training.LoopConfig(eval_every=0.125, log_every=1)
+    state, step, _ = training.train_loop(state, step_fn, lambda _: (), evaluate, training.Budget(8, None, 0.0),
+                                         training.OptimConfig(), loop, history, best, 4, 0, None, lambda *_: {})
+    assert step == 8 and float(state.params["w"]) == 8.0
+    assert [r["step"] for r in history.held_out] == list(range(9))  # at the start, then every 1/8 of the budget
+    final = training.evaluate_final(evaluate, state.params, step, 4, history, best)
+    assert final == {"loss": 25.0} and len(history.held_out) == 9  # the step-8 evaluation is reused
+    assert best.summary() == {"step": 3, "held_out": {"loss": 0.0}}
+    saved_step, params = best.to_save(step, state.params)
+    assert (saved_step, float(params["w"])) == ((3, 3.0) if keep_best else (8, 8.0))
+
+
+def test_epochs_beyond_two_warn_and_name_the_default_roots(caplog):
+    corpus = training.Corpus(np.zeros(1000, np.uint16), np.zeros(10, np.uint16), {"roots": ["/stdlib"]})
+    with caplog.at_level("WARNING"):
+        assert training.count_epochs(1500, corpus, "train_x") == 1.5
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        assert training.count_epochs(26000, corpus, "train_x") == 26.0
+    assert "26.0 epochs" in caplog.text and "default roots" in caplog.text
+    with pytest.raises(ValueError, match="fraction of the budget"):
+        training.LoopConfig(eval_every=0.0)
+
+
 # ------------------------------------------------------------------------------------------------------ script
 
 
@@ -235,7 +284,10 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     train_target = _load_script("train_target")
     results = train_target.train(cfg, run, RATE, time.monotonic())
     assert results["steps"] == 2 and results["tokens_seen"] == 2 * 2 * 16
-    assert np.isfinite(results["held_out"]["loss"]) and results["corpus"]["files_held_out"] > 0
+    assert results["epochs"] == pytest.approx(2 * 2 * 16 / results["corpus"]["tokens_train"])
+    assert np.isfinite(results["final"]["held_out"]["loss"]) and results["corpus"]["files_held_out"] > 0
+    assert results["final"]["step"] == 2 and results["checkpoint"]["step"] == results["best"]["step"]
+    assert results["best"]["held_out"]["loss"] <= results["final"]["held_out"]["loss"]
 
     restored = checkpoint.restore_target(run.out)
     assert restored.cfg == cfg
@@ -244,13 +296,15 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     state = training.StateCheckpointer(run.state_dir, {"config": results["config"]})
     layout, like = training.master_params(Transformer(cfg, nnx.Rngs(9)))
     optimizer = training.make_optimizer(like, run.optim)
-    saved, meta = state.restore(training.TrainState(like, optimizer.init(like)))
-    assert meta["step"] == 2
+    saved, meta, best = state.restore(training.TrainState(like, optimizer.init(like)), keep_best=True)
+    assert meta["step"] == 2 and best.summary() == results["best"]
     mine = nnx.to_pure_dict(nnx.state(restored, nnx.Param))
-    jax.tree.map(np.testing.assert_array_equal, mine, layout.cast(saved.params))  # the bf16 cast of the masters
+    jax.tree.map(np.testing.assert_array_equal, mine, layout.cast(best.params))  # the bf16 cast of the best masters
 
     with open(os.path.join(run.results_dir, "train_target.json")) as f:
-        assert json.load(f)["steps"] == 2
+        written = json.load(f)
+    assert written["steps"] == 2 and written["best"] == results["best"] and written["checkpoint"]["params"] == \
+        "best held-out"
     assert os.path.getsize(os.path.join(run.results_dir, "train_target_loss.png")) > 0
 
     # The drafter script on that checkpoint.
@@ -259,7 +313,12 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     drafter_results = _load_script("train_drafter").train(drafter_run, run.out, 3, 7.0, time.monotonic(),
                                                           drafter_config=_small_drafter)
     assert drafter_results["steps"] == 2 and drafter_results["blocks_seen"] == 2 * 2 * 3
-    assert 1.0 <= drafter_results["held_out"]["tau"] <= 4.0 and len(drafter_results["held_out"]["chain"]) == 3
+    assert drafter_results["epochs"] == pytest.approx(2 * 2 * 24 / drafter_results["corpus"]["tokens_train"])
+    held_out = drafter_results["final"]["held_out"]
+    assert 1.0 <= held_out["tau"] <= 4.0 and len(held_out["chain"]) == 3
+    assert drafter_results["checkpoint"]["step"] == drafter_results["best"]["step"]
+    with open(os.path.join(run.results_dir, "train_drafter.json")) as f:
+        assert {"epochs", "final", "best"} <= set(json.load(f))
     drafter = checkpoint.restore_drafter(drafter_run.out, restored.cfg)
     assert drafter.cfg == _small_drafter(cfg) and drafter.fc[...].dtype == jnp.bfloat16
     assert os.path.getsize(os.path.join(run.results_dir, "train_drafter_loss.png")) > 0
