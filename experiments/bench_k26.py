@@ -243,19 +243,19 @@ def median_seconds(call, reps: int, warmup: int) -> float:
     return float(np.median(times))
 
 
-def collective_estimate(mesh, counts: dict, reps: int, timed: dict) -> dict:
-    """Count, bytes per device and estimated serial seconds of the step's collectives; timed: a cache across cases."""
-    ops, seconds = [], 0.0
+def collective_summary(counts: dict, seconds_each: dict | None = None) -> dict:
+    """Count and bytes per device of a step's collectives (hlo_collectives' counts), with the estimated serial time
+    when seconds_each ({(op, dtype, elements): seconds}, time_collective's) is given."""
+    ops = []
     for (op, dtype, elements), count in sorted(counts.items()):
-        key = (op, dtype, elements)
-        if key not in timed:
-            timed[key] = time_collective(mesh, op, dtype, elements, reps)
-        seconds += count * timed[key]
         itemsize = np.dtype(HLO_DTYPES.get(dtype, jnp.float32)).itemsize
-        ops.append(dict(op=op, dtype=dtype, elements=elements, count=count, bytes=elements * itemsize,
-                        us_each=timed[key] * 1e6))
-    return dict(count=sum(counts.values()), bytes=sum(o["count"] * o["bytes"] for o in ops), seconds=seconds,
-                ops=ops)
+        ops.append(dict(op=op, dtype=dtype, elements=elements, count=count, bytes=elements * itemsize))
+        if seconds_each is not None:
+            ops[-1]["us_each"] = seconds_each[(op, dtype, elements)] * 1e6
+    summary = dict(count=sum(counts.values()), bytes=sum(o["count"] * o["bytes"] for o in ops), ops=ops)
+    if seconds_each is not None:
+        summary["ms"] = sum(o["count"] * o["us_each"] for o in ops) / 1e3
+    return summary
 
 
 # --------------------------------------------------------------------------------------------- model and cache
@@ -278,9 +278,11 @@ def param_layout(params, mesh) -> dict:
     return dict(params=count, total_bytes=total, per_device_bytes=list(per_device.values()))
 
 
-def random_cache(cfg: ModelConfig, mesh, streams: int, capacity: int, filled: int, seed: int) -> KVCache:
+def random_cache(cfg: ModelConfig, mesh, streams: int, capacity: int, filled: int, seed: int,
+                 abstract: bool = False) -> KVCache:
     """A latent cache of `capacity` rows per stream, rows [0, filled) random (unit normal), lengths `filled`: a
-    stand-in for a prefill of `filled` tokens, made in place on the devices (split over data, replicated over tp)."""
+    stand-in for a prefill of `filled` tokens, made in place on the devices (split over data, replicated over tp).
+    abstract: only its shapes, dtypes and shardings (jax.ShapeDtypeStruct), nothing allocated."""
     dt = dtype_of(cfg.dtype)
 
     def make(key):
@@ -294,7 +296,8 @@ def random_cache(cfg: ModelConfig, mesh, streams: int, capacity: int, filled: in
                        tuple(layer(keys[2 * i + 1], cfg.qk_rope_head_dim) for i in range(cfg.num_layers)),
                        jnp.full((streams,), filled, jnp.int32))
 
-    return jax.jit(make, out_shardings=sharding.stream_sharding(mesh))(jax.random.key(seed))
+    make = jax.jit(make, out_shardings=sharding.stream_sharding(mesh))
+    return make.eval_shape(jax.random.key(seed)) if abstract else make(jax.random.key(seed))
 
 
 def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams: int, nodes: int, prefix: int):
@@ -339,15 +342,26 @@ class Case:
 
 
 def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_collectives, run: dict):
-    """Compile, inspect and time one case; returns (result row, the cache handed back by the last call)."""
+    """Compile and inspect one case, then (unless run["compile_only"]) time it and its collectives.
+
+    Returns (result row, the cache handed back by the last call: the donated one is gone)."""
     inputs = tuple(jax.device_put(a, sharding.stream_sharding(mesh))
                    for a in block_inputs(rng, cfg, case.kind, case.streams, case.nodes, case.prefix))
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
-    compile_s = time.perf_counter() - start
-    hlo = compiled.as_text()
-    memory = compiled.memory_analysis()
+    cost = step_cost(cfg, weights, dict(mesh.shape), case.streams, case.nodes, case.prefix)
+    floors = cost.floors_s(mesh.size, run["bandwidth"], run["matmul"])
+    counts = hlo_collectives(compiled.as_text())
+    row = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes, prefix=case.prefix,
+               tokens=cost.tokens, compile_s=time.perf_counter() - start,
+               experts_touched_per_layer=cost.experts_touched, model_bytes=cost.model_bytes,
+               weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
+               flops=cost.flops, floor_ms={k: v * 1e3 for k, v in floors.items()},
+               memory_per_device=_memory(compiled.memory_analysis()))
+    if run["compile_only"]:
+        return dict(row, collectives=collective_summary(counts)), cache
+
     state = {"cache": cache}
 
     def call():
@@ -363,20 +377,15 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
         if r >= run["warmup"]:
             times.append(elapsed)
     step_s = float(np.median(times))
-    axis_sizes = dict(mesh.shape)
-    cost = step_cost(cfg, weights, axis_sizes, case.streams, case.nodes, case.prefix)
-    floors = cost.floors_s(mesh.size, run["bandwidth"], run["matmul"])
-    collectives = collective_estimate(mesh, hlo_collectives(hlo), run["reps"], timed_collectives)
-    row = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes, prefix=case.prefix,
-               tokens=cost.tokens, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
-               step_ms_std=float(np.std(times)) * 1e3, reps=len(times), compile_s=compile_s,
-               experts_touched_per_layer=cost.experts_touched, model_bytes=cost.model_bytes,
-               weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
-               flops=cost.flops, floor_ms={k: v * 1e3 for k, v in floors.items()},
-               fraction_of_floor={k: v / step_s for k, v in floors.items()},
-               collectives=dict(collectives, ms=collectives["seconds"] * 1e3,
-                                fraction_of_step=collectives["seconds"] / step_s),
-               memory_per_device=_memory(memory))
+    for key in counts.keys() - timed_collectives.keys():
+        timed_collectives[key] = time_collective(mesh, *key, run["reps"])
+    collectives = collective_summary(counts, timed_collectives)
+    collectives["fraction_of_step"] = collectives["ms"] / 1e3 / step_s
+    row.update(step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3, step_ms_std=float(np.std(times)) * 1e3,
+               reps=len(times), fraction_of_floor={k: v / step_s for k, v in floors.items()},
+               collectives=collectives, cache_bytes_per_device=sum(
+                   s.data.nbytes for x in jax.tree.leaves(state["cache"]) for s in x.addressable_shards
+                   if s.device == mesh.devices.flat[0]))
     return row, state["cache"]
 
 
@@ -390,15 +399,18 @@ def _memory(stats) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ output
 def format_row(r: dict) -> str:
-    if "step_ms" not in r:
-        return f"{r['kind']:>7} S={r['streams']:<3d} T={r['nodes']:<4d} {r.get('skipped') or r.get('error')}"
-    frac, floor, coll = r["fraction_of_floor"], r["floor_ms"], r["collectives"]
-    return (f"{r['kind']:>7} S={r['streams']:<3d} B={r['budget']:<3d} M={r['tokens']:<5d} | step {r['step_ms']:9.3f} ms"
-            f" (compile {r['compile_s']:5.1f} s) | floors ms model {floor['model']:7.3f} ({frac['model']:6.1%}) device "
-            f"{floor['device']:7.3f} ({frac['device']:6.1%}) compute {floor['compute']:7.3f} | read "
-            f"{r['model_bytes'] / GB:7.2f} GB, {r['device_bytes'] / GB:6.2f} GB/dev | coll {coll['count']:4d} "
-            f"{coll['bytes'] / 1e6:8.2f} MB/dev ~{coll['ms']:7.3f} ms ({coll['fraction_of_step']:5.1%}) | temp "
-            f"{r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
+    case = f"{r['kind']:>7} S={r['streams']:<3d} B={r['budget']:<3d}"
+    if "compile_s" not in r:
+        return f"{case} {r.get('skipped') or r.get('error')}"
+    floor, coll = r["floor_ms"], r["collectives"]
+    frac = r.get("fraction_of_floor", {})
+    step = (f"step {r['step_ms']:9.3f} ms (model floor {frac['model']:6.1%}, device floor {frac['device']:6.1%})"
+            if "step_ms" in r else "compiled only")
+    timed = f" ~{coll['ms']:7.3f} ms ({coll['fraction_of_step']:5.1%})" if "ms" in coll else ""
+    return (f"{case} M={r['tokens']:<5d} | {step} | compile {r['compile_s']:5.1f} s | floors ms model "
+            f"{floor['model']:7.3f} device {floor['device']:7.3f} compute {floor['compute']:7.3f} | read "
+            f"{r['model_bytes'] / GB:7.2f} GB, {r['device_bytes'] / GB:6.2f} GB/dev | collectives {coll['count']:4d}, "
+            f"{coll['bytes'] / 1e6:8.2f} MB/dev{timed} | temp {r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
 
 
 def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, label: str) -> dict:
@@ -432,6 +444,9 @@ def define_flags() -> None:
     flags.DEFINE_float("matmul_TFLOPs", 780.0, "bf16 matmul rate of one device for the compute floor")
     flags.DEFINE_float("time_budget_s", 0.0, "start no new case after this many seconds (0: no limit)")
     flags.DEFINE_string("profile_dir", "", "also write a profiler trace of the timed calls here")
+    flags.DEFINE_bool("compile_only", False, "abstract params and cache (nothing allocated): compile every case and "
+                      "report its collectives, memory analysis and floors, no times (e.g. the full model on 8 fake "
+                      "CPU devices)")
     flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)")
     flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees")
     flags.DEFINE_string("out", "experiments/results/k26.json", "JSON results path (rewritten after every case)")
@@ -473,6 +488,20 @@ def previous_results(path: str, meta: dict) -> dict | None:
     return previous
 
 
+def make_params(cfg: ModelConfig, mesh, seed: int, abstract: bool):
+    """(graphdef, params, info): random params made in their shards (info: param_layout + init seconds), or with
+    abstract only their shapes, dtypes and shardings (jax.ShapeDtypeStruct)."""
+    if abstract:
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                              sharding.param_shardings(state, mesh))
+        return graphdef, params, dict(abstract=True)
+    start = time.perf_counter()
+    graphdef, params = nnx.split(sharding.init_in_shards(lambda rngs: Transformer(cfg, rngs), mesh, seed))
+    jax.block_until_ready(params)
+    return graphdef, params, dict(param_layout(params, mesh), init_s=time.perf_counter() - start)
+
+
 def main(argv):
     del argv
     f = flags.FLAGS
@@ -483,15 +512,16 @@ def main(argv):
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=FAST_COMPILE if f.fast_compile else None)
+               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only)
     axis_sizes = dict(mesh.shape)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, reps=f.reps, warmup=f.warmup, bandwidth_GBps=f.bandwidth_GBps,
-                matmul_TFLOPs=f.matmul_TFLOPs, cache="random latents written in place (no prefill), lengths = prefix",
+                matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
+                cache="random latents written in place (no prefill), lengths = prefix",
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
-    results = dict(meta=meta, runs=[], floors={}, params={}, cases=[])
+    results = dict(meta=meta, runs=[], floors={}, weights={}, params={}, cases=[])
     previous = previous_results(f.out, meta) if f.append else None
     if previous is not None:  # keep what was measured; errors and skipped cases run again
         results["runs"] = previous.get("runs", [])
@@ -510,18 +540,16 @@ def main(argv):
     full = config_lib.preset(f.config)
     if f.scale == "full" and full.num_layers != cfg.num_layers:
         results["floors"]["full_model"] = print_floor(full, axis_sizes, f.prefix, run, f"full {full.name}")
+    weights = weight_bytes(cfg, axis_sizes)
+    results["weights"] = dataclasses.asdict(weights)
 
-    t0 = time.perf_counter()
-    model = sharding.init_in_shards(lambda rngs: Transformer(cfg, rngs), mesh, f.seed)
-    graphdef, params = nnx.split(model)
-    jax.block_until_ready(params)
-    results["params"] = dict(param_layout(params, mesh), init_s=time.perf_counter() - t0)
-    print(f"params made in shards in {results['params']['init_s']:.1f} s: {results['params']['total_bytes'] / GB:.2f}"
-          f" GB in total, per device {[round(b / GB, 3) for b in results['params']['per_device_bytes']]} GB",
-          flush=True)
+    graphdef, params, results["params"] = make_params(cfg, mesh, f.seed, f.compile_only)
+    if not f.compile_only:
+        print(f"params made in shards in {results['params']['init_s']:.1f} s: "
+              f"{results['params']['total_bytes'] / GB:.2f} GB in total, per device "
+              f"{[round(b / GB, 3) for b in results['params']['per_device_bytes']]} GB", flush=True)
     dump()
 
-    weights = weight_bytes(cfg, axis_sizes)
     step = make_step(graphdef, params, mesh)
     rng = np.random.default_rng(f.seed)
     timed_collectives: dict = {}
@@ -537,20 +565,16 @@ def main(argv):
             if f.time_budget_s and time.time() - start > f.time_budget_s:
                 row = dict(head, skipped=f"time budget {f.time_budget_s:.0f} s spent")
             else:
-                key = (case.streams, case.kind == "prefill")
                 try:
-                    if key != cache_key:
+                    if (case.streams, case.prefix) != cache_key:
                         cache = None  # the previous cache's buffers go before the next is made
                         rows = case.nodes if case.kind == "prefill" else case.prefix + max(
                             c.nodes for c in cases if c.kind != "prefill")
-                        cache = random_cache(cfg, mesh, case.streams, -(-rows // 128) * 128,
-                                             0 if case.kind == "prefill" else case.prefix, f.seed + case.streams)
-                        cache_key = key
+                        cache = random_cache(cfg, mesh, case.streams, -(-rows // 128) * 128, case.prefix,
+                                             f.seed + case.streams, abstract=f.compile_only)
+                        cache_key = (case.streams, case.prefix)
                     row, cache = run_case(case, step, params, cache, mesh, cfg, weights, rng, timed_collectives,
                                           run)
-                    row["cache_bytes_per_device"] = sum(s.data.nbytes for x in jax.tree.leaves(cache)
-                                                        for s in x.addressable_shards
-                                                        if s.device == mesh.devices.flat[0])
                 except Exception as e:  # noqa: BLE001 - a failed case (compile error, out of memory) is a result
                     row = dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")
                     cache, cache_key = None, None  # a donated cache may be gone: make a new one

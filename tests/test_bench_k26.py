@@ -30,21 +30,37 @@ def _bench():
 bench = _bench()
 
 
-def test_tiny_run_on_8_cpu_devices(tmp_path):
-    """The script's main path: params made in their shards, every case timed, floors and collectives reported."""
-    out = tmp_path / "k26_tiny.json"
+def _run_on_8_devices(out, *args) -> dict:
+    """Run the script at tiny scale (2 layers, prefix 64, B = 4) on 8 fake CPU devices; its JSON results."""
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
                f"--xla_force_host_platform_device_count={DEVICES}".strip())
-    args = ["--scale=tiny", "--layers=2", "--prefix=64", "--streams=1,8", "--budgets=4", "--prefill_tokens=16",
-            "--reps=2", "--warmup=1", "--fast_compile", f"--out={out}"]
-    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    tiny = ["--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4", "--fast_compile", f"--out={out}"]
+    proc = subprocess.run([sys.executable, SCRIPT, *tiny, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
-
-    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
     assert results["meta"]["mesh"] == {"data": 1, "tp": DEVICES}
     assert results["meta"]["config"]["num_layers"] == 2 and results["meta"]["config"]["expert_quant"] == "int4"
+    return results
+
+
+def _param_bytes(cfg) -> tuple[int, int]:
+    """(bytes of the whole model, bytes on each device under tp = 8), from the abstract model and the rules."""
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    whole = per_device = 0
+    for path, variable in nnx.to_flat_state(state):
+        leaf = variable.get_value()
+        spec = sharding.param_spec(path, leaf.shape, {"data": 1, "tp": DEVICES})
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        whole += nbytes
+        per_device += nbytes // (DEVICES if sharding.TP in spec else 1)
+    return whole, per_device
+
+
+def test_tiny_run_on_8_cpu_devices(tmp_path):
+    """The script's main path: params made in their shards, every case timed, floors and collectives reported."""
+    results = _run_on_8_devices(tmp_path / "k26_tiny.json", "--streams=1,8", "--prefill_tokens=16", "--reps=2",
+                                "--warmup=1")
     cases = {(c["kind"], c["streams"], c["nodes"]): c for c in results["cases"]}
     assert set(cases) == {("prefill", 1, 16), ("ar", 1, 1), ("verify", 1, 5), ("ar", 8, 1), ("verify", 8, 5)}
     for case in cases.values():
@@ -60,18 +76,23 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
 
     # Each device holds exactly its shard: the script checked every param's shards; here the bytes add up to the
     # rules' split of the abstract model, far below the whole.
-    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-    whole = per_device = 0
-    for path, variable in nnx.to_flat_state(state):
-        leaf = variable.get_value()
-        spec = sharding.param_spec(path, leaf.shape, {"data": 1, "tp": DEVICES})
-        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-        whole += nbytes
-        per_device += nbytes // (DEVICES if sharding.TP in spec else 1)
-    params = results["params"]
-    assert params["total_bytes"] == whole
-    assert params["per_device_bytes"] == [per_device] * DEVICES
+    whole, per_device = _param_bytes(bench.bench_config("kimi_k2_6", "tiny", 2))
+    assert results["params"]["total_bytes"] == whole
+    assert results["params"]["per_device_bytes"] == [per_device] * DEVICES
     assert per_device < whole / 4
+    assert sum(v for k, v in results["weights"].items() if k.endswith("_per_device")) == per_device
+
+
+def test_compile_only_on_8_cpu_devices(tmp_path):
+    """--compile_only: nothing allocated; each case compiled with its collectives and per-device argument bytes."""
+    results = _run_on_8_devices(tmp_path / "k26_compiled.json", "--streams=8", "--prefill_tokens=0",
+                                "--compile_only")
+    assert results["params"] == {"abstract": True}
+    _, per_device = _param_bytes(bench.bench_config("kimi_k2_6", "tiny", 2))
+    assert [(c["kind"], c["nodes"]) for c in results["cases"]] == [("ar", 1), ("verify", 5)]
+    for case in results["cases"]:
+        assert "step_ms" not in case and case["compile_s"] > 0 and case["collectives"]["count"] > 0, case
+        assert case["memory_per_device"]["argument"] > per_device  # its param shards + the cache + the inputs
 
 
 def test_k26_ar_floor_is_33_gb_per_token():
