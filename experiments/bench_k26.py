@@ -1,13 +1,20 @@
 """Step times of the Kimi K2.6 target sharded over a mesh: AR decode steps and DDTree verify steps.
 
     # 8 x H200 (the full model: 61 layers, INT4 routed experts, tp=8 with expert parallelism)
-    NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python experiments/bench_k26.py \
-        --layers=61 --mesh=tp=8 --time_budget_s=500 --out=experiments/results/k26_x8.json
+    NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 experiments/bench_k26.py \
+        --layers=61 --mesh=tp=8 --time_budget_s=420 --append --out=experiments/results/k26_x8.json
     # one H200: K2.6 shapes, fewer layers
-    PYTHONPATH=. python experiments/bench_k26.py --layers=4 --mesh=tp=1 --out=experiments/results/k26_h200_4l.json
+    PYTHONPATH=. python3 experiments/bench_k26.py --layers=4 --mesh=tp=1 \
+        --out=experiments/results/k26_h200_4layers.json
     # CPU smoke run on 8 fake devices (a shrunken config; the times mean nothing)
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_k26.py --scale=tiny \
-        --prefix=64 --budgets=4,8 --reps=2 --out=/tmp/k26_tiny.json
+        --prefix=64 --budgets=4,8 --reps=2 --fast_compile --out=/tmp/k26_tiny.json
+    # the full model compiled (not run) on 8 fake CPU devices: collectives, memory analysis, floors per case
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_k26.py --layers=61 \
+        --mesh=tp=8 --compile_only --out=/tmp/k26_x8_compile.json
+
+--append keeps the cases already in --out and runs the others (resume after the 10-minute limit); --time_budget_s
+stops starting cases; the JSON is rewritten after every case.
 
 What runs:
 - The params are random and made on the devices in their shards (`sharding.init_in_shards`): nothing is ever whole
@@ -15,8 +22,8 @@ What runs:
   The script checks that every device holds exactly its shard of every param and records the bytes per device.
 - The KV cache of each stream count holds --prefix rows of RANDOM latents per stream (unit normal, like the normed
   c_kv), written in place on the devices: a stand-in for a prefill of that length, which is only there to be read
-  (attention's cost does not depend on the values). One real prefill of --prefill_tokens tokens (one stream, from an
-  empty cache) is timed as its own case.
+  (attention's cost does not depend on the values). One real prefill of --prefill_tokens tokens (one stream per data
+  group, from an empty cache) is timed as its own case.
 - AR step: one target forward of T = 1 token per stream against the cache (its latent row written), argmax over the
   vocabulary. DDTree verify step: one forward of T = B + 1 nodes per stream of a random valid tree (each node sees its
   ancestors; positions prefix + depth), argmax per node. Drafting, tree build, accept and compaction are not in it.
@@ -65,8 +72,9 @@ GB = 1e9
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 CHAIN = 16  # collectives per standalone timing call
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # CPU smoke runs
+# HLO element types of collectives -> the dtype they are timed with (pred as bytes); any other is timed as f32.
 HLO_DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "s32": jnp.int32, "u32": jnp.uint32,
-              "pred": jnp.uint8, "s8": jnp.int8, "u8": jnp.uint8, "f64": jnp.float64, "s64": jnp.int64}
+              "pred": jnp.uint8, "s8": jnp.int8, "u8": jnp.uint8}
 
 
 # ----------------------------------------------------------------------------------------------------- config
@@ -194,12 +202,12 @@ def hlo_collectives(hlo: str) -> dict[tuple[str, str, int], int]:
     """
     counts: dict = {}
     for match in _COLLECTIVE.finditer(hlo):
-        shapes = [(dtype, math.prod(int(d) for d in dims.split(",")) if dims else 1)
-                  for dtype, dims in _SHAPE.findall(match.group(1)) if dims]
-        if match.group(3) and match.group(2) in ("all-gather", "collective-permute"):
-            shapes = shapes[len(shapes) // 2:]
-        for dtype, elements in shapes:
-            key = (match.group(2), dtype, elements)
+        op, shapes = match.group(2), _SHAPE.findall(match.group(1))  # shapes: [(dtype, "d0,d1,...")]
+        if match.group(3) and op in ("all-gather", "collective-permute"):
+            shapes = [shape for shape in shapes if shape[1]]  # scalar contexts out
+            shapes = shapes[len(shapes) // 2:]  # operands out
+        for dtype, dims in shapes:
+            key = (op, dtype, math.prod(int(d) for d in dims.split(",") if d))
             counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -436,7 +444,8 @@ def define_flags() -> None:
     flags.DEFINE_list("streams", ["1", "8"], "stream counts S")
     flags.DEFINE_integer("prefix", 4096, "committed cache rows per stream (random latents)")
     flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets B (verify T = B + 1)")
-    flags.DEFINE_integer("prefill_tokens", 512, "tokens of the one timed prefill (one stream per data group, empty cache; 0: none)")
+    flags.DEFINE_integer("prefill_tokens", 512, "tokens of the one timed prefill (one stream per data group, empty "
+                         "cache; 0: none)")
     flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
     flags.DEFINE_integer("warmup", 2, "untimed calls per case after compiling")
     flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: a shrunken config for a CPU smoke run")

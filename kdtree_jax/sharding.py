@@ -266,7 +266,7 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
                          out_specs=per_head)(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
 
 
-# ----------------------------------------------------------------------------------------------- random params in shards
+# ----------------------------------------------------------------------------------------------- random params
 
 def init_in_shards(make_model: Callable, mesh: Mesh, seed: int = 0):
     """make_model(nnx.Rngs(seed)) (a target model) with random params made on the devices, each in its shards.

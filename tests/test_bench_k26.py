@@ -133,10 +133,11 @@ def test_hlo_collectives_reads_sync_async_and_combined_ops():
         "  %ar = (f32[8,7168]{1,0}, f32[8,8]{1,0}) all-reduce(f32[8,7168]{1,0} %a, f32[8,8]{1,0} %b), to_apply=%add",
         "  %cp = (bf16[4]{0}, bf16[4]{0}, u32[], u32[]) collective-permute-start(bf16[4]{0} %z)",
         "  %f = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, calls=%fused_all-reduce",
+        "  %s = f32[] all-reduce(f32[] %loss), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
     ])
     assert bench.hlo_collectives(hlo) == {("all-reduce", "bf16", 8 * 7168): 1, ("all-gather", "f32", 8 * 384): 1,
                                           ("all-reduce", "f32", 8 * 7168): 1, ("all-reduce", "f32", 64): 1,
-                                          ("collective-permute", "bf16", 4): 1}
+                                          ("collective-permute", "bf16", 4): 1, ("all-reduce", "f32", 1): 1}
 
 
 def test_flag_errors_and_append_guard(tmp_path):
