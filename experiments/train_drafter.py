@@ -98,31 +98,16 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
     checkpoint_bytes = training.save_model(run.out, layout.module(params))
 
     train_metrics = training.drafter_summary({**last, "loss_sum": last["loss"] * last["blocks"]}) if last else {}
-    results = {
-        "config": dataclasses.asdict(dcfg),
-        "target": {"dir": target_dir, "config": target.cfg.name, "params": training.count_params(target_params)},
-        "params": training.count_params(params),
-        "device": training.device_name(),
-        "jax": jax.__version__,
-        "run": {"batch": run.batch, "seq_len": run.seq_len, "anchors": num_anchors, "gamma": gamma,
-                "optimizer": dataclasses.asdict(run.optim), "minutes": run.minutes, "max_steps": run.steps,
-                "seed": run.seed, "eval_every": run.loop.eval_every, "keep_best": run.keep_best,
-                "precision": "float32 master weights, bf16 compute and checkpoint"},
-        "corpus": corpus.stats,
-        "steps": step,
-        "tokens_seen": step * tokens_per_step,
-        "epochs": training.count_epochs(step * tokens_per_step, corpus, NAME),
-        "blocks_seen": step * run.batch * num_anchors,
-        "final_train_loss": history.train[-1]["loss"] if history.train else None,
-        "final_train_batch": train_metrics,  # loss, tau, per-position acc and chain of the last step's batch
-        "final": {"step": step, "held_out": final},
-        "best": best.summary(),  # the lowest held-out loss of the run's evaluations
-        "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
-                    "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
-        "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
-        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes, "step": saved_step,
-                       "params": "best held-out" if run.keep_best else "last"},
-    }
+    times = training.RunTimes(started, step_s + eval_s, loop_s, start_step)
+    results = {"config": dataclasses.asdict(dcfg),
+               "target": {"dir": target_dir, "config": target.cfg.name,
+                          "params": training.count_params(target_params)},
+               **training.run_record(NAME, run, corpus, history, best, step=step, final=final, params=params,
+                                     tokens_per_step=tokens_per_step, times=times, saved_step=saved_step,
+                                     checkpoint_bytes=checkpoint_bytes,
+                                     run_extra={"anchors": num_anchors, "gamma": gamma}),
+               "blocks_seen": step * run.batch * num_anchors,
+               "final_train_batch": train_metrics}  # loss, tau, per-position acc and chain of the last step's batch
     training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
     history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
                  f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="tau",

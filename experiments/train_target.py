@@ -80,29 +80,13 @@ def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: fl
     params = jax.device_get(params)
     checkpoint_bytes = training.save_model(run.out, layout.module(params))
 
-    results = {
-        "config": dataclasses.asdict(cfg),
-        "params": training.count_params(params),
-        "device": training.device_name(),
-        "jax": jax.__version__,
-        "run": {"batch": run.batch, "seq_len": run.seq_len, "optimizer": dataclasses.asdict(run.optim),
-                "router_bias_rate": router_bias_rate, "minutes": run.minutes, "max_steps": run.steps,
-                "seed": run.seed, "eval_every": run.loop.eval_every, "keep_best": run.keep_best,
-                "precision": "float32 master weights, bf16 compute and checkpoint"},
-        "corpus": corpus.stats,
-        "steps": step,
-        "tokens_seen": step * tokens_per_step,
-        "epochs": training.count_epochs(step * tokens_per_step, corpus, NAME),
-        "final_train_loss": history.train[-1]["loss"] if history.train else None,
-        "final": {"step": step, "held_out": final},
-        "best": best.summary(),  # the lowest held-out loss of the run's evaluations
-        "router_load_imbalance": float(last["imbalance"]) if "imbalance" in last else None,
-        "seconds": {"total": round(time.monotonic() - started, 1), "data": corpus.stats["seconds"],
-                    "compile": round(step_s + eval_s, 1), "train_loop": round(loop_s, 1)},
-        "tokens_per_second": round((step - start_step) * tokens_per_step / max(loop_s, 1e-9)),
-        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes, "step": saved_step,
-                       "params": "best held-out" if run.keep_best else "last"},
-    }
+    times = training.RunTimes(started, step_s + eval_s, loop_s, start_step)
+    results = {"config": dataclasses.asdict(cfg),
+               **training.run_record(NAME, run, corpus, history, best, step=step, final=final, params=params,
+                                     tokens_per_step=tokens_per_step, times=times, saved_step=saved_step,
+                                     checkpoint_bytes=checkpoint_bytes,
+                                     run_extra={"router_bias_rate": router_bias_rate}),
+               "router_load_imbalance": float(last["imbalance"]) if "imbalance" in last else None}
     training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
     history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
                  f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl",

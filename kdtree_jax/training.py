@@ -666,6 +666,42 @@ def sum_over(eval_fn: Callable, batches: Sequence[tuple]) -> dict:
     return jax.device_get(total)
 
 
+class RunTimes(NamedTuple):
+    """Wall-clock facts of a training run (seconds from time.monotonic())."""
+
+    started: float
+    compile_s: float
+    loop_s: float
+    start_step: int  # the step the loop began at (> 0 after --resume)
+
+
+def run_record(name: str, run: "RunConfig", corpus: "Corpus", history: "History", best: "BestParams", *, step: int,
+               final: dict, params, tokens_per_step: int, times: RunTimes, saved_step: int, checkpoint_bytes: int,
+               run_extra: dict) -> dict:
+    """The results-JSON fields both training scripts share; each script adds its own (config, target, metrics)."""
+    tokens_seen = step * tokens_per_step
+    return {
+        "params": count_params(params),
+        "device": device_name(),
+        "jax": jax.__version__,
+        "run": {"batch": run.batch, "seq_len": run.seq_len, **run_extra, "optimizer": dataclasses.asdict(run.optim),
+                "minutes": run.minutes, "max_steps": run.steps, "seed": run.seed, "eval_every": run.loop.eval_every,
+                "keep_best": run.keep_best, "precision": "float32 master weights, bf16 compute and checkpoint"},
+        "corpus": corpus.stats,
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "epochs": count_epochs(tokens_seen, corpus, name),
+        "final_train_loss": history.train[-1]["loss"] if history.train else None,
+        "final": {"step": step, "held_out": final},
+        "best": best.summary(),  # the lowest held-out loss of the run's evaluations
+        "seconds": {"total": round(time.monotonic() - times.started, 1), "data": corpus.stats["seconds"],
+                    "compile": round(times.compile_s, 1), "train_loop": round(times.loop_s, 1)},
+        "tokens_per_second": round((step - times.start_step) * tokens_per_step / max(times.loop_s, 1e-9)),
+        "checkpoint": {"dir": run.out, "bytes": checkpoint_bytes, "step": saved_step,
+                       "params": "best held-out" if run.keep_best else "last"},
+    }
+
+
 def write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
