@@ -319,5 +319,15 @@ def int4_moe(x, experts: Int4Experts, topk_ids, topk_weights, *, config: MoeConf
         grid=(num_blocks, pl.cdiv(d, cfg.block_n)),
         compiler_params=params, interpret=interpret, name="int4_moe_down",
     )(routing.block_expert, routing.block_token, routing.block_weight, h, experts.down_packed, experts.down_scale)
-    picked = jnp.where(routing.pair_ok[:, None], y[jnp.where(routing.pair_ok, routing.pair_row, 0)], 0)
-    return jnp.sum(picked.reshape(m, -1, d).astype(jnp.float32), axis=1).astype(x.dtype)
+    return _combine(y, routing.pair_row.reshape(m, -1), routing.pair_ok.reshape(m, -1)).astype(x.dtype)
+
+
+def _combine(y, rows, ok):
+    """out[m] = sum_j y[rows[m, j]] over the pairs with ok[m, j]: y [R, D], rows/ok [M, K] -> [M, D] f32.
+
+    K row gathers added in f32, one slot at a time (one fusion), instead of materialising the [M*K, D] gather and
+    reducing it afterwards."""
+    out = jnp.zeros((rows.shape[0], y.shape[1]), jnp.float32)
+    for j in range(rows.shape[1]):
+        out = out + jnp.where(ok[:, j, None], y[jnp.where(ok[:, j], rows[:, j], 0)].astype(jnp.float32), 0.0)
+    return out
