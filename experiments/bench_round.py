@@ -56,6 +56,7 @@ flags.DEFINE_list("streams", ["1", "8"], "streams decoded together")
 flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
 flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is done)")
 flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
+flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
 flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
 flags.declare_key_flag("out")
 flags.declare_key_flag("reps")
@@ -266,7 +267,7 @@ def main(argv):
                 results["rows"].append(dict(budget=budget, streams=num_streams, skipped="time budget"))
                 continue
             spec = DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget, block_size=block,
-                              max_new_tokens=F.rounds + 1)
+                              max_new_tokens=F.rounds + 1, rounds_per_check=F.rounds_per_check)
             row = measure(decoder, target.cfg, spec, num_streams, F.prompt_len, F.reps, F.seed)
             results["rows"].append(row)
             print_table([row])

@@ -41,6 +41,7 @@ class DecodeSpec:
     temperature: float = 0.0
     max_new_tokens: int = 32
     eos_token_id: int | None = None
+    rounds_per_check: int = 1  # rounds between checks of the stop condition (XLA:GPU reads it on the host)
 
     @property
     def depth(self) -> int:
@@ -114,6 +115,8 @@ class Decoder:
             raise ValueError(f"temperature={spec.temperature} must be >= 0")
         if spec.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
+        if spec.rounds_per_check < 1:
+            raise ValueError(f"rounds_per_check={spec.rounds_per_check} must be >= 1")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token; an empty prompt cannot be decoded")
         for i, p in enumerate(prompts):
@@ -153,9 +156,9 @@ class Decoder:
         state = jax.block_until_ready(run(*args))
         seconds = time.perf_counter() - start
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
-        rounds = int(state.rounds)
-        return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], np.asarray(state.taus)[:rounds],
-                              rounds, seconds)
+        taus = np.asarray(state.taus)[:int(state.rounds)]
+        taus = taus[(taus > 0).any(axis=1)]  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
+        return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], taus, len(taus), seconds)
 
     def _new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
         """Empty target and drafter caches; under a mesh made in place, split over data (never whole on one device)."""
@@ -193,8 +196,12 @@ class Decoder:
         target = nnx.merge(self.target_def, params)
         drafter = nnx.merge(self.drafter_def, dparams) if spec.policy != "ar" else None
         state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key)
-        return jax.lax.while_loop(lambda st: (st.rounds < st.taus.shape[0]) & ~jnp.all(st.done),
-                                  functools.partial(decode_round, target, drafter, spec), state)
+        one_round = functools.partial(decode_round, target, drafter, spec)
+        if spec.rounds_per_check > 1:  # done streams are frozen, so extra rounds change nothing
+            rounds = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check, lambda _, s: one_round(s), st)
+        else:
+            rounds = one_round
+        return jax.lax.while_loop(lambda st: (st.rounds < spec.max_new_tokens) & ~jnp.all(st.done), rounds, state)
 
 
 def pick_tokens(logits, temperature: float, keys):
@@ -231,7 +238,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     out = jnp.zeros((s, spec.max_new_tokens + spec.block_size), jnp.int32).at[:, 0].set(first)
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
-    max_rounds = spec.max_new_tokens
+    max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
     return LoopState(cache, dcache, first, out, num_out, done, jnp.zeros((max_rounds, s), jnp.int32),
                      jnp.zeros((), jnp.int32), keys)
 

@@ -1,4 +1,6 @@
 """The DDTree loop: tree verify == path forwards, the losslessness invariant, sampling, guard rails."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,3 +228,14 @@ def test_samples_of_a_stream_do_not_depend_on_its_batch(draft_decoder):
     second = draft_decoder.generate([PROMPTS[0], [9, 9, 9, 9, 9]], spec, seed=5).tokens
     assert first[0] == second[0]
     assert first[1] != second[1]
+
+
+def test_rounds_per_check_changes_nothing_but_the_checks(oracle_decoder):
+    decoder, truth = oracle_decoder
+    spec = DecodeSpec(policy="ddtree", budget=4, block_size=BLOCK, max_new_tokens=20)
+    once = decoder.generate(PROMPTS, spec)
+    batched = decoder.generate(PROMPTS, dataclasses.replace(spec, rounds_per_check=3))
+    assert batched.tokens == once.tokens == [t[:20] for t in truth]
+    np.testing.assert_array_equal(batched.taus, once.taus)
+    with pytest.raises(ValueError, match="rounds_per_check"):
+        decoder.generate(PROMPTS, dataclasses.replace(spec, rounds_per_check=0))
