@@ -29,6 +29,7 @@ from tqdm import tqdm
 from kdtree_jax import quant
 from kdtree_jax.config import ModelConfig, from_hf_config
 from kdtree_jax.model.transformer import Transformer
+from pallas_kernels.int4_moe import repack_linear
 
 NESTED_PREFIX = "language_model."  # K2.5 / K2.6 nest the text model under this prefix
 INDEX_FILE = "model.safetensors.index.json"
@@ -138,11 +139,13 @@ def legacy_rope_fields(hf: dict) -> dict:
 
 
 def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype: str | None = None,
-                       place: Place | None = None, progress: bool = True) -> Transformer:
+                       place: Place | None = None, progress: bool = True, keep_int4: bool = True) -> Transformer:
     """Build a Transformer from the HF safetensors in `directory`, one param at a time.
 
-    cfg: read from config.json when None. dtype: the model dtype ("bfloat16" | "float32"; default cfg.dtype); INT4
-    experts are dequantized into it. place(path, host_array) -> jax.Array puts each param on its devices (default
+    cfg: read from config.json when None. dtype: the model dtype ("bfloat16" | "float32"; default cfg.dtype). INT4
+    experts stay INT4 in device memory (repacked once into the int4_moe kernel's layout, the model's INT4 path) unless
+    keep_int4=False, which dequantizes them into bf16-path experts of `dtype`.
+    place(path, host_array) -> jax.Array puts each param on its devices (default
     jnp.asarray; pass a function built on jax.make_array_from_callback to shard). Raises ValueError naming the tensor
     or file for a missing tensor, a wrong shape, or a truncated / corrupt file.
     """
@@ -155,13 +158,19 @@ def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype:
         prefix = NESTED_PREFIX if any(n.startswith(NESTED_PREFIX + "model.") for n in files.names) else ""
         sources = param_sources(cfg, prefix)
         _check_present(files, sources)
-        model_cfg = cfg.replace(expert_quant="bf16")  # INT4 experts are dequantized (an INT4-resident path: later)
+        resident = keep_int4 and cfg.expert_quant == "int4"
+        model_cfg = cfg if resident else cfg.replace(expert_quant="bf16")
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
         wanted = {path: (tuple(v.shape), np.dtype(v.dtype)) for path, v in nnx.to_flat_state(state)}
-        if set(wanted) != {s.path for s in sources}:
-            raise AssertionError(f"param_sources disagrees with the model: {set(wanted) ^ {s.path for s in sources}}")
+        expected = {p for s in sources for p in (_int4_paths(s) if resident and s.stacked else (s.path,))}
+        if set(wanted) != expected:
+            raise AssertionError(f"param_sources disagrees with the model: {set(wanted) ^ expected}")
         params: dict = {}
         for s in tqdm(sources, desc=f"loading {os.path.basename(directory)}", unit="param", disable=not progress):
+            if resident and s.stacked:
+                for path, host in zip(_int4_paths(s), _read_int4_stack(files, s, model_cfg)):
+                    _nest(params, path, place(path, host.astype(wanted[path][1])))
+                continue
             shape, dt = wanted[s.path]
             _nest(params, s.path, place(s.path, _read_param(files, s, shape, dt, cfg.quant_group_size)))
     nnx.replace_by_pure_dict(state, params)
@@ -330,15 +339,44 @@ def _read_hf(files: _TensorFiles, name: str, shape: tuple) -> np.ndarray:
     return x
 
 
-def _read_int4(files: _TensorFiles, name: str, shape: tuple, group: int) -> np.ndarray:
-    """A compressed-tensors INT4 Linear `name` ([out, in]) dequantized to float32."""
+def _read_int4_tensors(files: _TensorFiles, name: str, shape: tuple, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """A compressed-tensors INT4 Linear `name` ([out, in]) as stored: (weight_packed, weight_scale)."""
     out_dim, in_dim = shape
     stored = tuple(int(v) for v in _read_hf(files, name + "_shape", (2,)))
     if stored != (out_dim, in_dim):
         raise ValueError(f"tensor {name + '_shape'!r} says {stored}, expected {(out_dim, in_dim)} for this config")
-    packed = _read_hf(files, name + "_packed", (out_dim, in_dim // quant.NIBBLES_PER_WORD))
-    scale = _read_hf(files, name + "_scale", (out_dim, in_dim // group))
+    return (_read_hf(files, name + "_packed", (out_dim, in_dim // quant.NIBBLES_PER_WORD)),
+            _read_hf(files, name + "_scale", (out_dim, in_dim // group)))
+
+
+def _read_int4(files: _TensorFiles, name: str, shape: tuple, group: int) -> np.ndarray:
+    """A compressed-tensors INT4 Linear `name` ([out, in]) dequantized to float32."""
+    packed, scale = _read_int4_tensors(files, name, shape, group)
     return np.asarray(quant.dequantize_int4(packed, scale, group, dtype=jnp.float32))
+
+
+_INT4_PARAMS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}
+
+
+def _int4_paths(s: Source) -> tuple[tuple, tuple]:
+    """The INT4-resident params (packed, scale) that replace the bf16 expert stack `s.path`."""
+    name = _INT4_PARAMS[s.path[-1]]
+    return s.path[:-1] + (f"{name}_packed",), s.path[:-1] + (f"{name}_scale",)
+
+
+def _read_int4_stack(files: _TensorFiles, s: Source, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """An expert stack kept INT4: the compressed-tensors tensors of every expert, stacked one expert at a time, then
+    repacked once into the int4_moe kernel's layout -> (packed, scale) host arrays."""
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    shape = (d, i) if s.path[-1] == "w_down" else (i, d)
+    packed, scale = None, None
+    for e, name in enumerate(s.hf):
+        p, sc = _read_int4_tensors(files, name, shape, cfg.quant_group_size)
+        if packed is None:
+            packed = np.empty((len(s.hf),) + p.shape, np.int32)
+            scale = np.empty((len(s.hf),) + sc.shape, sc.dtype)
+        packed[e], scale[e] = p, sc
+    return tuple(np.asarray(a) for a in repack_linear(packed, scale))
 
 
 def _hf_shape(s: Source, ours: tuple) -> tuple:

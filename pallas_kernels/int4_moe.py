@@ -77,7 +77,8 @@ class Int4Experts(NamedTuple):
             if tuple(array.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(array.shape)}, expected {shape} for E={e}, I={i}, D={d} "
                                  f"(compressed-tensors layout, group {GROUP}; D and I must be multiples of {GROUP})")
-        return cls(*_repack(gate_packed, gate_scale), *_repack(up_packed, up_scale), *_repack(down_packed, down_scale))
+        return cls(*repack_linear(gate_packed, gate_scale), *repack_linear(up_packed, up_scale),
+                   *repack_linear(down_packed, down_scale))
 
     def dequantize(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(gate [E, I, D], up [E, I, D], down [E, D, I]) in f32, exactly q * scale."""
@@ -88,7 +89,7 @@ class Int4Experts(NamedTuple):
 
 
 @jax.jit
-def _repack(packed, scale):
+def repack_linear(packed, scale):
     """compressed-tensors (packed [E, out, in/8], scale [E, out, in/32]) -> the kernel layout; one expert at a time."""
     def one(args):
         p, sc = args

@@ -156,8 +156,11 @@ def test_int4_experts_load_as_their_dequantized_values(tmp_path, model, tokens):
     directory = hf_import.export_hf_checkpoint(model, tmp_path / "hf", int4=True, prefix="language_model.")
     with open(os.path.join(directory, "config.json")) as f:
         assert config.from_hf_config(json.load(f)).expert_quant == "int4"
-    loaded = hf_import.load_hf_checkpoint(directory, dtype="float32", progress=False)
-    assert loaded.cfg.expert_quant == "bf16"  # dequantized for now
+    resident = hf_import.load_hf_checkpoint(directory, dtype="float32", progress=False)
+    assert resident.cfg.expert_quant == "int4"  # the experts stay INT4 in device memory
+    loaded = hf_import.load_hf_checkpoint(directory, dtype="float32", progress=False, keep_int4=False)
+    assert loaded.cfg.expert_quant == "bf16"
+    assert rel_err(causal_logits(resident, tokens), causal_logits(loaded, tokens)) < 1e-5
 
     expected = Transformer(model.cfg, nnx.Rngs(0))
     nnx.update(expected, nnx.state(model, nnx.Param))
