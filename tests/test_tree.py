@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax import tree as T
+from conftest import random_targets
 
 build_jit = jax.jit(T.build_tree, static_argnums=(2, 3))
 build_from_topk_jit = jax.jit(T.build_tree_from_topk, static_argnums=3)
@@ -216,16 +217,6 @@ def test_accept_hand_made(target_at, path, accepted, next_token):
             np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
 
 
-def random_targets(rng, tree, vocab):
-    """[S, B+1] int32: half the time the token of a random child of the node, else a random token."""
-    tokens, parent = np.asarray(tree.tokens), np.asarray(tree.parent)
-    target = rng.integers(0, vocab, size=tokens.shape).astype(np.int32)
-    for s, i in itertools.product(range(tokens.shape[0]), range(tokens.shape[1])):
-        children = np.flatnonzero(parent[s] == i)
-        if children.size and rng.random() < 0.5:
-            target[s, i] = tokens[s, rng.choice(children)]
-    return target
-
 
 @pytest.mark.parametrize("budget,block,topk", [(7, 8, None), (64, 16, 4), (30, 4, None), (0, 4, None)])
 def test_accept_jit_matches_python(budget, block, topk):
@@ -236,7 +227,7 @@ def test_accept_jit_matches_python(budget, block, topk):
     root = rng.integers(0, vocab, size=8)
     tree = T.build_tree_heapq(logits, root, budget, topk)
     for _ in range(3):
-        target = random_targets(rng, tree, vocab)
+        target = random_targets(rng, tree, vocab, hit_rate=0.5)
         want = T.accept_tree_python(tree, target, block - 1)
         got = accept_jit(tree, target, block - 1)
         for name, g, w in zip(T.AcceptResult._fields, got, want):

@@ -7,8 +7,6 @@ and one accept case compare with the jitted references.
 Interpret mode fills every output with poison before the kernel runs (NaN for floats, INT32_MIN for ints), so a
 slot the kernel forgets to write cannot match the reference.
 """
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +16,7 @@ from kdtree_jax import tree as T
 from pallas_kernels import ops
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
+from conftest import random_targets
 
 accept_ref = jax.jit(TA.tree_accept_reference, static_argnums=2)
 
@@ -83,16 +82,6 @@ def test_build_config_and_limits():
                                 interpret=True)
 
 
-def random_targets(rng, tree, vocab):
-    """[S, B+1] int32: most of the time the token of a random child of the node, else a random token."""
-    tokens, parent = np.asarray(tree.tokens), np.asarray(tree.parent)
-    target = rng.integers(0, vocab, size=tokens.shape).astype(np.int32)
-    for s, i in itertools.product(range(tokens.shape[0]), range(tokens.shape[1])):
-        children = np.flatnonzero(parent[s] == i)
-        if children.size and rng.random() < 0.7:
-            target[s, i] = tokens[s, rng.choice(children)]
-    return target
-
 
 @pytest.mark.parametrize("budget,block,topk", [(0, 4, None), (3, 4, 1), (7, 8, None), (64, 16, 4), (40, 5, None)])
 def test_accept_kernel_matches_reference(budget, block, topk):
@@ -101,7 +90,7 @@ def test_accept_kernel_matches_reference(budget, block, topk):
     logits, root = random_draft(rng, 6, block, vocab)
     tree = T.build_tree_heapq(logits, root, budget, topk)
     for _ in range(2):
-        target = random_targets(rng, tree, vocab)
+        target = random_targets(rng, tree, vocab, hit_rate=0.7)
         want = T.accept_tree_python(tree, target, block - 1)
         assert_same(TA.tree_accept(tree, target, block - 1, interpret=True), want, T.AcceptResult._fields)
 
@@ -125,7 +114,7 @@ def test_ops_dispatch_kernels_equal_references():
     logits = jnp.asarray(logits)
     with ops.implementation("reference"):
         tree_ref = ops.tree_build(logits, root, 12)
-        target = random_targets(rng, tree_ref, 16)
+        target = random_targets(rng, tree_ref, 16, hit_rate=0.7)
         acc_ref = ops.tree_accept(tree_ref, target, 4)
     with ops.implementation("kernel", interpret=True):
         tree = ops.tree_build(logits, root, 12)
