@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kdtree_jax.cache import block_attention_mask
 from pallas_kernels import MIN_DOT_DIM, dot_nt
 
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
@@ -105,17 +106,11 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
     visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype.
     """
     _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-    t = q_lat.shape[1]
-    n = c_kv.shape[1]
     hi = lax.Precision.HIGHEST
     logits = (jnp.einsum("sthc,snc->sthn", q_lat, c_kv, precision=hi, preferred_element_type=jnp.float32)
               + jnp.einsum("sthr,snr->sthn", q_rope, k_rope, precision=hi, preferred_element_type=jnp.float32))
     logits = logits * scale
-    rel = jnp.arange(n)[None, :] - prefix_len[:, None]                                    # [S, N]
-    in_tree = (rel >= 0) & (rel < t)
-    tree_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :],
-                                                             (visible.shape[0], t, n)), axis=2)  # [S, T, N]
-    allowed = ((rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis))[:, :, None, :]  # [S, T, 1, N]
+    allowed = block_attention_mask(prefix_len, visible, c_kv.shape[1])[:, :, None, :]  # [S, T, 1, N]
     logits = jnp.where(allowed, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
