@@ -19,7 +19,7 @@ from absl import app, flags, logging
 
 from kdtree_jax.checkpoint import restore_drafter, restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
-from kdtree_jax.decode import DecodeSpec, Decoder
+from kdtree_jax.decode import DecodeSpec, Decoder, acceptance
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
@@ -48,10 +48,11 @@ def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> d
         tokens += res.tokens
         taus.append(res.taus[res.taus > 0])
     taus = np.concatenate(taus)
+    tau, hist = acceptance(taus, spec.block_size)
     new = sum(len(t) for t in tokens)
     return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
-            "tokens_per_s": new / seconds, "tau": float(taus.mean()), "rounds": int(taus.size),
-            "accept_hist": np.bincount(taus, minlength=spec.block_size + 1)[1:].tolist(), "tokens": tokens}
+            "tokens_per_s": new / seconds, "tau": tau, "rounds": int(taus.size), "accept_hist": hist,
+            "tokens": tokens}
 
 
 def main(argv):

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
-from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult
+from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 
@@ -89,12 +88,11 @@ def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len
     decoder.generate(prompts, spec, seed=seed, cache_len=cache_len)  # compile + warm up
     result: GenerateResult = decoder.generate(prompts, spec, seed=seed, cache_len=cache_len)
     new_tokens = sum(len(t) for t in result.tokens)
-    taus = result.taus[result.taus > 0]
+    tau_mean, hist = acceptance(result.taus, spec.block_size)
     return {"policy": spec.policy, "budget": spec.tree_budget, "block_size": spec.block_size,
             "temperature": spec.temperature, "tokens": result.tokens, "new_tokens": new_tokens,
             "seconds": result.seconds, "tokens_per_s": new_tokens / result.seconds, "rounds": result.rounds,
-            "tau_mean": float(taus.mean()) if taus.size else 0.0,
-            "accept_hist": np.bincount(taus, minlength=spec.block_size + 1)[1:].tolist()}
+            "tau_mean": tau_mean, "accept_hist": hist}
 
 
 def main(argv):

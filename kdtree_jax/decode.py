@@ -80,6 +80,14 @@ class GenerateResult(NamedTuple):
     seconds: float  # wall time of prefill + loop (compilation excluded)
 
 
+def acceptance(taus, block_size: int) -> tuple[float, list]:
+    """(mean tau, histogram of tau = 1..L) over the rounds in which a stream emitted tokens (taus [..., S])."""
+    taus = np.asarray(taus)
+    taus = taus[taus > 0]
+    hist = np.bincount(taus, minlength=block_size + 1)[1:].tolist()
+    return (float(taus.mean()) if taus.size else 0.0), hist
+
+
 class Decoder:
     """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec.
 
