@@ -40,8 +40,8 @@ from flax import nnx
 
 from experiments.bench_kernels import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
-from kdtree_jax.cache import compact
-from kdtree_jax.decode import DecodeSpec, Decoder, LoopState, decode_round, pick_tokens, prefill, root_only_tree
+from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
+                               root_only_tree)
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels import ops
@@ -123,16 +123,8 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
         return ops.tree_accept(tree, pick_tokens(logits, spec.temperature, None), spec.depth)
 
     def commit(params, dparams, cache, dcache, hidden, verdict, active):
-        """As at the end of decode_round: compaction, then the drafter context of the root and accepted nodes."""
-        _, drafter = models(params, dparams)
-        length = cache.length
-        cache = compact(cache, verdict.path, verdict.num_accepted, active)
-        if drafter is not None:
-            path = jnp.maximum(verdict.path, 0)
-            hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)
-            slots = jnp.arange(spec.depth + 1)[None, :]
-            dcache = drafter.extend_cache(dcache, hidden, length[:, None] + slots, length)
-        return cache, dcache
+        """The end of decode_round: compaction, then the drafter context of the root and accepted nodes."""
+        return commit_kv(models(params, dparams)[1], cache, dcache, hidden, verdict, active)
 
     def one_round(params, dparams, state):
         return decode_round(*models(params, dparams), spec, state)

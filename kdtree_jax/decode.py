@@ -271,7 +271,7 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
     if drafter is None:
         tree = root_only_tree(st.bonus)
     else:
-        draft = drafter.draft(target.embed, lambda h: target.logits(h), st.bonus, length, st.dcache, length)
+        draft = drafter.draft(target.embed, target.logits, st.bonus, length, st.dcache, length)
         tree = ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
@@ -295,11 +295,19 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
     num_out = st.num_out + count
     done = st.done | hit_eos | (num_out >= spec.max_new_tokens)
 
-    cache = compact(fwd.cache, verdict.path, verdict.num_accepted, active)
-    dcache = st.dcache
-    if drafter is not None:
-        path = jnp.maximum(verdict.path, 0)
-        hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in fwd.hidden)  # [S, D+1, D_model]
-        dcache = drafter.extend_cache(dcache, hidden, length[:, None] + slots, length)
+    cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, active)
     return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
                      st.taus.at[st.rounds].set(count), st.rounds + 1, keys)
+
+
+def commit_kv(drafter: Drafter | None, cache: KVCache, dcache, hidden, verdict, active):
+    """Compact the accepted tree rows of the target cache and extend the drafter context with the root and accepted
+    nodes' hidden states (hidden: per target layer [S, B+1, D]). Returns (cache, dcache)."""
+    length = cache.length
+    new_cache = compact(cache, verdict.path, verdict.num_accepted, active)
+    if drafter is None:
+        return new_cache, dcache
+    path = jnp.maximum(verdict.path, 0)
+    hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)  # [S, D+1, D_model]
+    positions = length[:, None] + jnp.arange(path.shape[1])[None, :]
+    return new_cache, drafter.extend_cache(dcache, hidden, positions, length)
