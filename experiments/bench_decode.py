@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 
 import jax
 import numpy as np
@@ -35,6 +36,8 @@ flags.DEFINE_list("temperatures", ["0", "1"], "sampling temperatures")
 flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
 flags.DEFINE_string("out", "experiments/results/decode.json", "JSON output")
 flags.DEFINE_string("plot", "experiments/results/decode.png", "PNG of tau and speedup vs B ('' to skip)")
+flags.DEFINE_float("time_budget_s", None, "start no (temperature, batch) group after this many seconds; the JSON "
+                   "and plot are rewritten after every group, so a run cut short keeps the groups it finished")
 
 
 def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
@@ -63,9 +66,17 @@ def main(argv):
     decoder = Decoder(target, drafter)
     prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
     block = drafter.cfg.block_size
-    rows = []
+    meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
+            "dtype": target.cfg.dtype,
+            "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
+            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block, "skipped_groups": []}
+    rows, start = [], time.monotonic()
     for temperature in map(float, FLAGS.temperatures):
         for batch in map(int, FLAGS.batch_sizes):
+            if FLAGS.time_budget_s is not None and time.monotonic() - start > FLAGS.time_budget_s:
+                logging.warning("time budget spent: skipping T=%g batch=%d", temperature, batch)
+                meta["skipped_groups"].append({"temperature": temperature, "batch": batch})
+                continue
             def spec(policy, budget=0):
                 return DecodeSpec(policy=policy, budget=budget, block_size=block, temperature=temperature,
                                   max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
@@ -80,15 +91,17 @@ def main(argv):
                 if temperature == 0:
                     r["agree_prefix"] = agreeing_prefix(r["tokens"], ar["tokens"])
             rows += runs
+            write(rows, meta)
     print_table(rows)
-    meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
-            "dtype": target.cfg.dtype,
-            "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
-            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block}
+    write(rows, meta)
+
+
+def write(rows, meta: dict) -> None:
+    """The JSON (--out) and plot (--plot) of the rows so far."""
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)
-    if FLAGS.plot:
+    if FLAGS.plot and rows:
         plot(rows, FLAGS.plot, meta)
 
 
@@ -132,6 +145,7 @@ def plot(rows, path: str, meta: dict) -> None:
     fig.suptitle(f"DDTree on the trained code target ({meta['backend']}, {meta['num_prompts']} held-out prompts)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
