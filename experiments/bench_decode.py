@@ -33,6 +33,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
 flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
 flags.DEFINE_list("batch_sizes", ["1", "8"], "streams decoded together")
 flags.DEFINE_list("temperatures", ["0", "1"], "sampling temperatures")
+flags.DEFINE_integer("rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
+                     "(DecodeSpec.rounds_per_check)")
 flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
 flags.DEFINE_string("out", "experiments/results/decode.json", "JSON output")
 flags.DEFINE_string("plot", "experiments/results/decode.png", "PNG of tau and speedup vs B ('' to skip)")
@@ -69,7 +71,8 @@ def main(argv):
     meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
             "dtype": target.cfg.dtype,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
-            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block, "skipped_groups": []}
+            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block,
+            "rounds_per_check": FLAGS.rounds_per_check, "skipped_groups": []}
     rows, start = [], time.monotonic()
     for temperature in map(float, FLAGS.temperatures):
         for batch in map(int, FLAGS.batch_sizes):
@@ -79,7 +82,8 @@ def main(argv):
                 continue
             def spec(policy, budget=0):
                 return DecodeSpec(policy=policy, budget=budget, block_size=block, temperature=temperature,
-                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
+                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id,
+                                  rounds_per_check=FLAGS.rounds_per_check)
             ar = run(decoder, prompts, spec("ar"), batch, FLAGS.seed)
             runs = [ar, run(decoder, prompts, spec("chain"), batch, FLAGS.seed)]
             runs += [run(decoder, prompts, spec("ddtree", int(b)), batch, FLAGS.seed) for b in FLAGS.budgets]
