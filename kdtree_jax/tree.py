@@ -96,7 +96,50 @@ def draft_topk(draft_logits, k: int):
     """draft_logits [S, D, V] -> (top_logprobs [S, D, k] float32, top_ids [S, D, k] int32), by decreasing log-prob,
     ties to the smaller token id. jit-able; `k` static."""
     lp = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
-    values, ids = jax.lax.top_k(lp, k)
+    values, ids = chunked_top_k(lp, k)
+    return values, ids.astype(jnp.int32)
+
+
+TOPK_CHUNK_MIN_VOCAB = 16384  # below this a full-row top_k is launch-bound (32 us at V = 4096 on the H200) and two
+#                              smaller top_ks would cost more launches, not fewer bytes
+
+
+def topk_chunk_size(vocab_size: int, k: int) -> int:
+    """Chunk width for `chunked_top_k`: the power of two nearest sqrt(V / k), which balances the two top-Ks it runs
+    (over V / c chunk maxima and over k * c candidates); 0 (one top_k over the row) when V < TOPK_CHUNK_MIN_VOCAB
+    or chunking would not shrink the sorted entries."""
+    c = 1 << max(0, round(np.log2(max(vocab_size / k, 1)) / 2))
+    n_chunks = -(-vocab_size // c)
+    useful = c > 1 and n_chunks >= k and n_chunks + k * c < vocab_size
+    return c if useful and vocab_size >= TOPK_CHUNK_MIN_VOCAB else 0
+
+
+def chunked_top_k(x, k: int, chunk: int | None = None):
+    """Exactly `lax.top_k(x, k)` over the last axis (values by decreasing value, ties to the smaller index) without
+    sorting whole rows: XLA:GPU runs `top_k` with k > 16 as a segmented sort of the full row (2.6 ms for 240 rows of
+    163840 on the H200, experiments/results/kernels_tree.json).
+
+    x [..., V] -> (values [..., k], indices [..., k] int32). The row is cut into chunks of `chunk` (default
+    `topk_chunk_size`; the row is padded with -inf at the end); the top k chunks by their maximum are taken (ties to
+    the smaller chunk), put back in index order, and one top_k over their k * chunk entries gives the answer. Exact:
+    an entry among the row's top k (order: larger value, then smaller index) lies in a chunk among the top k chunks
+    (order: larger maximum, then smaller chunk), else k other chunks would each hold an entry ahead of it.
+    """
+    v = x.shape[-1]
+    chunk = topk_chunk_size(v, k) if chunk is None else chunk
+    n_chunks = -(-v // chunk) if chunk else 0
+    if not chunk or n_chunks < k:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    lead = x.shape[:-1]
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n_chunks * chunk - v)], constant_values=-jnp.inf)
+    blocks = padded.reshape(*lead, n_chunks, chunk)
+    _, top_chunks = jax.lax.top_k(blocks.max(axis=-1), k)
+    top_chunks = jnp.sort(top_chunks, axis=-1)  # index order, so ties among candidates go to the smaller index
+    cand = jnp.take_along_axis(blocks, top_chunks[..., None], axis=-2).reshape(*lead, k * chunk)
+    values, pos = jax.lax.top_k(cand, k)
+    ids = top_chunks[..., None] * chunk + jnp.arange(chunk, dtype=top_chunks.dtype)
+    ids = jnp.take_along_axis(ids.reshape(*lead, k * chunk), pos, axis=-1)
     return values, ids.astype(jnp.int32)
 
 

@@ -239,6 +239,26 @@ def test_accept_jit_matches_python(budget, block, topk):
 # --------------------------------------------------------------------------------------------- budgets
 
 
+@pytest.mark.parametrize("vocab,k,chunk", [(32768, 32, None), (4096, 8, 16), (4097, 9, 16), (1000, 5, 7),
+                                           (50, 10, 2), (64, 64, None), (300, 1, 4)])
+def test_chunked_top_k_equals_lax_top_k(vocab, k, chunk):
+    """Values and indices bit for bit, with many ties (5 distinct values), rows of -inf and a ragged last chunk."""
+    rng = np.random.default_rng(vocab * 31 + k)
+    x = rng.integers(0, 5, size=(2, 3, vocab)).astype(np.float32) + rng.choice([0.0, 0.5], size=(2, 3, vocab))
+    x[0, 0] = -np.inf
+    x[1, 2, rng.random(vocab) < 0.7] = -np.inf
+    want = jax.lax.top_k(x, k)
+    got = T.chunked_top_k(jax.numpy.asarray(x), k, chunk)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_topk_chunk_size():
+    assert T.topk_chunk_size(163840, 64) == 64 and T.topk_chunk_size(163840, 512) == 16
+    assert T.topk_chunk_size(7, 7) == 0  # nothing to gain: one top_k over the row
+    assert T.topk_chunk_size(4096, 32) == 0  # small vocabularies keep one launch-bound top_k
+
+
 def test_max_tree_nodes():
     assert T.max_tree_nodes(3, 2) == 14
     assert T.max_tree_nodes(0, 5) == 0
