@@ -53,11 +53,14 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
 
 
-# Split-K heuristic. TARGET_PROGRAMS: about two resident programs per multiprocessor of an H200 (132 SMs).
+# Split-K heuristic: aim for one wave of programs. NUM_SMS: multiprocessors of an H200. PROGRAMS_PER_SM: resident
+# programs per multiprocessor by tile: the 8-warp 64-row tile holds ~200 KB of shared memory (one per SM), the 4-warp
+# 16/32-row tiles fit two (H200 run 3 in BUILD_NOTES: the best measured counts were about these).
 # RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a
 # call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read back) may move at most this fraction of
-# those bytes (H200 runs 2-3 in BUILD_NOTES: the best count is about one wave of programs, see the notes).
-TARGET_PROGRAMS = 264
+# those bytes.
+NUM_SMS = 132
+PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
 RIDGE_FLOP_PER_BYTE = 180
 PARTIAL_BUDGET = 1.0
 MIN_BLOCKS_PER_SPLIT = 2
@@ -77,7 +80,7 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
     floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
                       2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
     partial_bytes = tiles * block_q * pl.next_power_of_2(lat) * 4 * 2
-    num_splits = min(pl.cdiv(TARGET_PROGRAMS, tiles), int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
+    num_splits = min(pl.cdiv(NUM_SMS * PROGRAMS_PER_SM[block_q], tiles), int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
                      capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
     return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=max(1, num_splits), num_warps=num_warps)
 
