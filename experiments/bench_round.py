@@ -134,7 +134,7 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
     if spec.policy != "ar":
         stages["draft"] = jax.jit(draft)
     return RoundFunctions(jax.jit(prefill_fn, donate_argnums=(2, 3)), stages, jax.jit(one_round, donate_argnums=2),
-                          decoder._compile(spec, num_streams, prompt_len, cache_len))
+                          decoder.compiled_loop(spec, num_streams, prompt_len, cache_len))
 
 
 def fixed_loop(decoder: Decoder, spec: DecodeSpec, rounds: int):
@@ -169,7 +169,7 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     key = jax.random.key(seed)
 
     def loop_args():
-        return (params, dparams, *decoder._new_caches(spec, num_streams, cache_len), tokens, lengths, key)
+        return (params, dparams, *decoder.new_caches(spec, num_streams, cache_len), tokens, lengths, key)
 
     # The realistic state of every stage: a prefilled batch, then one round's intermediates.
     state: LoopState = fns.prefill(*loop_args())

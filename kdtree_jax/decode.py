@@ -156,8 +156,8 @@ class Decoder:
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        run = self._compile(spec, s, longest, cache_len)
-        cache, dcache = self._new_caches(spec, s, cache_len)
+        run = self.compiled_loop(spec, s, longest, cache_len)
+        cache, dcache = self.new_caches(spec, s, cache_len)
         args = (self.target_params, self.drafter_params, cache, dcache, jnp.asarray(tokens), jnp.asarray(lengths),
                 jax.random.key(seed))
         start = time.perf_counter()
@@ -168,7 +168,7 @@ class Decoder:
         taus = taus[(taus > 0).any(axis=1)]  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], taus, len(taus), seconds)
 
-    def _new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
+    def new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
         """Empty target and drafter caches; under a mesh made in place, split over data (never whole on one device)."""
         def make():
             cache = init_cache(self.cfg, num_streams, cache_len)
@@ -179,7 +179,10 @@ class Decoder:
             return make()
         return jax.jit(make, out_shardings=sharding.stream_sharding(self.mesh))()
 
-    def _compile(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
+    def compiled_loop(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
+        """The jitted prefill + loop `generate` runs for this spec and shape (cached), called as
+        fn(params, drafter_params, cache, dcache, tokens [S, prompt_len], lengths [S], key) -> LoopState; the caches
+        (from `new_caches`) are donated."""
         spec = dataclasses.replace(spec, budget=spec.tree_budget, topk=spec.tree_topk)  # chain ignores the budget
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
