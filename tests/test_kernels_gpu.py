@@ -1,0 +1,94 @@
+"""The four Pallas kernels compiled on the GPU at Kimi K2.6 shapes == their references (skipped elsewhere).
+
+Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py`. The CPU
+suite covers the same kernels in interpret mode (outputs poisoned before the call); here a compiled kernel cannot be
+poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
+fresh random inputs, and the tree kernels are compared bit for bit with the python specifications.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdtree_jax import config as config_lib
+from kdtree_jax import tree as T
+from kdtree_jax.model.moe import random_int4_experts
+from pallas_kernels import int4_moe as M
+from pallas_kernels import tree_accept as TA
+from pallas_kernels import tree_build as TB
+from pallas_kernels import tree_verify_attention as A
+from conftest import random_targets, rel_err
+from test_attention_kernel import make_inputs
+from test_tree_kernels import assert_same, random_draft
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need the GPU")
+
+K26 = config_lib.kimi_k2_6()
+
+
+@pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 16)])
+def test_attention_bf16_k26(heads, nodes):
+    """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache."""
+    rng = np.random.default_rng(heads * 1000 + nodes)
+    inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
+    out = A.tree_verify_attention(*inputs, scale=K26.softmax_scale)
+    ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_attention_f32_k26(num_splits):
+    """f32 inputs (IEEE dots), small tiles to fit shared memory, split-K off and on."""
+    rng = np.random.default_rng(num_splits)
+    inputs = make_inputs(rng, 4, 16, 8, K26.kv_lora_rank, K26.qk_rope_head_dim, 1024)
+    config = A.AttentionConfig(block_q=16, block_k=16, num_splits=num_splits)
+    out = A.tree_verify_attention(*inputs, scale=K26.softmax_scale, config=config)
+    assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def k26_experts():
+    return random_experts(K26)
+
+
+def random_experts(cfg):
+    """cfg's random INT4 routed experts (K2.6: 384 of D 7168, I 2048) with random per-group scales."""
+    experts = random_int4_experts(nnx.Rngs(0), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  cfg.quant_group_size)
+    keys = jax.random.split(jax.random.key(1), 3)
+    factors = {name: jax.random.uniform(k, getattr(experts, name).shape, minval=0.5, maxval=1.5)
+               for name, k in zip(("gate_scale", "up_scale", "down_scale"), keys)}
+    return experts._replace(**{name: (getattr(experts, name) * f).astype(getattr(experts, name).dtype)
+                               for name, f in factors.items()})
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
+                                              (16, jnp.float32, 1e-5)])
+def test_int4_moe_k26(k26_experts, tokens, dtype, tol):
+    """top-8 routing with repeated experts and ids of other devices (out of range), as under expert parallelism."""
+    rng = np.random.default_rng(tokens)
+    ids = rng.integers(0, K26.num_experts, (tokens, K26.num_experts_per_tok))
+    ids[:, 1] = ids[:, 0]
+    ids[rng.random(ids.shape) < 0.2] = K26.num_experts + 5
+    ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, K26.hidden_size)), dtype)
+    out = M.int4_moe(x, k26_experts, ids, weights)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, M.int4_moe_reference(x, k26_experts, ids, weights)) < tol
+
+
+@pytest.mark.parametrize("budget", [16, 512])
+def test_tree_build_and_accept_k26(budget):
+    """16 streams, L = 16, V = 163840 (half of them with tied log-probs): the build kernel gives the heapq
+    specification's arrays and the accept kernel the python walk's, bit for bit."""
+    rng = np.random.default_rng(budget)
+    logits, root = random_draft(rng, 16, 16, K26.vocab_size)
+    want = T.build_tree_heapq(logits, root, budget)
+    got = TB.tree_build(jnp.asarray(logits), jnp.asarray(root), budget)
+    assert_same(got, want, T.TreeArrays._fields)
+    target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
+    tree = T.TreeArrays(*map(jnp.asarray, want))
+    assert_same(TA.tree_accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
+                T.AcceptResult._fields)
