@@ -33,6 +33,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
 flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
 flags.DEFINE_list("batch_sizes", ["1", "8"], "streams decoded together")
 flags.DEFINE_list("temperatures", ["0", "1"], "sampling temperatures")
+flags.DEFINE_integer("topk", None, "ddtree candidates per depth (default min(B, V)); <= 16 keeps XLA:GPU's top-k "
+                     "off the whole-row sort")
 flags.DEFINE_integer("rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
                      "(DecodeSpec.rounds_per_check)")
 flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
@@ -72,7 +74,7 @@ def main(argv):
             "dtype": target.cfg.dtype,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
             "max_new_tokens": FLAGS.max_new_tokens, "block_size": block,
-            "rounds_per_check": FLAGS.rounds_per_check, "skipped_groups": []}
+            "rounds_per_check": FLAGS.rounds_per_check, "topk": FLAGS.topk, "skipped_groups": []}
     rows, start = [], time.monotonic()
     for temperature in map(float, FLAGS.temperatures):
         for batch in map(int, FLAGS.batch_sizes):
@@ -81,7 +83,8 @@ def main(argv):
                 meta["skipped_groups"].append({"temperature": temperature, "batch": batch})
                 continue
             def spec(policy, budget=0):
-                return DecodeSpec(policy=policy, budget=budget, block_size=block, temperature=temperature,
+                return DecodeSpec(policy=policy, budget=budget, topk=FLAGS.topk, block_size=block,
+                                  temperature=temperature,
                                   max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id,
                                   rounds_per_check=FLAGS.rounds_per_check)
             ar = run(decoder, prompts, spec("ar"), batch, FLAGS.seed)
