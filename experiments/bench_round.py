@@ -57,6 +57,7 @@ flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
 flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is done)")
 flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
 flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
+flags.DEFINE_string("plot", None, "PNG of the stage times per case (default: the JSON's path with .png; '' skips)")
 flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
 flags.declare_key_flag("out")
 flags.declare_key_flag("reps")
@@ -272,6 +273,37 @@ def main(argv):
     with open(out, "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"wrote {out} in {time.time() - start:.0f} s", flush=True)
+    plot_path = os.path.splitext(out)[0] + ".png" if F.plot is None else F.plot
+    if plot_path:
+        plot_stages(results, plot_path)
+
+
+STAGES = ("draft", "build", "verify", "accept", "commit")
+
+
+def plot_stages(results: dict, path: str) -> None:
+    """Stacked bars of the stage times of each measured case, next to one decode_round in one jit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in results["rows"] if "skipped" not in r]
+    labels = [f"{r['policy']} B={r['budget']} S={r['streams']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.6 * len(rows)))
+    left = np.zeros(len(rows))
+    for stage in STAGES:
+        width = np.array([r["stages_us"].get(stage, 0.0) for r in rows])
+        ax.barh(labels, width, left=left, label=stage)
+        left += width
+    ax.scatter([r["round_us"] for r in rows], labels, color="black", marker="|", s=300, label="one round, one jit",
+               zorder=3)
+    ax.set_xlabel("device time per round (us)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    meta = results["meta"]
+    ax.set_title(f"decode round by stage: {meta['model']} on {meta['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
