@@ -47,6 +47,7 @@ flags.DEFINE_bool("sweep", True, "also time alternative tilings on the represent
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
+flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
 flags.DEFINE_bool("quick", False, "small shapes in interpret mode, to smoke-test the script on a CPU")
 F = flags.FLAGS
 
@@ -701,6 +702,60 @@ def main(_):
     RESULTS["meta"]["wall_s"] = time.time() - start
     _dump()
     print(f"wrote {F.out} in {time.time() - start:.0f} s", flush=True)
+    if F.plot:
+        plot_results(RESULTS, os.path.splitext(F.out)[0] + ".png")
+
+
+def plot_results(results: dict, path: str) -> None:
+    """One panel per measured section: attention (fraction of roofline and speedup over XLA per case), int4_moe
+    (kernel vs the XLA bf16 baselines per M) and tree (build paths vs the heap peer per B)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sections = [name for name in ("attention", "int4_moe", "tree")
+                if any("kernel_us" in r or "kernel_from_topk_us" in r for r in results.get(name, []))]
+    if not sections:
+        return
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], sections):
+        rows = [r for r in results[name] if "kernel_us" in r or "kernel_from_topk_us" in r]
+        if name == "attention":
+            x = np.arange(len(rows))
+            ax.bar(x - 0.2, [r["roofline_fraction"] for r in rows], 0.4, label="fraction of roofline")
+            ax.bar(x + 0.2, [r["speedup_vs_reference"] / 10 for r in rows], 0.4, label="speedup over XLA / 10")
+            ax.axhline(0.7, ls="--", color="C0", lw=0.8)
+            ax.axhline(0.3, ls="--", color="C1", lw=0.8)
+            ax.set_xticks(x, [f"S{r['streams']} H{r['heads']} N{r['prefix'] // 1024}k T{r['nodes']}" for r in rows],
+                          rotation=70, fontsize=7)
+            ax.set_title("tree_verify_attention (dashed: targets 70%, 3x)", fontsize=9)
+        elif name == "int4_moe":
+            m = [r["tokens"] for r in rows]
+            ax.plot(m, [r["kernel_us"] for r in rows], "o-", label="int4_moe kernel")
+            for base in sorted({b for r in rows for b in r["baselines_us"]}):
+                pts = [(r["tokens"], r["baselines_us"][base]) for r in rows if base in r["baselines_us"]]
+                ax.plot(*zip(*pts), "s--", label=base)
+            ax.plot(m, [r["roofline_us"] for r in rows], ":", color="gray", label="roofline")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens M")
+            ax.set_title("int4_moe, K2.6 experts", fontsize=9)
+        else:
+            b = [r["budget"] for r in rows]
+            for key, label in (("kernel_from_topk_us", "build kernel (from top-K)"),
+                               ("reference_from_topk_us", "jnp reference (from top-K)"),
+                               ("topk_us", "top-K (shared)"), ("peer_us", "heapq CPU peer, whole")):
+                ax.plot(b, [r[key] for r in rows], "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget B")
+            ax.set_title(f"tree build, {rows[0]['streams']} streams, V={rows[0]['vocab']}", fontsize=9)
+        if name != "attention":
+            ax.set_yscale("log")
+            ax.set_ylabel("us")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"kernels on {results['meta']['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

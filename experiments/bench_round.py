@@ -21,8 +21,8 @@ Times are device spans from profiler traces (experiments/bench_kernels.time_jobs
 trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
 On the GPU the loops also report device busy time, device events and device-to-host copies per round.
 
-Flags --out and --reps are bench_kernels.py's (this script uses its timing); --out defaults here to
-experiments/results/round_<backend>.json.
+Flags --out, --reps and --plot are bench_kernels.py's (this script uses its timing); --out defaults here to
+experiments/results/round_<backend>.json, and the plot of the stage times goes beside it (.png).
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
 flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is done)")
 flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
 flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
-flags.DEFINE_string("plot", None, "PNG of the stage times per case (default: the JSON's path with .png; '' skips)")
 flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
 flags.declare_key_flag("out")
 flags.declare_key_flag("reps")
@@ -273,9 +272,8 @@ def main(argv):
     with open(out, "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"wrote {out} in {time.time() - start:.0f} s", flush=True)
-    plot_path = os.path.splitext(out)[0] + ".png" if F.plot is None else F.plot
-    if plot_path:
-        plot_stages(results, plot_path)
+    if F.plot:
+        plot_stages(results, os.path.splitext(out)[0] + ".png")
 
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
