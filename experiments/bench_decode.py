@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from kdtree_jax import plots
 from kdtree_jax.checkpoint import restore_drafter, restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, acceptance
@@ -130,9 +131,7 @@ def print_table(rows) -> None:
 
 
 def plot(rows, path: str, meta: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     for (temperature, batch) in sorted({(r["temperature"], r["batch"]) for r in rows}):
         sel = [r for r in rows if r["temperature"] == temperature and r["batch"] == batch]
@@ -150,9 +149,7 @@ def plot(rows, path: str, meta: dict) -> None:
         ax.grid(alpha=0.3)
     ax_tau.legend(fontsize=7)
     fig.suptitle(f"DDTree on the trained code target ({meta['backend']}, {meta['num_prompts']} held-out prompts)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kdtree_jax import plots
 from kdtree_jax.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
                              build_tree_heapq_from_topk, draft_topk, random_tree_visible, resolve_topk)
 from pallas_kernels import int4_moe as moe
@@ -709,9 +710,7 @@ def main(_):
 def plot_results(results: dict, path: str) -> None:
     """One panel per measured section: attention (fraction of roofline and speedup over XLA per case), int4_moe
     (kernel vs the XLA bf16 baselines per M) and tree (build paths vs the heap peer per B)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
     sections = [name for name in ("attention", "int4_moe", "tree")
                 if any("kernel_us" in r or "kernel_from_topk_us" in r for r in results.get(name, []))]
     if not sections:
@@ -753,9 +752,7 @@ def plot_results(results: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"kernels on {results['meta']['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

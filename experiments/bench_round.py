@@ -40,6 +40,7 @@ from flax import nnx
 
 from experiments.bench_kernels import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
+from kdtree_jax import plots
 from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
                                root_only_tree)
 from kdtree_jax.drafter import Drafter
@@ -281,9 +282,7 @@ STAGES = ("draft", "build", "verify", "accept", "commit")
 
 def plot_stages(results: dict, path: str) -> None:
     """Stacked bars of the stage times of each measured case, next to one decode_round in one jit."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
     rows = [r for r in results["rows"] if "skipped" not in r]
     labels = [f"{r['policy']} B={r['budget']} S={r['streams']}" for r in rows]
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.6 * len(rows)))
@@ -299,9 +298,7 @@ def plot_stages(results: dict, path: str) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     meta = results["meta"]
     ax.set_title(f"decode round by stage: {meta['model']} on {meta['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

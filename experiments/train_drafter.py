@@ -108,10 +108,9 @@ def train(run: training.RunConfig, target_dir: str, num_anchors: int, gamma: flo
                                      run_extra={"anchors": num_anchors, "gamma": gamma}),
                "blocks_seen": step * run.batch * num_anchors,
                "final_train_batch": train_metrics}  # loss, tau, per-position acc and chain of the last step's batch
-    training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
-    history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
-                 f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="tau",
-                 saved_step=saved_step)
+    training.write_results(run.results_dir, NAME, results, history,
+                           f"drafter of {target.cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps",
+                           metric="tau", saved_step=saved_step)
     return results
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 
 _STARTED = time.monotonic()  # --minutes counts from here
@@ -87,10 +86,9 @@ def train(cfg: config.ModelConfig, run: training.RunConfig, router_bias_rate: fl
                                      checkpoint_bytes=checkpoint_bytes,
                                      run_extra={"router_bias_rate": router_bias_rate}),
                "router_load_imbalance": float(last["imbalance"]) if "imbalance" in last else None}
-    training.write_json(os.path.join(run.results_dir, f"{NAME}.json"), results)
-    history.plot(os.path.join(run.results_dir, f"{NAME}_loss.png"),
-                 f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl",
-                 saved_step=saved_step)
+    training.write_results(run.results_dir, NAME, results, history,
+                           f"{cfg.name}: {results['params'] / 1e6:.1f}M params, {step} steps", metric="ppl",
+                           saved_step=saved_step)
     return results
 
 

@@ -42,7 +42,7 @@ from absl import flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from kdtree_jax import checkpoint, data
+from kdtree_jax import checkpoint, data, plots
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.moe import MoE, route
 from kdtree_jax.model.transformer import ForwardOutput, Transformer
@@ -435,10 +435,7 @@ class History:
     def plot(self, path: str, title: str, metric: str | None = None, saved_step: int | None = None) -> None:
         """Loss curves (train and held out) vs tokens seen; a second panel with a held-out `metric` when given; a
         dotted line at `saved_step` (the params saved as the checkpoint) when given."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = plots.pyplot()
         panels = 2 if metric else 1
         fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
         ax = axes[0, 0]
@@ -458,10 +455,7 @@ class History:
             ax.set_xlabel("tokens seen (M)")
             ax.set_ylabel(f"held-out {metric}")
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        plots.save(fig, path, dpi=110)
 
 
 class BestParams:
@@ -707,6 +701,14 @@ def write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+
+
+def write_results(results_dir: str, name: str, results: dict, history: History, title: str, metric: str,
+                  saved_step: int | None) -> None:
+    """A run's results as <results_dir>/<name>.json and its curves as <name>_loss.png (the names train_all.sh
+    ships back)."""
+    write_json(os.path.join(results_dir, f"{name}.json"), results)
+    history.plot(os.path.join(results_dir, f"{name}_loss.png"), title, metric=metric, saved_step=saved_step)
 
 
 def dir_bytes(directory: str) -> int:
