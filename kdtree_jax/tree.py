@@ -92,11 +92,12 @@ def check_budget(budget: int, block_size: int, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------------------------------- top-K
 
 
-def draft_topk(draft_logits, k: int):
+def draft_topk(draft_logits, k: int, chunk: int | None = None):
     """draft_logits [S, D, V] -> (top_logprobs [S, D, k] float32, top_ids [S, D, k] int32), by decreasing log-prob,
-    ties to the smaller token id. jit-able; `k` static."""
+    ties to the smaller token id. jit-able; `k` static. `chunk`: as in `chunked_top_k` (0: one top_k over each
+    whole row)."""
     lp = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
-    values, ids = chunked_top_k(lp, k)
+    values, ids = chunked_top_k(lp, k, chunk)
     return values, ids.astype(jnp.int32)
 
 

@@ -80,7 +80,8 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
     floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
                       2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
     partial_bytes = tiles * block_q * pl.next_power_of_2(lat) * 4 * 2
-    num_splits = min(pl.cdiv(NUM_SMS * PROGRAMS_PER_SM[block_q], tiles), int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
+    num_splits = min(pl.cdiv(NUM_SMS * PROGRAMS_PER_SM[block_q], tiles),
+                     int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
                      capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
     return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=max(1, num_splits), num_warps=num_warps)
 

@@ -76,7 +76,7 @@ def test_bench_round_tiny(tmp_path):
 
 
 def test_bench_decode_small_table(tmp_path):
-    """The shipped checkpoints, 2 held-out prompts: every (T, batch) group and policy present, greedy outputs equal
+    """The shipped checkpoints, 3 held-out prompts: every (T, batch) group and policy present, greedy outputs equal
     ar's on the CPU, histograms that count the rounds, the plot written; a spent time budget skips groups."""
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
     run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=2",
