@@ -294,7 +294,8 @@ def init_in_shards(make_model: Callable, mesh: Mesh, seed: int = 0):
         """One jitted shard_map per distinct expert shape: each device makes its E / tp experts."""
         if (shapes, specs) not in makers:
             def local(key):
-                rngs = nnx.Rngs(jax.random.fold_in(key, jax.lax.axis_index(TP)))
+                # tp = 1 leaves the expert axis unsplit (spec None): the key must not vary over tp then
+                rngs = nnx.Rngs(jax.random.fold_in(key, jax.lax.axis_index(TP)) if tp > 1 else key)
                 return random_int4_experts(rngs, shapes.gate_packed[0] // tp, shapes.down_packed[1],
                                            shapes.gate_packed[1], INT4_GROUP)
             makers[(shapes, specs)] = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=specs))
