@@ -44,7 +44,11 @@ from pallas_kernels import tree_verify_attention as attn
 flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
 flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which parts to run")
 flags.DEFINE_integer("reps", 15, "timed calls per measurement (median reported)")
-flags.DEFINE_bool("sweep", True, "also time alternative tilings on the representative cases")
+flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whose representative cases also time "
+                  "alternative tilings; '' for none")
+flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case (those it admits: at "
+                  "most prefix / (2 block_k), at most 4 waves of programs)")
+flags.DEFINE_list("moe_sweep_tokens", ["1", "4096"], "token counts M whose int4_moe case sweeps tilings")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
@@ -221,20 +225,22 @@ def attention_cases():
 
 
 def attention_sweep(case) -> list[attn.AttentionConfig]:
-    """Alternative tilings, tried on four prefix-32768 cases when --sweep."""
-    if (not F.sweep or F.quick or case["prefix"] != 32768 or case["streams"] > 1
-            or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 16), (64, 256))):
-        return []
+    """Alternative tilings: --attention_splits on every case, and with --sweep=attention tilings on four prefix-32768
+    cases."""
     rows = case["nodes"] * case["heads"]
     base = attn.default_config(case["streams"], rows, case["prefix"] + case["nodes"])
+    splits = [dataclasses.replace(base, num_splits=s) for s in sorted({int(s) for s in F.attention_splits})
+              if s != base.num_splits and s <= attn.max_splits(case["prefix"] + case["nodes"], base.block_k)
+              and attn.query_tiles(case["streams"], rows, base.block_q) * s <= 4 * attn.wave_slots(base.block_q)]
+    if ("attention" not in F.sweep or F.quick or case["prefix"] != 32768 or case["streams"] > 1
+            or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 16), (64, 256))):
+        return splits
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
         variants = [dict(block_k=128), dict(block_k=32, num_stages=3), more]
     else:
         variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer]
-    return [dataclasses.replace(base, **v) for v in variants]
-
-
+    return splits + [dataclasses.replace(base, **v) for v in variants]
 
 
 def attention_inputs(key, case, rng):
@@ -324,11 +330,12 @@ def moe_shapes():
 
 
 def moe_sweep(m: int, n_pairs: int, num_experts: int) -> list[moe.MoeConfig]:
-    if not F.sweep or F.quick or m not in (1, 4096):
+    if "moe" not in F.sweep or F.quick or str(m) not in F.moe_sweep_tokens:
         return []
     base = moe.default_config(n_pairs, num_experts)
     if base.block_m == 16:
-        variants = [dict(block_n=128), dict(block_n=32), dict(num_stages=4)]
+        variants = [dict(block_n=128), dict(block_n=32), dict(block_n=32, num_warps=2), dict(block_n=16, num_warps=2),
+                    dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)]
     else:
         variants = [dict(block_m=128), dict(block_m=32, block_n=128, num_warps=4), dict(block_n=64, num_warps=4)]
     return [dataclasses.replace(base, **v) for v in variants]
@@ -675,10 +682,15 @@ def _print_tree_row(r):
 
 def main(_):
     start = time.time()
+    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree")), ("sweep", ("attention", "moe"))):
+        unknown = set(getattr(F, flag)) - set(allowed)
+        if unknown:
+            raise app.UsageError(f"--{flag}: unknown {sorted(unknown)}; choose from {list(allowed)} ('' for none)")
     dev = jax.devices()[0]
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
-                             quick=F.quick), ceilings={}, checks={}, attention=[], int4_moe=[], tree=[])
+                             quick=F.quick, sweep=F.sweep, attention_splits=F.attention_splits,
+                             moe_sweep_tokens=F.moe_sweep_tokens), ceilings={}, checks={}, attention=[], int4_moe=[], tree=[])
     if "ceilings" in F.sections:
         RESULTS["ceilings"] = measure_ceilings(F.reps)
     else:   # H200_FACTS.md leads, used only when the ceilings are not measured

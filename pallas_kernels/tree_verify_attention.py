@@ -53,14 +53,18 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
 
 
-# Split-K heuristic: aim for one wave of programs. NUM_SMS: multiprocessors of an H200. PROGRAMS_PER_SM: resident
-# programs per multiprocessor by tile: the 8-warp 64-row tile holds ~200 KB of shared memory (one per SM), the 4-warp
-# 16/32-row tiles fit two (H200 run 3 in BUILD_NOTES: the best measured counts were about these).
-# RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a
-# call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read back) may move at most this fraction of
-# those bytes.
+# Split-K heuristic: the count that minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS).
+# A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels_sweep.json: 128 or 256
+# programs of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS:
+# multiprocessors of an H200. PROGRAMS_PER_SM: resident programs per multiprocessor by tile: the 8-warp 64-row tile
+# holds ~200 KB of shared memory (one per SM), the 4-warp 16/32-row tiles fit two. PROGRAM_OVERHEAD_BLOCKS: a
+# program's fixed cost (q tile, tree block, partial write) in cache blocks; fitted on the sweep (0 picks many waves of
+# tiny programs, 1-12 fit equally). RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about
+# 780 TFLOP/s / 4.3 TB/s), to express a call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read
+# back) may move at most this fraction of those bytes.
 NUM_SMS = 132
 PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
+PROGRAM_OVERHEAD_BLOCKS = 2
 RIDGE_FLOP_PER_BYTE = 180
 PARTIAL_BUDGET = 1.0
 MIN_BLOCKS_PER_SPLIT = 2
@@ -76,14 +80,30 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
     else:
         block_q, num_warps = 64, 8
     block_k = 64
-    tiles = num_streams * pl.cdiv(num_rows, block_q)
+    tiles = query_tiles(num_streams, num_rows, block_q)
     floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
                       2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
     partial_bytes = tiles * block_q * pl.next_power_of_2(lat) * 4 * 2
-    num_splits = min(pl.cdiv(NUM_SMS * PROGRAMS_PER_SM[block_q], tiles),
-                     int(PARTIAL_BUDGET * floor_bytes // partial_bytes),
-                     capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
-    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=max(1, num_splits), num_warps=num_warps)
+    limit = max(1, min(int(PARTIAL_BUDGET * floor_bytes // partial_bytes), max_splits(capacity, block_k)))
+    blocks = pl.cdiv(capacity, block_k)
+    num_splits = min(range(1, limit + 1), key=lambda n: (
+        pl.cdiv(tiles * n, wave_slots(block_q)) * (pl.cdiv(blocks, n) + PROGRAM_OVERHEAD_BLOCKS), -n))
+    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+
+
+def query_tiles(num_streams: int, num_rows: int, block_q: int) -> int:
+    """Programs per split: tiles of block_q query rows over all streams."""
+    return num_streams * pl.cdiv(num_rows, block_q)
+
+
+def wave_slots(block_q: int) -> int:
+    """Programs resident at once on the whole GPU for a tile of block_q rows."""
+    return NUM_SMS * PROGRAMS_PER_SM[block_q]
+
+
+def max_splits(capacity: int, block_k: int) -> int:
+    """Most splits of a cache of `capacity` rows: each split gets at least MIN_BLOCKS_PER_SPLIT blocks."""
+    return max(1, capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
 
 
 def _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
