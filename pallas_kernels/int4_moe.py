@@ -165,11 +165,17 @@ class MoeConfig:
             raise ValueError(f"MoeConfig.block_n={self.block_n} must be a power of two in [{MIN_DOT_DIM}, {BLOCK_IN}]")
 
 
+# Pairs up to which the small-block tiling pipelines 5 weight tiles instead of 4: one token's top-8 ran 214 vs 241 us
+# at K2.6 shapes on the H200, while 64 pairs lost with 5 (1353 vs 1161 us; experiments/results/kernels_sweep.json).
+DEEP_PIPELINE_MAX_PAIRS = 8
+
+
 def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     """Small blocks while a touched expert sees a handful of tokens; larger ones once the GEMMs are dense."""
     tokens_per_expert = num_pairs / num_experts
     if tokens_per_expert < 16:
-        return MoeConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
+        stages = 5 if num_pairs <= DEEP_PIPELINE_MAX_PAIRS else 4
+        return MoeConfig(block_m=16, block_n=64, num_warps=4, num_stages=stages)
     return MoeConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 
 
