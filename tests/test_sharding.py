@@ -168,6 +168,19 @@ def test_orbax_restore_into_shards_int4(tmp_path):
 
 
 @on_devices
+@pytest.mark.parametrize("tp", [1, 4])
+def test_init_in_shards_int4_experts(tp):
+    """Random params made in their shards (bench_k26): each device makes its E / tp experts; tp = 1 leaves them whole."""
+    cfg = CFG.replace(expert_quant="int4", num_layers=2)
+    model = sharding.init_in_shards(lambda rngs: Transformer(cfg, rngs), sharding.make_mesh(tp=tp), seed=3)
+    packed = model.layers[1].mlp.gate_packed[...]
+    expect = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(3))).layers[1].mlp.gate_packed.get_value()
+    assert packed.shape == expect.shape and packed.dtype == expect.dtype
+    assert packed.sharding.shard_shape(packed.shape)[0] == cfg.num_experts // tp
+    assert len(np.unique(np.asarray(packed))) > 1
+
+
+@on_devices
 def test_mesh_that_does_not_divide_raises(models):
     target, drafter = models
     bad = config.tiny().replace(num_heads=4, num_experts=12, vocab_size=500, intermediate_size=100)
