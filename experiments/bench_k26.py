@@ -41,6 +41,11 @@ What runs:
   dense params, the replicated q_a / kv_a projections, its touched local experts, the whole latent cache of its
   streams, since the cache is replicated over tp) / --bandwidth_GBps. Compute floor = FLOPs / (devices x
   --matmul_TFLOPs). Each fraction is floor / measured step time.
+- Routing as it happened: the step also returns which routed experts each MoE layer picked (its `MoE.route` outputs,
+  captured with `nnx.capture`), and the same floors are given again with that count in place of the uniform
+  expectation (`floor_ms_routed`, `fraction_of_floor_routed`): random weights route the tokens of a step to fewer
+  distinct experts than uniform choice would. Counted over all streams of the step: with data > 1 it bounds one data
+  group's count from above.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.decode import pick_tokens
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.training import expert_loads
 from kdtree_jax.tree import random_tree_visible
 
 GB = 1e9
@@ -170,14 +176,19 @@ class StepCost:
 
 
 def step_cost(cfg: ModelConfig, weights: WeightBytes, axis_sizes: dict, streams: int, nodes: int,
-              prefix: int) -> StepCost:
+              prefix: int, experts_hit: float | None = None) -> StepCost:
+    """experts_hit: distinct routed experts per MoE layer as measured (default: the uniform expectation)."""
     tp, data = axis_sizes[sharding.TP], axis_sizes[sharding.DATA]
     m = streams * nodes
     moe_layers = cfg.num_layers - cfg.first_k_dense
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    touched = expected_experts(e, k, m) if moe_layers else 0.0
+    if not moe_layers:
+        touched = local_touched = 0.0
+    elif experts_hit is None:
+        touched, local_touched = expected_experts(e, k, m), expected_experts(e, k, m / data) / tp
+    else:
+        touched, local_touched = experts_hit, experts_hit / tp
     per_expert = weights.experts / max(moe_layers * e, 1)  # bytes of one expert of one layer
-    local_touched = expected_experts(e, k, m / data) / tp if moe_layers else 0.0
     row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * np.dtype(dtype_of(cfg.dtype)).itemsize * cfg.num_layers
     kv = streams * (prefix + nodes) * row
     expert_flops = m * k * moe_layers * 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -320,15 +331,20 @@ def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams:
 
 
 def make_step(graphdef, params, mesh):
-    """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache), cache donated;
-    params in their shards, every per-stream array split over data. Lower it under jax.set_mesh(mesh)."""
+    """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache, experts hit
+    [num MoE layers, E] bool), cache donated; params in their shards, every per-stream array split over data. Lower it
+    under jax.set_mesh(mesh)."""
     streams = sharding.stream_sharding(mesh)
 
     def step(params, cache, tokens, positions, visible):
-        fwd = nnx.merge(graphdef, params)(tokens, positions, cache, visible)
-        return pick_tokens(fwd.logits, 0.0, None), fwd.cache
+        model = nnx.merge(graphdef, params)
+        forward = nnx.capture(lambda m: m(tokens, positions, cache, visible), nnx.Intermediate,
+                              method_outputs=nnx.Intermediate)
+        fwd, intermediates = forward(model)
+        hit = expert_loads(model, nnx.to_pure_dict(intermediates)) > 0
+        return pick_tokens(fwd.logits, 0.0, None), fwd.cache, hit
 
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(streams, streams),
+    return jax.jit(step, donate_argnums=(1,), out_shardings=(streams, streams, sharding.replicated(mesh)),
                    in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams))
 
 
@@ -373,7 +389,7 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
     state = {"cache": cache}
 
     def call():
-        tokens, state["cache"] = compiled(params, state["cache"], *inputs)
+        tokens, state["cache"], state["hit"] = compiled(params, state["cache"], *inputs)
         return tokens, state["cache"]
 
     times = []
@@ -389,8 +405,14 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
         timed_collectives[key] = time_collective(mesh, *key, run["reps"])
     collectives = collective_summary(counts, timed_collectives)
     collectives["fraction_of_step"] = collectives["ms"] / 1e3 / step_s
+    hit = np.asarray(state["hit"]).sum(axis=1)  # distinct experts per MoE layer
+    routed = {k: v * 1e3 for k, v in step_cost(cfg, weights, dict(mesh.shape), case.streams, case.nodes, case.prefix,
+                                               float(hit.mean()) if hit.size else None)
+              .floors_s(mesh.size, run["bandwidth"], run["matmul"]).items()}
     row.update(step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3, step_ms_std=float(np.std(times)) * 1e3,
                reps=len(times), fraction_of_floor={k: v / step_s for k, v in floors.items()},
+               experts_hit_per_layer=hit.tolist(), floor_ms_routed=routed,
+               fraction_of_floor_routed={k: v / 1e3 / step_s for k, v in routed.items()},
                collectives=collectives, cache_bytes_per_device=sum(
                    s.data.nbytes for x in jax.tree.leaves(state["cache"]) for s in x.addressable_shards
                    if s.device == mesh.devices.flat[0]))
@@ -414,6 +436,9 @@ def format_row(r: dict) -> str:
     frac = r.get("fraction_of_floor", {})
     step = (f"step {r['step_ms']:9.3f} ms (model floor {frac['model']:6.1%}, device floor {frac['device']:6.1%})"
             if "step_ms" in r else "compiled only")
+    if r.get("experts_hit_per_layer"):
+        step += (f" | experts hit {np.mean(r['experts_hit_per_layer']):5.1f} (uniform "
+                 f"{r['experts_touched_per_layer']:5.1f}), routed floor {r['fraction_of_floor_routed']['model']:6.1%}")
     timed = f" ~{coll['ms']:7.3f} ms ({coll['fraction_of_step']:5.1%})" if "ms" in coll else ""
     return (f"{case} M={r['tokens']:<5d} | {step} | compile {r['compile_s']:5.1f} s | floors ms model "
             f"{floor['model']:7.3f} device {floor['device']:7.3f} compute {floor['compute']:7.3f} | read "

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from kdtree_jax import checkpoint, data, plots
 from kdtree_jax.drafter import Drafter, DrafterCache
-from kdtree_jax.model.moe import MoE, route
+from kdtree_jax.model.moe import MoE
 from kdtree_jax.model.transformer import ForwardOutput, Transformer
 
 ROUTER_BIAS = "e_score_correction_bias"
@@ -167,14 +167,13 @@ def target_loss_and_loads(model: Transformer, window):
 
 
 def expert_loads(model: Transformer, intermediates: dict):
-    """Tokens per routed expert of each MoE layer [num MoE layers, E] (f32), from the captured MoE inputs (the
-    post-attention norms' outputs) routed again with the current bias; [0, E] for a model without MoE layers."""
+    """Tokens per routed expert of each MoE layer [num MoE layers, E] (f32), from the routing each MoE layer's
+    `route` returned in the captured forward (`method_outputs=nnx.Intermediate`); [0, E] for a model without MoE
+    layers."""
     loads = []
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, MoE):
-            x = jax.lax.stop_gradient(intermediates["layers"][i]["post_attention_layernorm"]["__call__"][0])
-            ids, _ = route(x.reshape(-1, x.shape[-1]), layer.mlp.gate[...], layer.mlp.e_score_correction_bias[...],
-                           layer.mlp.cfg)
+            ids, _ = intermediates["layers"][i]["mlp"]["route"][0]
             loads.append(jnp.zeros(layer.mlp.cfg.num_experts, jnp.float32).at[ids.reshape(-1)].add(1.0))
     return jnp.stack(loads) if loads else jnp.zeros((0, model.cfg.num_experts), jnp.float32)
 

@@ -73,6 +73,14 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
         assert case["collectives"]["count"] > 0 and case["collectives"]["ms"] > 0, case  # tp = 8: psums at least
         assert case["memory_per_device"]["temp"] >= 0 and case["cache_bytes_per_device"] > 0
     assert cases[("verify", 8, 5)]["tokens"] == 40 and cases[("verify", 8, 5)]["budget"] == 4
+    # Routing as it happened: one count per MoE layer, between top-k and min(E, M x top-k); one token hits exactly k.
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    moe_layers, k = cfg.num_layers - cfg.first_k_dense, cfg.num_experts_per_tok
+    for case in cases.values():
+        hit = case["experts_hit_per_layer"]
+        assert len(hit) == moe_layers and all(k <= h <= min(cfg.num_experts, case["tokens"] * k) for h in hit), case
+        assert 0 < case["floor_ms_routed"]["model"] and case["fraction_of_floor_routed"]["model"] > 0
+    assert cases[("ar", 1, 1)]["experts_hit_per_layer"] == [k] * moe_layers
 
     # Each device holds exactly its shard: the script checked every param's shards; here the bytes add up to the
     # rules' split of the abstract model, far below the whole.

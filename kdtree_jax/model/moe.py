@@ -86,10 +86,15 @@ class MoE(nnx.Module):
             local = lambda x, e, i, w: routed_experts(x, *e, i, w)  # noqa: E731
         return expert_parallel(local, x, experts, ids, weights)
 
+    def route(self, flat):
+        """flat [M, D] -> (ids [M, k] int32, weights [M, k] f32). A method, so that `nnx.capture(...,
+        method_outputs=nnx.Intermediate)` records each layer's routing (training's expert loads, bench_k26)."""
+        return route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg)
+
     def __call__(self, x):
         """x [S, T, D] -> [S, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg)
+        ids, weights = self.route(flat)
         out = self.routed(flat, ids, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
