@@ -335,7 +335,8 @@ def moe_sweep(m: int, n_pairs: int, num_experts: int) -> list[moe.MoeConfig]:
     base = moe.default_config(n_pairs, num_experts)
     if base.block_m == 16:
         variants = [dict(block_n=128), dict(block_n=32), dict(block_n=32, num_warps=2), dict(block_n=16, num_warps=2),
-                    dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)]
+                    dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)] + [
+            dict(block_m=m, use_mma=False) for m in (1, 2, 4)]
     else:
         variants = [dict(block_m=128), dict(block_m=32, block_n=128, num_warps=4), dict(block_n=64, num_warps=4)]
     return [dataclasses.replace(base, **v) for v in variants]

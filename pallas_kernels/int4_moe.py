@@ -152,15 +152,23 @@ def int4_moe_reference(x, experts: Int4Experts, topk_ids, topk_weights):
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program (powers of two)."""
+    """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program (powers of two).
+
+    use_mma: each group's [block_n, 32] x [32, block_m] product on the tensor cores (a dot; block_m >= 16), or, when
+    False, as broadcast multiplies and a sum on the CUDA cores (block_m <= 16, any power of two): no padding of a
+    block's few tokens to 16 and no trip of the dequantized tile through the dot operand layout.
+    """
     block_m: int = 16
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    use_mma: bool = True
 
     def __post_init__(self):
-        if self.block_m < MIN_DOT_DIM or self.block_m & (self.block_m - 1):
-            raise ValueError(f"MoeConfig.block_m={self.block_m} must be a power of two >= {MIN_DOT_DIM}")
+        low, high = (MIN_DOT_DIM, None) if self.use_mma else (1, MIN_DOT_DIM)
+        if self.block_m < low or (high and self.block_m > high) or self.block_m & (self.block_m - 1):
+            raise ValueError(f"MoeConfig.block_m={self.block_m} must be a power of two in [{low}, {high or 'inf'}) "
+                             f"with use_mma={self.use_mma}")
         if not MIN_DOT_DIM <= self.block_n <= BLOCK_IN or self.block_n & (self.block_n - 1):
             raise ValueError(f"MoeConfig.block_n={self.block_n} must be a power of two in [{MIN_DOT_DIM}, {BLOCK_IN}]")
 
@@ -222,6 +230,24 @@ BF16_MAGIC = 0x4300
 BF16_MAGIC_OFFSET = 136
 
 
+# f32 bit pattern 0x4B000000 | n is the number 2^23 + n for a nibble n: minus 2^23 + 8 it is n - 8, exactly.
+F32_MAGIC = 0x4B000000
+F32_MAGIC_OFFSET = float(2 ** 23 + 8)
+
+
+def _group_product(words, i: int, act, use_mma: bool):
+    """Nibble position i of words [rows, 32] (one group of integer weights) . act [cols, 32]^T -> [rows, cols] f32,
+    on the tensor cores (`_group_dot`) or the CUDA cores (`_group_fma`)."""
+    return _group_dot(words, i, act) if use_mma else _group_fma(words, i, act)
+
+
+def _group_fma(words, i: int, act):
+    """`_group_dot` as f32 multiplies and a sum over the group: the integer weights built with integer ops only."""
+    nib = (words >> (4 * i)) & 0xF
+    w = lax.bitcast_convert_type(nib | F32_MAGIC, jnp.float32) - F32_MAGIC_OFFSET          # [rows, 32]
+    return jnp.sum(w[:, None, :] * act.astype(jnp.float32)[None, :, :], axis=2)
+
+
 def _group_dot(words, i: int, act):
     """Nibble position i of words [rows, 32] (one group of integer weights) . act [cols, 32]^T -> [rows, cols] f32."""
     nib = (words >> (4 * i)) & 0xF
@@ -259,8 +285,8 @@ def _gate_up_kernel(block_expert_ref, block_token_ref, x_ref, gate_q_ref, gate_s
                 g = kb * NIBBLES_PER_WORD + i
                 gate_s = plgpu.load(gate_s_ref.at[e, g, out_rows], mask=out_ok, other=0).astype(jnp.float32)
                 up_s = plgpu.load(up_s_ref.at[e, g, out_rows], mask=out_ok, other=0).astype(jnp.float32)
-                acc_g += gate_s[:, None] * _group_dot(gate_words, i, xg)
-                acc_u += up_s[:, None] * _group_dot(up_words, i, xg)
+                acc_g += gate_s[:, None] * _group_product(gate_words, i, xg, cfg.use_mma)
+                acc_u += up_s[:, None] * _group_product(up_words, i, xg, cfg.use_mma)
             return acc_g, acc_u
 
         zeros = jnp.zeros((bn, bm), jnp.float32)
@@ -287,7 +313,7 @@ def _down_kernel(block_expert_ref, block_token_ref, block_weight_ref, h_ref, dow
                 hg = h_ref[pl.ds(b * bm, bm), pl.ds(kb * BLOCK_IN + i * GROUP, GROUP)]              # [bm, 32]
                 s = plgpu.load(down_s_ref.at[e, kb * NIBBLES_PER_WORD + i, out_rows], mask=out_ok,
                                other=0).astype(jnp.float32)
-                acc += s[:, None] * _group_dot(words, i, hg)
+                acc += s[:, None] * _group_product(words, i, hg, cfg.use_mma)
             return acc
 
         acc = lax.fori_loop(0, down_q_ref.shape[2] // GROUP, step, jnp.zeros((bn, bm), jnp.float32))

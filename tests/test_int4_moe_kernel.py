@@ -92,6 +92,26 @@ def test_large_blocks_bf16():
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_cuda_core_variant_matches_reference(block_m):
+    """use_mma=False: each group's product as multiplies and a sum, blocks of 1 or 4 pairs."""
+    rng = np.random.default_rng(20 + block_m)
+    ct = compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER)
+    experts = Int4Experts.from_compressed_tensors(*ct)
+    x = jnp.asarray(rng.standard_normal((7, HIDDEN)), jnp.float32)
+    ids, weights = routing(rng, 7, TOP_K, EXPERTS)
+    config = MoeConfig(block_m=block_m, block_n=32, use_mma=False)
+    out = int4_moe(x, experts, ids, weights, config=config, interpret=True)
+    assert rel_err(out, numpy_moe(x, ct, ids, weights)) < 1e-5
+
+
+def test_config_errors():
+    for bad in (dict(block_m=8), dict(block_m=32, use_mma=False), dict(block_m=3, use_mma=False),
+                dict(block_n=8)):
+        with pytest.raises(ValueError, match="MoeConfig"):
+            MoeConfig(**bad)
+
+
 def test_no_valid_expert_gives_zeros():
     rng = np.random.default_rng(4)
     experts = Int4Experts.from_compressed_tensors(*compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER))

@@ -1,0 +1,95 @@
+"""Every Pallas kernel lowers to a valid Triton module for an H200, on the CPU, before any GPU time is spent.
+
+The calls are traced at Kimi K2.6 shapes (abstract arrays: nothing is allocated) and lowered for "cuda" under an
+abstract mesh whose device is an NVIDIA H200; each Triton module the Pallas lowering builds is checked with the MLIR
+verifier (the check that failed on the GPU in the first kernel run: an `scf.for` with mixed bound types). The hook
+on `lower_jaxpr_to_triton_module` is jax-internal, pinned with jax==0.11.2.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import pallas_call_registration
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from kdtree_jax import config as config_lib
+from kdtree_jax.tree import TreeArrays
+from pallas_kernels import int4_moe as M
+from pallas_kernels import tree_accept as TA
+from pallas_kernels import tree_build as TB
+from pallas_kernels import tree_verify_attention as A
+
+K26 = config_lib.kimi_k2_6()
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                 platform="cuda"))
+BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
+
+
+@pytest.fixture
+def verified(monkeypatch) -> list:
+    """The Triton modules built (each verified) while the test lowers its calls."""
+    lowering = pallas_call_registration.lowering
+    original, built = lowering.lower_jaxpr_to_triton_module, []
+
+    def verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        assert result.module.operation.verify()
+        built.append(result.module)
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verify)
+    return built
+
+
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO text of fn(*args) (ShapeDtypeStructs) lowered for CUDA on an abstract H200."""
+    with jax.sharding.use_abstract_mesh(H200):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("streams,nodes,heads,prefix", [(1, 1, 8, 4096), (1, 1, 8, 32768), (1, 4, 8, 4096),
+                                                        (2, 16, 8, 4096), (1, 33, 64, 4096), (1, 1, 64, 4096)])
+def test_tree_verify_attention_lowers(verified, streams, nodes, heads, prefix):
+    """The default tiling of each query-tile size (16, 32, 64 rows) with and without split-K."""
+    lat, rope, n = K26.kv_lora_rank, K26.qk_rope_head_dim, prefix + nodes
+    args = (spec((streams, nodes, heads, lat), BF16), spec((streams, nodes, heads, rope), BF16),
+            spec((streams, n, lat), BF16), spec((streams, n, rope), BF16), spec((streams,), I32),
+            spec((streams, nodes, nodes), jnp.bool_))
+    text = lower_for_h200(lambda *a: A.tree_verify_attention(*a, scale=K26.softmax_scale), *args)
+    assert len(verified) == 1 and text.count("__gpu$xla.gpu.triton") == 1
+
+
+K26_EXPERTS = M.Int4Experts(
+    spec((K26.num_experts, K26.moe_intermediate_size, K26.hidden_size // 8), I32),
+    spec((K26.num_experts, K26.hidden_size // M.GROUP, K26.moe_intermediate_size), BF16),
+    spec((K26.num_experts, K26.moe_intermediate_size, K26.hidden_size // 8), I32),
+    spec((K26.num_experts, K26.hidden_size // M.GROUP, K26.moe_intermediate_size), BF16),
+    spec((K26.num_experts, K26.hidden_size, K26.moe_intermediate_size // 8), I32),
+    spec((K26.num_experts, K26.moe_intermediate_size // M.GROUP, K26.hidden_size), BF16))
+
+
+@pytest.mark.parametrize("tokens,config", [
+    (1, None), (64, None), (4096, None),
+    (8, M.MoeConfig(block_m=1, block_n=64, num_stages=4, use_mma=False)),
+    (64, M.MoeConfig(block_m=4, block_n=64, num_stages=4, use_mma=False))])
+def test_int4_moe_lowers(verified, tokens, config):
+    """Default tilings (small and large blocks) and the CUDA-core variant: gate_up and down kernels."""
+    k = K26.num_experts_per_tok
+    args = (spec((tokens, K26.hidden_size), BF16), K26_EXPERTS, spec((tokens, k), I32), spec((tokens, k), F32))
+    lower_for_h200(lambda x, e, i, w: M.int4_moe(x, e, i, w, config=config), *args)
+    assert len(verified) == 2
+
+
+@pytest.mark.parametrize("budget", [16, 512])
+def test_tree_build_and_accept_lower(verified, budget):
+    streams, depth, vocab = 16, 15, K26.vocab_size
+    lower_for_h200(lambda d, r: TB.tree_build(d, r, budget), spec((streams, depth, vocab), F32), spec((streams,), I32))
+    n = budget + 1
+    tree = TreeArrays(spec((streams, n), I32), spec((streams, n), I32), spec((streams, n), I32),
+                      spec((streams, n), I32), spec((streams, n), I32), spec((streams, n, n), jnp.bool_),
+                      spec((streams,), I32), spec((streams, n), F32))
+    lower_for_h200(lambda t, g: TA.tree_accept(t, g, depth), tree, spec((streams, n), I32))
+    assert len(verified) == 2
