@@ -83,7 +83,7 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
     tiles = query_tiles(num_streams, num_rows, block_q)
     floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
                       2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
-    partial_bytes = tiles * block_q * pl.next_power_of_2(lat) * 4 * 2
+    partial_bytes = num_streams * num_rows * pl.next_power_of_2(lat) * 4 * 2
     limit = max(1, min(int(PARTIAL_BUDGET * floor_bytes // partial_bytes), max_splits(capacity, block_k)))
     blocks = pl.cdiv(capacity, block_k)
     num_splits = min(range(1, limit + 1), key=lambda n: (
@@ -213,10 +213,10 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
         plgpu.store(out_ref.at[s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], (acc * inv[:, None]).astype(out_ref.dtype),
                     mask=mask)
     else:
-        acc_ref, m_ref, l_ref = out_refs
-        plgpu.store(acc_ref.at[split, s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], acc)
-        plgpu.store(m_ref.at[split, s, pl.ds(qi * bq, bq)], m)
-        plgpu.store(l_ref.at[split, s, pl.ds(qi * bq, bq)], l)
+        acc_ref, m_ref, l_ref = out_refs                                 # real rows only: no padding written
+        plgpu.store(acc_ref.at[split, s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], acc, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[split, s, pl.ds(qi * bq, bq)], m, mask=row_ok)
+        plgpu.store(l_ref.at[split, s, pl.ds(qi * bq, bq)], l, mask=row_ok)
 
 
 def _combine(acc, m, l):
@@ -248,10 +248,9 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     if cfg.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((s, rows, c), q_lat.dtype)
     else:
-        padded = q_tiles * cfg.block_q
-        out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, padded, lat[1]), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.num_splits, s, padded), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.num_splits, s, padded), jnp.float32))
+        out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, rows, lat[1]), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32))
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -261,6 +260,6 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         name="tree_verify_attention",
     )(prefix_len.astype(jnp.int32), visible, q_lat.reshape(s, rows, c), q_rope.reshape(s, rows, r), c_kv, k_rope)
     if cfg.num_splits > 1:
-        result = _combine(*result)[:, :rows, :c].astype(q_lat.dtype)
+        result = _combine(*result)[..., :c].astype(q_lat.dtype)
     return result.reshape(s, t, h, c)
 
