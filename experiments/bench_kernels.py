@@ -11,7 +11,8 @@ elementwise pass for bandwidth (bytes read + written), an 8192^3 bf16 matmul for
 Sections (--sections): ceilings, attention (tree_verify_attention), moe (int4_moe), tree (tree_build and tree_accept
 at S = 16 streams, D = 15, V = 163840, B = 16..512: kernel, jnp reference, and the CPU heap per request that the
 paper's code uses, timed by wall clock since it crosses the host; every tree is checked bit-identical to the heapq
-specification and every accept walk to the python loop).
+specification and every accept walk to the python loop), mgpu (not in the default list: the experimental Mosaic GPU
+prefix kernel beside the Triton kernel on the attention cases with >= 64 query rows, no tree node visible).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from kdtree_jax.tree import (TreeArrays, accept_tree, accept_tree_python, build_
                              build_tree_heapq_from_topk, draft_topk, random_tree_visible, resolve_topk)
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import ops
+from pallas_kernels import prefix_attention_mgpu as mgpu_attn
 from pallas_kernels import tree_accept as taccept
 from pallas_kernels import tree_build as tbuild
 from pallas_kernels import tree_verify_attention as attn
@@ -323,6 +325,55 @@ def attention_f32_check() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- int4 moe
+def run_attention_mgpu(ceil, results, deadline):
+    """The experimental Mosaic GPU prefix kernel beside the Triton kernel, both at the Triton kernel's split count, on
+    the attention cases whose T x H query rows fill 64-row tiles, with no tree node visible (so both attend the prefix
+    only; the Triton kernel also walks the empty tree block). One input set (no rotation past the L2: a ratio, not a
+    roofline); errors against the reference."""
+    interpret = jax.default_backend() != "gpu"
+    scale = 192 ** -0.5
+    rng = np.random.default_rng(1)
+    for ci, case in enumerate(attention_cases()):
+        s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
+        rows = t * h
+        if rows % mgpu_attn.BLOCK_Q:
+            continue
+        if time.time() > deadline:
+            results.append(dict(case, skipped="time budget"))
+            continue
+        q_lat, q_rope, c_kv, k_rope, prefix_len, _ = attention_inputs(jax.random.key(5000 + ci), case, rng)
+        visible = jnp.zeros((s, t, t), bool)
+        pad = ((0, 0), (0, -(p + t) % 64), (0, 0))   # the cache rows to whole 64-row blocks (never attended)
+        splits = attn.default_config(s, rows, p + t).num_splits
+        args = {"triton": (q_lat, q_rope, c_kv, k_rope, prefix_len, visible),
+                "mgpu": (q_lat.reshape(s, rows, -1), q_rope.reshape(s, rows, -1), jnp.pad(c_kv, pad),
+                         jnp.pad(k_rope, pad), prefix_len)}
+        fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=scale, interpret=interpret)),
+               "mgpu": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
+                   *a, scale=scale, num_splits=splits, interpret=interpret)))}
+        ref = attn.tree_verify_attention_reference(*args["triton"], scale=scale).reshape(s, rows, -1)
+        entry, jobs = dict(case, splits=splits, errors={}, failed={}), []
+        for name, fn in fns.items():
+            try:
+                entry["errors"][name] = rel_err(fn(*args[name]).reshape(s, rows, -1), ref)
+                jobs.append(Job(name, fn, [args[name]]))
+            except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a result
+                entry["failed"][name] = f"{type(e).__name__}: {str(e)[:2000]}"
+        times = time_jobs(jobs, F.reps) if jobs else {}
+        flops, bytes_ = attention_cost(case)
+        floor = roofline(flops, bytes_, ceil)
+        entry.update({f"{name}_us": times[name]["us"] for name in times},
+                     **{f"{name}_roofline_fraction": floor / times[name]["us"] for name in times}, timings=times)
+        if "triton_us" in entry and "mgpu_us" in entry:
+            entry["mgpu_speedup"] = entry["triton_us"] / entry["mgpu_us"]
+        results.append(entry)
+        print(f"mgpu attention S={s} H={h:2d} N={p:6d} T={t:3d} splits {splits:3d} | triton "
+              f"{entry.get('triton_us', float('nan')):8.1f} us | mgpu {entry.get('mgpu_us', float('nan')):8.1f} us "
+              f"| x {entry.get('mgpu_speedup', float('nan')):5.2f} | errors {entry['errors']} | failed "
+              f"{sorted(entry['failed'])}", flush=True)
+        _dump()
+
+
 def moe_shapes():
     if F.quick:
         return dict(experts=16, hidden=512, inter=256, top_k=4), (1, 8, 64)
@@ -683,7 +734,8 @@ def _print_tree_row(r):
 
 def main(_):
     start = time.time()
-    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree")), ("sweep", ("attention", "moe"))):
+    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree", "mgpu")),
+                          ("sweep", ("attention", "moe"))):
         unknown = set(getattr(F, flag)) - set(allowed)
         if unknown:
             raise app.UsageError(f"--{flag}: unknown {sorted(unknown)}; choose from {list(allowed)} ('' for none)")
@@ -691,7 +743,8 @@ def main(_):
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
                              quick=F.quick, sweep=F.sweep, attention_splits=F.attention_splits,
-                             moe_sweep_tokens=F.moe_sweep_tokens), ceilings={}, checks={}, attention=[], int4_moe=[], tree=[])
+                             moe_sweep_tokens=F.moe_sweep_tokens), ceilings={}, checks={}, attention=[],
+                   attention_mgpu=[], int4_moe=[], tree=[])
     if "ceilings" in F.sections:
         RESULTS["ceilings"] = measure_ceilings(F.reps)
     else:   # H200_FACTS.md leads, used only when the ceilings are not measured
@@ -707,6 +760,8 @@ def main(_):
             RESULTS["checks"]["attention_f32"] = f"{type(e).__name__}: {str(e)[:2000]}"
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s)
+    if "mgpu" in F.sections:
+        run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s)
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s)
         print("int4_moe f32 check:", RESULTS["checks"].get("int4_moe_f32_16_tokens"), flush=True)

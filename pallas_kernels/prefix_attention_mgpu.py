@@ -1,0 +1,227 @@
+"""The prefix part of tree-verify attention on Hopper with Mosaic GPU (wgmma, TMA, warp specialisation).
+
+EXPERIMENTAL: checked against the reference in Mosaic GPU's interpret mode on the CPU only; not yet compiled on a GPU
+and not called by the model (BUILD_NOTES, "Next H200 runs").
+
+For stream s and query row r (a (node, head) pair), over the committed cache rows j < prefix_len[s]:
+
+  logits[j] = scale * (q_lat[r] . c_kv[j] + q_rope[r] . k_rope[j]);  out[r] = softmax(logits) @ c_kv
+
+returned as split-K partials: out normalised within its split (bf16), the running max and sum (f32). `merge_partials`
+merges them; the tree block (ancestor mask) is one more partial, from the Triton kernel, merged the same way.
+
+One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
+c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
+0 and 1 each own 256 of the 512 output columns: both compute the full [64, block_kv] scores (wgmma over 256 + 256 +
+64 columns), the online softmax, and their half of P @ c_kv (wgmma). The scores are computed twice: the price of an
+output accumulator ([64, 256] f32 per warpgroup) that fits in registers.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_Q = 64     # query rows per program: one wgmma M tile
+HALF = 256       # output (latent) columns per consumer warpgroup
+ROPE = 64        # rope width of a K2.x latent row
+COMPUTE_WGS = 2
+
+
+def _smem_transforms():
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv: int):
+    s, rows, c = q_lat.shape
+    problems = []
+    if c != 2 * HALF or q_rope.shape != (s, rows, ROPE):
+        problems.append(f"q_lat {q_lat.shape} / q_rope {q_rope.shape} must be [S, rows, {2 * HALF}] / [S, rows, {ROPE}]")
+    if rows % BLOCK_Q:
+        problems.append(f"rows={rows} must be a multiple of {BLOCK_Q} (pad the query rows)")
+    if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c or k_rope.shape != (s, c_kv.shape[1], ROPE):
+        problems.append(f"c_kv {c_kv.shape} / k_rope {k_rope.shape} must be [S, N, {c}] / [S, N, {ROPE}]")
+    elif c_kv.shape[1] % block_kv:
+        problems.append(f"cache rows N={c_kv.shape[1]} must be a multiple of block_kv={block_kv}")
+    if prefix_len.shape != (s,):
+        problems.append(f"prefix_len {prefix_len.shape} must be [S={s}]")
+    if any(x.dtype != jnp.bfloat16 for x in (q_lat, q_rope, c_kv, k_rope)):
+        problems.append("q_lat, q_rope, c_kv and k_rope must be bfloat16")
+    if problems:
+        raise ValueError("prefix_attention_partials: " + "; ".join(problems))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_kv", "stages", "interpret"))
+def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale: float, num_splits: int = 1,
+                              block_kv: int = 64, stages: int = 2, interpret: bool = False):
+    """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32
+    -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32, sum [P, S, rows] f32), P = num_splits; a split with no
+    prefix rows has sum 0 (and max -inf)."""
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv)
+    s, rows, _ = q_lat.shape
+    # TMA copies move whole 16-byte rows: the lengths travel as a row of 4 int32 per stream.
+    lengths = jnp.zeros((s, 4), jnp.int32).at[:, 0].set(prefix_len.astype(jnp.int32))
+
+    def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, out_ref, max_ref, sum_ref,
+             q_smem, qr_smem, kv_smem, kr_smem, len_smem, row_smem,
+             q_bar, kv_bars, kr_bars, free_bars, sync_bar, *p_smem):
+        qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
+        wg = lax.axis_index("wg")
+        q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(len_ref.at[stream], len_smem, q_bar.at[0])
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
+                                        q_bar.at[1 + h])
+            plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[3])
+            plgpu.barrier_wait(q_bar.at[0])
+            lo, steps = _split_blocks(len_smem[0], split, num_splits, block_kv)
+
+            def fetch(step, slot):
+                kv_rows = pl.ds((lo + step) * block_kv, block_kv)
+                for h in range(2):
+                    plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
+                                            kv_bars.at[2 * slot + h])
+                plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
+
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(fetch, i, i))
+
+            @pl.loop(0, jnp.maximum(steps - stages, 0))
+            def _(step):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(free_bars.at[slot])
+                fetch(step + stages, slot)
+
+            # Observe every phase of every barrier this warpgroup waits on: the last slots' releases, the q copies.
+            @pl.loop(jnp.maximum(steps - stages, 0), steps)
+            def _(step):
+                plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
+
+            for i in range(1, 4):
+                plgpu.barrier_wait(q_bar.at[i])
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            for i in range(4):
+                plgpu.barrier_wait(q_bar.at[i])
+            prefix = len_smem[0]
+            lo, steps = _split_blocks(prefix, split, num_splits, block_kv)
+            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+            def step_fn(step, carry):
+                acc, m, total = carry
+                slot = lax.rem(step, stages)
+                for h in range(2):
+                    plgpu.barrier_wait(kv_bars.at[2 * slot + h])
+                plgpu.barrier_wait(kr_bars.at[slot])
+
+                def scores(acc_ref):
+                    for h in range(2):
+                        plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale
+                col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                logits = jnp.where(col + (lo + step) * block_kv < prefix, logits, -jnp.inf)
+                m_new = jnp.maximum(m, logits.max(axis=1))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                total = total * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                acc = _accumulate(acc, p.astype(jnp.bfloat16), kv_smem.at[slot, wg],
+                                  p_smem[0].at[wg] if interpret else None)
+                plgpu.barrier_arrive(free_bars.at[slot])
+                return acc, m_new, total
+
+            acc, m, total = lax.fori_loop(0, steps, step_fn, (acc, m, total))
+            # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
+            plgpu.barrier_arrive(sync_bar)
+            plgpu.barrier_wait(sync_bar)
+            inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+            q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+
+            @pl.when(wg == 0)
+            def _():
+                row_smem.at[0][...] = m
+                row_smem.at[1][...] = total
+
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[split, stream, q_rows, pl.ds(wg * HALF, HALF)])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(row_smem.at[0], max_ref.at[split, stream, q_rows])
+                plgpu.copy_smem_to_gmem(row_smem.at[1], sum_ref.at[split, stream, q_rows])
+
+            plgpu.wait_smem_to_gmem(0)
+
+    transforms = _smem_transforms()
+    out_types = (jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
+    scratch = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((stages, 2, block_kv, HALF), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((stages, block_kv, ROPE), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((4,), jnp.int32),
+               plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+               plgpu.Barrier(num_barriers=4),
+               plgpu.Barrier(num_barriers=2 * stages),
+               plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+    if interpret:
+        p_transforms = (plgpu.TilingTransform((8, min(64, block_kv))), plgpu.SwizzleTransform(min(128, 2 * block_kv)))
+        scratch += (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), jnp.bfloat16, transforms=p_transforms),)
+    return plgpu.kernel(
+        body, out_type=out_types, scratch_types=scratch,
+        grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q_lat, q_rope, c_kv, k_rope, lengths)
+
+
+def _accumulate(acc, a, b_smem, a_smem=None):
+    """acc + a @ b_smem with wgmma: on the GPU with `a` in registers, accumulating in place (ACC.init). Mosaic GPU's
+    interpret mode runs wgmma only from shared memory into a fresh accumulator: given `a_smem` (interpret mode), `a`
+    goes through it and the product is added in registers."""
+    if a_smem is None:
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem))(plgpu.ACC.init(acc))
+    a_smem[...] = a
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _split_blocks(prefix, split, num_splits: int, block_kv: int):
+    """(first block, number of blocks) of `split`'s contiguous piece of the prefix's cdiv(prefix, block_kv) blocks."""
+    num_blocks = lax.div(prefix + block_kv - 1, block_kv)
+    per_split = lax.div(num_blocks + num_splits - 1, num_splits)
+    lo = split * per_split
+    return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
+
+
+def merge_partials(out, row_max, row_sum):
+    """Partials out [P, S, rows, C] (normalised within each), row_max / row_sum [P, S, rows] -> [S, rows, C] f32
+    (0 for a row with nothing allowed in any partial)."""
+    top = jnp.max(row_max, axis=0)
+    weight = jnp.where(row_sum > 0, jnp.exp(row_max - jnp.where(jnp.isfinite(top), top, 0.0)[None]) * row_sum, 0.0)
+    total = jnp.sum(weight, axis=0)
+    merged = jnp.sum(weight[..., None] * out.astype(jnp.float32), axis=0)
+    return merged * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
