@@ -1,7 +1,7 @@
 """Pallas kernels (Triton lowering on the GPU, interpret mode on the CPU) with their pure-JAX references.
 
 The model calls them through `pallas_kernels.ops`, which picks the kernel or the reference. Helpers shared by the
-kernels live here.
+kernels live here. `prefix_attention_mgpu` is an experimental Mosaic GPU kernel outside `ops` (see its docstring).
 """
 import warnings
 
