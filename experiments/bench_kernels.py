@@ -215,6 +215,7 @@ def roofline(flops: float, bytes_: float, ceil: dict) -> float:
 
 # -------------------------------------------------------------------------------------------------- attention
 K26_LAT, K26_ROPE = 512, 64
+K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
 
 
 def attention_cases():
@@ -265,7 +266,6 @@ def attention_cost(case) -> tuple[float, float]:
 
 def run_attention(ceil, results, deadline):
     interpret = jax.default_backend() != "gpu"
-    scale = (192 ** -0.5)
     rng = np.random.default_rng(0)
     for ci, case in enumerate(attention_cases()):
         if time.time() > deadline:
@@ -280,8 +280,9 @@ def run_attention(ceil, results, deadline):
             fns = {}
             for cfg in configs:
                 fns["kernel" if cfg is None else f"kernel:{cfg}"] = jax.jit(
-                    lambda *a, cfg=cfg: attn.tree_verify_attention(*a, scale=scale, config=cfg, interpret=interpret))
-            ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=scale))
+                    lambda *a, cfg=cfg: attn.tree_verify_attention(*a, scale=K26_SCALE, config=cfg,
+                                                                   interpret=interpret))
+            ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in fns.items()] + [Job("reference", ref_fn, sets)]
@@ -324,14 +325,12 @@ def attention_f32_check() -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- int4 moe
 def run_attention_mgpu(ceil, results, deadline):
     """The experimental Mosaic GPU prefix kernel beside the Triton kernel, both at the Triton kernel's split count, on
     the attention cases whose T x H query rows fill 64-row tiles, with no tree node visible (so both attend the prefix
     only; the Triton kernel also walks the empty tree block). One input set (no rotation past the L2: a ratio, not a
     roofline); errors against the reference."""
     interpret = jax.default_backend() != "gpu"
-    scale = 192 ** -0.5
     rng = np.random.default_rng(1)
     for ci, case in enumerate(attention_cases()):
         s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
@@ -343,15 +342,15 @@ def run_attention_mgpu(ceil, results, deadline):
             continue
         q_lat, q_rope, c_kv, k_rope, prefix_len, _ = attention_inputs(jax.random.key(5000 + ci), case, rng)
         visible = jnp.zeros((s, t, t), bool)
-        pad = ((0, 0), (0, -(p + t) % 64), (0, 0))   # the cache rows to whole 64-row blocks (never attended)
+        pad = ((0, 0), (0, -(p + t) % mgpu_attn.BLOCK_KV), (0, 0))   # cache rows to whole blocks (never attended)
         splits = attn.default_config(s, rows, p + t).num_splits
         args = {"triton": (q_lat, q_rope, c_kv, k_rope, prefix_len, visible),
                 "mgpu": (q_lat.reshape(s, rows, -1), q_rope.reshape(s, rows, -1), jnp.pad(c_kv, pad),
                          jnp.pad(k_rope, pad), prefix_len)}
-        fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=scale, interpret=interpret)),
+        fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
-                   *a, scale=scale, num_splits=splits, interpret=interpret)))}
-        ref = attn.tree_verify_attention_reference(*args["triton"], scale=scale).reshape(s, rows, -1)
+                   *a, scale=K26_SCALE, num_splits=splits, interpret=interpret)))}
+        ref = attn.tree_verify_attention_reference(*args["triton"], scale=K26_SCALE).reshape(s, rows, -1)
         entry, jobs = dict(case, splits=splits, errors={}, failed={}), []
         for name, fn in fns.items():
             try:
@@ -374,6 +373,7 @@ def run_attention_mgpu(ceil, results, deadline):
         _dump()
 
 
+# ---------------------------------------------------------------------------------------------------- int4 moe
 def moe_shapes():
     if F.quick:
         return dict(experts=16, hidden=512, inter=256, top_k=4), (1, 8, 64)
@@ -387,7 +387,7 @@ def moe_sweep(m: int, n_pairs: int, num_experts: int) -> list[moe.MoeConfig]:
     if base.block_m == 16:
         variants = [dict(block_n=128), dict(block_n=32), dict(block_n=32, num_warps=2), dict(block_n=16, num_warps=2),
                     dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)] + [
-            dict(block_m=m, use_mma=False) for m in (1, 2, 4)]
+            dict(block_m=bm, use_mma=False) for bm in (1, 2, 4)]
     else:
         variants = [dict(block_m=128), dict(block_m=32, block_n=128, num_warps=4), dict(block_n=64, num_warps=4)]
     return [dataclasses.replace(base, **v) for v in variants]

@@ -8,7 +8,8 @@ For stream s and query row r (a (node, head) pair), over the committed cache row
   logits[j] = scale * (q_lat[r] . c_kv[j] + q_rope[r] . k_rope[j]);  out[r] = softmax(logits) @ c_kv
 
 returned as split-K partials: out normalised within its split (bf16), the running max and sum (f32). `merge_partials`
-merges them; the tree block (ancestor mask) is one more partial, from the Triton kernel, merged the same way.
+merges them; the tree block (ancestor mask) would be one more partial, from the Triton kernel, whose unnormalised
+accumulator divided by its sum takes this form.
 
 One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
 c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
@@ -27,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
+BLOCK_KV = 64    # default cache rows per ring slot (the cache's row count must be a multiple of block_kv)
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
@@ -57,7 +59,7 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_kv", "stages", "interpret"))
 def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale: float, num_splits: int = 1,
-                              block_kv: int = 64, stages: int = 2, interpret: bool = False):
+                              block_kv: int = BLOCK_KV, stages: int = 2, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32
     -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32, sum [P, S, rows] f32), P = num_splits; a split with no
     prefix rows has sum 0 (and max -inf)."""
