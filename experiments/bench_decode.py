@@ -54,12 +54,11 @@ def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> d
         res = decoder.generate(group, spec, seed=seed + k)
         seconds += res.seconds
         tokens += res.tokens
-        taus.append(res.taus[res.taus > 0])
-    taus = np.concatenate(taus)
-    tau, hist = acceptance(taus, spec.block_size)
+        taus.append(res.taus.ravel())
+    tau, hist = acceptance(np.concatenate(taus), spec.block_size)
     new = sum(len(t) for t in tokens)
     return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
-            "tokens_per_s": new / seconds, "tau": tau, "rounds": int(taus.size), "accept_hist": hist,
+            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
             "tokens": tokens}
 
 
