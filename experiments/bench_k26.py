@@ -72,7 +72,7 @@ from kdtree_jax.decode import pick_tokens
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.training import expert_loads
-from kdtree_jax.tree import random_tree_visible
+from pallas_kernels.tree import random_tree_visible
 
 GB = 1e9
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

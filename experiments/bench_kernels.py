@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kdtree_jax import plots
-from kdtree_jax.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
+from pallas_kernels.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
                              build_tree_heapq_from_topk, draft_topk, random_tree_visible, resolve_topk)
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import ops

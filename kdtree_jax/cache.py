@@ -49,18 +49,6 @@ def write_rows(layer_cache, rows, offsets):
     return jax.vmap(one)(layer_cache, rows, offsets)
 
 
-def block_attention_mask(prefix_len, visible, capacity: int):
-    """[S, T, N] bool: query t of stream s sees rows j < prefix_len[s] and rows prefix_len[s] + u with visible[s,t,u]."""
-    num_nodes = visible.shape[-1]
-    rows = jnp.arange(capacity)
-    in_prefix = rows[None, None, :] < prefix_len[:, None, None]
-    u = rows[None, :] - prefix_len[:, None]  # [S, N]
-    in_block = (u >= 0) & (u < num_nodes)
-    block_vis = jnp.take_along_axis(visible, jnp.clip(u, 0, num_nodes - 1)[:, None, :].repeat(visible.shape[1], 1),
-                                    axis=2)
-    return in_prefix | (in_block[:, None, :] & block_vis)
-
-
 def compact(cache: KVCache, path, num_accepted, active) -> KVCache:
     """Commit the root and the accepted tree nodes of each active stream.
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from kdtree_jax import sharding
-from kdtree_jax import tree as tree_lib
+from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from kdtree_jax import quant
+from pallas_kernels import int4_layout
 from kdtree_jax.config import ModelConfig, from_hf_config
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels.int4_moe import repack_linear
@@ -345,14 +345,14 @@ def _read_int4_tensors(files: _TensorFiles, name: str, shape: tuple, group: int)
     stored = tuple(int(v) for v in _read_hf(files, name + "_shape", (2,)))
     if stored != (out_dim, in_dim):
         raise ValueError(f"tensor {name + '_shape'!r} says {stored}, expected {(out_dim, in_dim)} for this config")
-    return (_read_hf(files, name + "_packed", (out_dim, in_dim // quant.NIBBLES_PER_WORD)),
+    return (_read_hf(files, name + "_packed", (out_dim, in_dim // int4_layout.NIBBLES_PER_WORD)),
             _read_hf(files, name + "_scale", (out_dim, in_dim // group)))
 
 
 def _read_int4(files: _TensorFiles, name: str, shape: tuple, group: int) -> np.ndarray:
     """A compressed-tensors INT4 Linear `name` ([out, in]) dequantized to float32."""
     packed, scale = _read_int4_tensors(files, name, shape, group)
-    return np.asarray(quant.dequantize_int4(packed, scale, group, dtype=jnp.float32))
+    return np.asarray(int4_layout.dequantize_int4(packed, scale, group, dtype=jnp.float32))
 
 
 _INT4_PARAMS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}
@@ -406,8 +406,8 @@ def _hf_tensors(s: Source, ours: np.ndarray, group: int) -> Iterator[tuple[str, 
         if not s.int4:
             yield name, w
             continue
-        q, scale = quant.quantize_int4(w, group)
-        yield name + "_packed", quant.pack_int4(q)
+        q, scale = int4_layout.quantize_int4(w, group)
+        yield name + "_packed", int4_layout.pack_int4(q)
         yield name + "_scale", scale.astype(jnp.bfloat16)  # already bf16-rounded
         yield name + "_shape", np.asarray(w.shape, np.int64)
 

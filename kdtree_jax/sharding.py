@@ -11,7 +11,7 @@ Everything else is replicated over tp: the MLA latent cache (each device attends
 norms, q_a_proj and kv_a_proj, and the whole drafter.
 
 A param's PartitionSpec follows from its own name: PARAM_AXES gives its logical axes (one per dim), RULES maps a logical
-axis to a mesh axis. The routed experts run under `jax.shard_map` (`expert_parallel`): every device applies its local
+axis to a mesh axis. The routed experts run under `jax.shard_map` (`model.parallel.expert_parallel`): every device applies its local
 experts to all tokens and one psum over tp adds the partial outputs; no expert weight ever leaves its device.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from kdtree_jax.model.moe import random_int4_experts
+from kdtree_jax.model.parallel import DATA, MESH_AXES, TP, tp_size
 from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 
-DATA, TP = "data", "tp"
-MESH_AXES = (DATA, TP)
 
 # Logical axes of every target param, by the param's own name (the last name of its path).
 PARAM_AXES: dict[str, tuple] = {
@@ -93,11 +93,6 @@ def under_mesh(mesh: Mesh, fn: Callable) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
     return call
-
-
-def tp_size(mesh) -> int:
-    """Size of the tp axis of a mesh (concrete or abstract); 1 for no mesh."""
-    return 1 if mesh is None or mesh.empty else dict(mesh.shape).get(TP, 1)
 
 
 # ----------------------------------------------------------------------------------------------- params
@@ -209,63 +204,6 @@ def check_streams(mesh: Mesh, num_streams: int) -> None:
                          f"pass a multiple of {data} prompts or use a mesh with a smaller data axis")
 
 
-# ----------------------------------------------------------------------------------------------- expert parallelism
-
-def expert_parallel(local_moe: Callable, x, experts, ids, weights):
-    """The routed experts, expert-parallel over tp when the current mesh (jax.set_mesh) has tp > 1.
-
-    local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E) zero weight.
-    experts: a pytree of arrays whose leading axis is the expert E. Inside the shard_map each device holds E / tp
-    experts (the shards the params already have), sees every token (tokens are replicated over tp; split over data
-    when M divides), shifts the ids by its first expert and psums the partial outputs over tp. Without such a mesh:
-    local_moe(x, experts, ids, weights).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
-    if tp == 1:
-        return local_moe(x, experts, ids, weights)
-    num_experts = jax.tree.leaves(experts)[0].shape[0]
-    if num_experts % tp:
-        raise ValueError(f"experts = {num_experts} is not divisible by {TP} = {tp}; choose a {TP} size that divides "
-                         f"the number of routed experts")
-    per_device = num_experts // tp
-    data = dict(mesh.shape).get(DATA, 1)
-    tokens = P(DATA) if data > 1 and x.shape[0] % data == 0 else P()
-
-    def local(x, experts, ids, weights):
-        first = jax.lax.axis_index(TP) * per_device
-        return jax.lax.psum(local_moe(x, experts, ids - first, weights), TP)
-
-    return jax.shard_map(local, in_specs=(tokens, P(TP), tokens, tokens), out_specs=tokens)(x, experts, ids, weights)
-
-
-# ----------------------------------------------------------------------------------------------- head parallelism
-
-def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
-    """Tree-verify attention with its heads split over tp when the current mesh has tp > 1.
-
-    attention(q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S],
-    visible [S, T, T]) -> [S, T, H, C]. A Pallas call cannot be partitioned by XLA, so without this every device would
-    gather all H heads and attend for all of them; under shard_map each device attends for its own H / tp heads over
-    the replicated latent cache, and no collective is needed (o_proj is split on heads too). Streams stay split over
-    data when it divides S.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
-    if tp == 1:
-        return attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-    heads = q_lat.shape[2]
-    if heads % tp:
-        raise ValueError(f"heads = {heads} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
-                         f"number of attention heads")
-    data = dict(mesh.shape).get(DATA, 1)
-    streams = DATA if data > 1 and q_lat.shape[0] % data == 0 else None
-    per_head = P(streams, None, TP, None)
-    per_stream = P(streams)
-    return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
-                         out_specs=per_head)(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-
-
 # ----------------------------------------------------------------------------------------------- random params
 
 def init_in_shards(make_model: Callable, mesh: Mesh, seed: int = 0):
@@ -279,8 +217,6 @@ def init_in_shards(make_model: Callable, mesh: Mesh, seed: int = 0):
     own E / tp experts under a shard_map with the MoE module's INT4 path (`random_int4_experts`, a key per tp index).
     The values therefore differ from make_model(nnx.Rngs(seed)) on one device; shapes, dtypes and shardings do not.
     """
-    from kdtree_jax.model.moe import random_int4_experts  # noqa: PLC0415 - here, since moe imports this module
-
     int4 = lambda path, _: path[-1] in Int4Experts._fields  # noqa: E731
     graphdef, int4_state, rest = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(seed))), int4, ...)
     rest = jax.jit(lambda: nnx.split(make_model(nnx.Rngs(seed)), int4, ...)[2],

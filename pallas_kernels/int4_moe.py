@@ -4,7 +4,7 @@
 
 An id outside [0, E) (an expert of another device under expert parallelism) contributes zero.
 
-Weights arrive in the compressed-tensors layout (kdtree_jax/quant.py) and are repacked once at load by
+Weights arrive in the compressed-tensors layout (pallas_kernels/int4_layout.py) and are repacked once at load by
 `Int4Experts.from_compressed_tensors`. The repack permutes the nibbles inside each 256-wide block of inputs so that
 nibble i of the block's 32 words holds the 32 inputs of quantisation group i: unpacking one nibble position of a
 [rows, 32] word tile gives one whole group, whose single scale per output row is applied to the f32 product after a
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdtree_jax.quant import NIBBLES_PER_WORD, unpack_int4
+from pallas_kernels.int4_layout import NIBBLES_PER_WORD, unpack_int4
 from pallas_kernels import MIN_DOT_DIM, dot_nt
 
 GROUP = 32                            # quantisation group along the input dim (compressed-tensors, K2.x)

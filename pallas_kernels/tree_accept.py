@@ -1,6 +1,6 @@
 """Tree accept: the walk from the root along the target's tokens as a Pallas-Triton kernel, one program per stream.
 
-Same walk and same result as `kdtree_jax.tree.accept_tree`: at the current node, the child (first in sibling
+Same walk and same result as `pallas_kernels.tree.accept_tree`: at the current node, the child (first in sibling
 order, i.e. smallest index) whose token equals the target's token at the node becomes the current node; the walk
 stops when no child matches or after `max_depth` steps, and the target's token at the last node is the new bonus.
 
@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdtree_jax.tree import AcceptResult, TreeArrays, accept_tree
+from pallas_kernels.tree import AcceptResult, TreeArrays, accept_tree
 
 MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
 NUM_WARPS = 1  # a chain of small reductions: one warp avoids cross-warp barriers

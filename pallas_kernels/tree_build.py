@@ -1,6 +1,6 @@
 """Draft-tree build: the whole best-first search in one Pallas-Triton launch, one program per stream.
 
-Same search and same arrays as `kdtree_jax.tree.build_tree` (the specification is the heapq reference there):
+Same search and same arrays as `pallas_kernels.tree.build_tree` (the specification is the heapq reference there):
 the top-K log-probs / ids per depth come from `draft_topk` (fp32 log_softmax + `lax.top_k`) outside the kernel.
 
 Kernel: program s keeps its tree and its frontier in registers, as vectors over the node slots padded to a power
@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdtree_jax.tree import TreeArrays, build_tree, draft_topk, resolve_topk, tree_visible
+from pallas_kernels.tree import TreeArrays, build_tree, draft_topk, resolve_topk, tree_visible
 
 MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
 EMPTY = np.iinfo(np.int32).max  # push counter of a frontier slot without a candidate
@@ -59,7 +59,7 @@ class _Packing:
         packing = cls(max(1, budget.bit_length()), (slots - 1).bit_length(), (max_depth + 1).bit_length())
         if packing.rank_bits + packing.prev_bits + packing.depth_bits + 1 > 31:
             raise ValueError(f"budget={budget} with depth {max_depth} does not fit the kernel's 31-bit frontier "
-                             f"word; use the reference builder (kdtree_jax.tree.build_tree) for such trees")
+                             f"word; use the reference builder (pallas_kernels.tree.build_tree) for such trees")
         return packing
 
     def pack(self, valid, depth, rank, prev):

@@ -27,7 +27,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kdtree_jax.cache import block_attention_mask
 from pallas_kernels import MIN_DOT_DIM, dot_nt
 
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
@@ -121,6 +120,18 @@ def _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
         raise ValueError(f"visible {visible.shape} must be [S, T, T] = {(s, t, t)}")
     if c_kv.shape[1] < t:
         raise ValueError(f"cache capacity N={c_kv.shape[1]} is smaller than the tree block T={t}")
+
+
+def block_attention_mask(prefix_len, visible, capacity: int):
+    """[S, T, N] bool: query t of stream s sees rows j < prefix_len[s] and rows prefix_len[s] + u with visible[s,t,u]."""
+    num_nodes = visible.shape[-1]
+    rows = jnp.arange(capacity)
+    in_prefix = rows[None, None, :] < prefix_len[:, None, None]
+    u = rows[None, :] - prefix_len[:, None]  # [S, N]
+    in_block = (u >= 0) & (u < num_nodes)
+    block_vis = jnp.take_along_axis(visible, jnp.clip(u, 0, num_nodes - 1)[:, None, :].repeat(visible.shape[1], 1),
+                                    axis=2)
+    return in_prefix | (in_block[:, None, :] & block_vis)
 
 
 def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):

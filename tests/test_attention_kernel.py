@@ -12,7 +12,7 @@ from pallas_kernels.tree_verify_attention import (AttentionConfig, tree_verify_a
                                                   tree_verify_attention_reference)
 
 from conftest import rel_err
-from kdtree_jax.tree import random_tree_visible
+from pallas_kernels.tree import random_tree_visible
 
 SCALE = 0.125
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from kdtree_jax import config as config_lib
-from kdtree_jax import tree as tree_lib
+from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import init_cache
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter, DrafterCache

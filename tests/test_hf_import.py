@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import causal_logits, rel_err
-from kdtree_jax import config, hf_import, quant
+from kdtree_jax import config, hf_import
+from pallas_kernels import int4_layout
 from kdtree_jax.model.transformer import Transformer
 
 YARN_K2 = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
@@ -167,8 +168,8 @@ def test_int4_experts_load_as_their_dequantized_values(tmp_path, model, tokens):
     for layer in expected.layers[model.cfg.first_k_dense:]:
         for w in (layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down):
             hf = jnp.swapaxes(w[...], 1, 2)  # [E, out, in], grouped along in
-            q, scale = quant.quantize_int4(hf)
-            w[...] = jnp.swapaxes(quant.dequantize_int4(quant.pack_int4(q), scale, dtype=jnp.float32), 1, 2)
+            q, scale = int4_layout.quantize_int4(hf)
+            w[...] = jnp.swapaxes(int4_layout.dequantize_int4(int4_layout.pack_int4(q), scale, dtype=jnp.float32), 1, 2)
     _assert_same_params(loaded, expected)
     assert 0.0 < rel_err(expected.layers[1].mlp.w_up[...], model.layers[1].mlp.w_up[...]) < 0.2
     assert rel_err(causal_logits(loaded, tokens), causal_logits(expected, tokens)) == 0.0

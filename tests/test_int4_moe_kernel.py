@@ -7,7 +7,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from kdtree_jax import quant
+from pallas_kernels import int4_layout
 from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts, MoeConfig, int4_moe, int4_moe_reference
 from conftest import rel_err
@@ -22,8 +22,8 @@ def compressed_tensors_experts(rng, experts, hidden, inter):
     """Random INT4 experts in the stacked compressed-tensors layout: gate, up [E, I, D]; down [E, D, I]."""
     arrays = []
     for shape in ((experts, inter, hidden), (experts, inter, hidden), (experts, hidden, inter)):
-        q, scale = quant.quantize_int4(rng.standard_normal(shape))
-        arrays += [jnp.asarray(quant.pack_int4(q)), jnp.asarray(scale, jnp.bfloat16)]
+        q, scale = int4_layout.quantize_int4(rng.standard_normal(shape))
+        arrays += [jnp.asarray(int4_layout.pack_int4(q)), jnp.asarray(scale, jnp.bfloat16)]
     return arrays
 
 
@@ -38,8 +38,8 @@ def routing(rng, tokens, top_k, experts):
 
 
 def numpy_moe(x, ct, ids, weights):
-    """Independent float64 loop, dequantizing with kdtree_jax.quant from the compressed-tensors layout."""
-    gate, up, down = (np.asarray(quant.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32), np.float64)
+    """Independent float64 loop, dequantizing with pallas_kernels.int4_layout from the compressed-tensors layout."""
+    gate, up, down = (np.asarray(int4_layout.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32), np.float64)
                       for k in range(3))
     x = np.asarray(x, np.float64)
     out = np.zeros_like(x)
@@ -58,7 +58,7 @@ def test_repack_round_trip():
     experts = Int4Experts.from_compressed_tensors(*ct)
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (3, 96, 288)
     for got, k in zip(experts.dequantize(), range(3)):
-        want = quant.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32)
+        want = int4_layout.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

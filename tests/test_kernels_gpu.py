@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from kdtree_jax import config as config_lib
-from kdtree_jax import tree as T
+from pallas_kernels import tree as T
 from kdtree_jax.model.moe import random_int4_experts
 from pallas_kernels import int4_moe as M
 from pallas_kernels import tree_accept as TA

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from kdtree_jax import tree as T
+from pallas_kernels import tree as T
 from conftest import random_targets
 
 build_jit = jax.jit(T.build_tree, static_argnums=(2, 3))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import tree as T
+from pallas_kernels import tree as T
 from pallas_kernels import ops
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB

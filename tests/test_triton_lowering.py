@@ -12,7 +12,7 @@ from jax._src.pallas.triton import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from kdtree_jax import config as config_lib
-from kdtree_jax.tree import TreeArrays
+from pallas_kernels.tree import TreeArrays
 from pallas_kernels import int4_moe as M
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB

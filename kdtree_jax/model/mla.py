@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.cache import block_attention_mask, write_rows
+from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.rope import apply_rope
-from kdtree_jax.sharding import head_parallel
+from kdtree_jax.model.parallel import head_parallel
 from pallas_kernels import ops
+from pallas_kernels.tree_verify_attention import block_attention_mask
 
 
 class MLA(nnx.Module):

@@ -12,8 +12,8 @@ from flax import nnx
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, init_weight
-from kdtree_jax.quant import NIBBLES_PER_WORD
-from kdtree_jax.sharding import expert_parallel
+from pallas_kernels.int4_layout import NIBBLES_PER_WORD
+from kdtree_jax.model.parallel import expert_parallel
 from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts
 
@@ -76,7 +76,7 @@ class MoE(nnx.Module):
     def routed(self, x, ids, weights):
         """The routed experts alone: x [M, D], ids/weights [M, k] -> [M, D] (INT4 through `ops.int4_moe`).
 
-        Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel: `sharding.expert_parallel`.
+        Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel: `parallel.expert_parallel`.
         """
         if self.cfg.expert_quant == "int4":
             experts = self.int4_experts()

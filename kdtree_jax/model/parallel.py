@@ -1,0 +1,75 @@
+"""The model's two shard_map regions: expert-parallel routed experts and head-parallel tree-verify attention.
+
+The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
+`expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
+kernel in a `jax.shard_map` over the shards the params already have, and without one they call it directly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+DATA, TP = "data", "tp"
+MESH_AXES = (DATA, TP)
+
+
+def tp_size(mesh) -> int:
+    """Size of the tp axis of a mesh (concrete or abstract); 1 for no mesh."""
+    return 1 if mesh is None or mesh.empty else dict(mesh.shape).get(TP, 1)
+
+
+def expert_parallel(local_moe: Callable, x, experts, ids, weights):
+    """The routed experts, expert-parallel over tp when the current mesh (jax.set_mesh) has tp > 1.
+
+    local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E) zero weight.
+    experts: a pytree of arrays whose leading axis is the expert E. Inside the shard_map each device holds E / tp
+    experts (the shards the params already have), sees every token (tokens are replicated over tp; split over data
+    when M divides), shifts the ids by its first expert and psums the partial outputs over tp. Without such a mesh:
+    local_moe(x, experts, ids, weights).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return local_moe(x, experts, ids, weights)
+    num_experts = jax.tree.leaves(experts)[0].shape[0]
+    if num_experts % tp:
+        raise ValueError(f"experts = {num_experts} is not divisible by {TP} = {tp}; choose a {TP} size that divides "
+                         f"the number of routed experts")
+    per_device = num_experts // tp
+    data = dict(mesh.shape).get(DATA, 1)
+    tokens = P(DATA) if data > 1 and x.shape[0] % data == 0 else P()
+
+    def local(x, experts, ids, weights):
+        first = jax.lax.axis_index(TP) * per_device
+        return jax.lax.psum(local_moe(x, experts, ids - first, weights), TP)
+
+    return jax.shard_map(local, in_specs=(tokens, P(TP), tokens, tokens), out_specs=tokens)(x, experts, ids, weights)
+
+
+def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    """Tree-verify attention with its heads split over tp when the current mesh has tp > 1.
+
+    attention(q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S],
+    visible [S, T, T]) -> [S, T, H, C]. A Pallas call cannot be partitioned by XLA, so without this every device would
+    gather all H heads and attend for all of them; under shard_map each device attends for its own H / tp heads over
+    the replicated latent cache, and no collective is needed (o_proj is split on heads too). Streams stay split over
+    data when it divides S.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    heads = q_lat.shape[2]
+    if heads % tp:
+        raise ValueError(f"heads = {heads} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
+                         f"number of attention heads")
+    data = dict(mesh.shape).get(DATA, 1)
+    streams = DATA if data > 1 and q_lat.shape[0] % data == 0 else None
+    per_head = P(streams, None, TP, None)
+    per_stream = P(streams)
+    return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
+                         out_specs=per_head)(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+
+
