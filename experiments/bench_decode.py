@@ -16,9 +16,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from kdtree_jax import plots
+from kdtree_jax import cli, plots
 from kdtree_jax.checkpoint import restore_drafter, restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, acceptance
@@ -152,4 +152,4 @@ def plot(rows, path: str, meta: dict) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 
+from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
 from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance
@@ -143,4 +144,4 @@ def print_report(prompts, runs, tokenizer) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

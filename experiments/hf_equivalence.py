@@ -18,9 +18,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from kdtree_jax import hf_import
+from kdtree_jax import cli, hf_import
 from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
@@ -126,4 +126,4 @@ def _version(package: str) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

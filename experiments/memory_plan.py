@@ -17,9 +17,10 @@ import dataclasses
 import math
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
+from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
 from kdtree_jax.drafter import Drafter
@@ -202,4 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

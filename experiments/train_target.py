@@ -24,10 +24,10 @@ _STARTED = time.monotonic()  # --minutes counts from here
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdtree_jax import config, data, training  # noqa: E402
+from kdtree_jax import cli, config, data, training  # noqa: E402
 from kdtree_jax.model.transformer import Transformer  # noqa: E402
 
 NAME = "train_target"
@@ -113,4 +113,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

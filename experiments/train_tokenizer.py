@@ -12,9 +12,9 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
-from kdtree_jax import data
+from kdtree_jax import cli, data
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab_size", data.DEFAULT_VOCAB_SIZE, "vocabulary size, special and byte tokens included")
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
