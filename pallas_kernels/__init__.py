@@ -7,8 +7,11 @@ this side too, `tree` (tree arrays, the heapq specification, the pure-JAX builde
 """
 import warnings
 
+import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.sharding import ManualAxisType
 
 # Pallas announces at every Triton lowering that this backend is deprecated. It is the project's chosen GPU baseline
 # (DESIGN.md section 6), so the warning is silenced here, in one place, for the whole package.
@@ -22,3 +25,27 @@ def dot_nt(a, b):
     Precision.DEFAULT as TF32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
+
+
+def pallas_call(kernel, *, out_shape, **kwargs):
+    """`pl.pallas_call` that also runs inside `jax.shard_map` (check_vma=True, the default there).
+
+    There a pallas_call must state how each output varies over the mesh's manual axes, and its operands must agree:
+    a kernel's output depends on all its operands, so every operand and output is made to vary over the union of the
+    axes any operand varies over (a head-split query under tp, stream-split caches under data; a replicated operand
+    is cast to varying, which moves no data). Outside shard_map nothing varies and this is `pl.pallas_call`.
+    out_shape: a ShapeDtypeStruct or a pytree of them; kwargs: those of `pl.pallas_call`.
+    """
+    def call(*operands):
+        varying = frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(operands)))
+        operands = jax.tree.map(lambda x: _vary_over(x, varying), operands)
+        shapes = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=ManualAxisType(varying=varying)),
+            out_shape)
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*operands)
+    return call
+
+
+def _vary_over(x, axes: frozenset):
+    missing = tuple(sorted(axes - jax.typeof(x).mat.varying))
+    return lax.pcast(x, missing, to="varying") if missing else x

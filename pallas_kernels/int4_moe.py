@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD, unpack_int4
-from pallas_kernels import MIN_DOT_DIM, dot_nt
+from pallas_kernels import MIN_DOT_DIM, dot_nt, pallas_call
 
 GROUP = 32                            # quantisation group along the input dim (compressed-tensors, K2.x)
 BLOCK_IN = GROUP * NIBBLES_PER_WORD   # inputs per repacked block: one group per nibble position
@@ -339,14 +339,14 @@ def int4_moe(x, experts: Int4Experts, topk_ids, topk_weights, *, config: MoeConf
     rows = num_blocks * cfg.block_m
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     inter_padded = experts.down_packed.shape[2] * NIBBLES_PER_WORD   # every column of h is written (padding = 0)
-    h = pl.pallas_call(
+    h = pallas_call(
         functools.partial(_gate_up_kernel, num_experts=num_experts, num_tokens=m, hidden=d, inter=inter, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
         grid=(num_blocks, inter_padded // cfg.block_n),
         compiler_params=params, interpret=interpret, name="int4_moe_gate_up",
     )(routing.block_expert, routing.block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
       experts.up_scale)
-    y = pl.pallas_call(
+    y = pallas_call(
         functools.partial(_down_kernel, num_experts=num_experts, num_tokens=m, hidden=d, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, pl.cdiv(d, cfg.block_n)),

@@ -62,14 +62,17 @@ def uses_kernel() -> bool:
     return choice == "kernel" or (choice == "auto" and jax.default_backend() == "gpu")
 
 
+def interprets() -> bool:
+    """Whether an op traced now runs its Pallas kernel in interpret mode (on the CPU, in tests)."""
+    interpret = _settings["interpret"]
+    return uses_kernel() and (jax.default_backend() != "gpu" if interpret is None else interpret)
+
+
 def _call(name: str, *args, **kwargs):
     kernel, reference = _registry[name]
     if not uses_kernel():
         return reference(*args, **kwargs)
-    interpret = _settings["interpret"]
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return kernel(*args, interpret=interpret, **kwargs)
+    return kernel(*args, interpret=interprets(), **kwargs)
 
 
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):

@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import pallas_call
 from pallas_kernels.tree import AcceptResult, TreeArrays, accept_tree
 
 MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
@@ -72,7 +73,7 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
         return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, slots - keep)), constant_values=value)
 
     node = pl.BlockSpec((None, slots), lambda s: (s, 0))
-    path, stats = pl.pallas_call(
+    path, stats = pallas_call(
         functools.partial(_kernel, max_depth=max_depth),
         out_shape=(jax.ShapeDtypeStruct((n_streams, depths), jnp.int32),
                    jax.ShapeDtypeStruct((n_streams, 2), jnp.int32)),

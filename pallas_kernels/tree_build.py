@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import pallas_call
 from pallas_kernels.tree import TreeArrays, build_tree, draft_topk, resolve_topk, tree_visible
 
 MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
@@ -165,7 +166,7 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: Bu
     table = pl.BlockSpec((None, max_depth, k), lambda s: (s, 0, 0))
     node = pl.BlockSpec((None, slots), lambda s: (s, 0))
     int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
-    tokens, parent, depth, score, first_child, next_sibling = pl.pallas_call(
+    tokens, parent, depth, score, first_child, next_sibling = pallas_call(
         functools.partial(_kernel, budget=budget, packing=_Packing.for_tree(budget, slots, max_depth)),
         out_shape=(int_out, int_out, int_out, jax.ShapeDtypeStruct((n_streams, slots), jnp.float32), int_out,
                    int_out),

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import MIN_DOT_DIM, dot_nt
+from pallas_kernels import MIN_DOT_DIM, dot_nt, pallas_call
 
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
 # zeroed explicitly, so a row with nothing allowed keeps sum 0 and returns 0.
@@ -262,7 +262,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, rows, lat[1]), jnp.float32),
                      jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32),
                      jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32))
-    result = pl.pallas_call(
+    result = pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(q_tiles, cfg.num_splits, s),
