@@ -21,7 +21,7 @@ from absl import flags, logging
 from kdtree_jax import cli, plots
 from kdtree_jax.checkpoint import restore_drafter, restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
-from kdtree_jax.decode import DecodeSpec, Decoder, acceptance
+from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, decode_in_batches
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
@@ -43,23 +43,6 @@ flags.DEFINE_string("out", "experiments/results/decode.json", "JSON output")
 flags.DEFINE_string("plot", "experiments/results/decode.png", "PNG of tau and speedup vs B ('' to skip)")
 flags.DEFINE_float("time_budget_s", None, "start no (temperature, batch) group after this many seconds; the JSON "
                    "and plot are rewritten after every group, so a run cut short keeps the groups it finished")
-
-
-def run(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
-    """Decode all prompts in batches; returns totals, tau statistics and the outputs."""
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    decoder.generate(groups[0], spec, seed=seed)  # compile + warm up
-    seconds, tokens, taus = 0.0, [], []
-    for k, group in enumerate(groups):
-        res = decoder.generate(group, spec, seed=seed + k)
-        seconds += res.seconds
-        tokens += res.tokens
-        taus.append(res.taus.ravel())
-    tau, hist = acceptance(np.concatenate(taus), spec.block_size)
-    new = sum(len(t) for t in tokens)
-    return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
-            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
-            "tokens": tokens}
 
 
 def main(argv):
@@ -87,9 +70,10 @@ def main(argv):
                                   temperature=temperature,
                                   max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id,
                                   rounds_per_check=FLAGS.rounds_per_check)
-            ar = run(decoder, prompts, spec("ar"), batch, FLAGS.seed)
-            runs = [ar, run(decoder, prompts, spec("chain"), batch, FLAGS.seed)]
-            runs += [run(decoder, prompts, spec("ddtree", int(b)), batch, FLAGS.seed) for b in FLAGS.budgets]
+            ar = decode_in_batches(decoder, prompts, spec("ar"), batch, FLAGS.seed)
+            runs = [ar, decode_in_batches(decoder, prompts, spec("chain"), batch, FLAGS.seed)]
+            runs += [decode_in_batches(decoder, prompts, spec("ddtree", int(b)), batch, FLAGS.seed)
+                     for b in FLAGS.budgets]
             for r in runs:
                 r.update(temperature=temperature, batch=batch, speedup=r["tokens_per_s"] / ar["tokens_per_s"],
                          identical_to_ar=(r["tokens"] == ar["tokens"]) if temperature == 0 else None)
@@ -110,15 +94,6 @@ def write(rows, meta: dict) -> None:
         json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)
     if FLAGS.plot and rows:
         plot(rows, FLAGS.plot, meta)
-
-
-def agreeing_prefix(tokens, reference) -> float:
-    """Mean fraction of each stream's tokens before the first difference from the reference (1.0 = identical)."""
-    fractions = []
-    for got, want in zip(tokens, reference):
-        n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        fractions.append(n / max(len(want), 1))
-    return float(np.mean(fractions))
 
 
 def print_table(rows) -> None:

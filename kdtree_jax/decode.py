@@ -88,6 +88,17 @@ def acceptance(taus, block_size: int) -> tuple[float, list]:
     return (float(taus.mean()) if taus.size else 0.0), hist
 
 
+def agreeing_prefix(tokens, reference) -> float:
+    """Mean fraction of each stream's tokens before the first difference from the reference (1.0 = identical).
+
+    tokens, reference: per stream, lists of token ids."""
+    fractions = []
+    for got, want in zip(tokens, reference):
+        n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        fractions.append(n / max(len(want), 1))
+    return float(np.mean(fractions))
+
+
 class Decoder:
     """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec.
 
@@ -314,3 +325,21 @@ def commit_kv(drafter: Drafter | None, cache: KVCache, dcache, hidden, verdict, 
     hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)  # [S, D+1, D_model]
     positions = length[:, None] + jnp.arange(path.shape[1])[None, :]
     return new_cache, drafter.extend_cache(dcache, hidden, positions, length)
+
+
+def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
+    """Decode all prompts, `batch` streams at a time (the first batch once more first, to compile and warm up; batch
+    k samples with seed + k) -> totals, tau statistics and the outputs (`tokens`, per prompt)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    decoder.generate(groups[0], spec, seed=seed)  # compile + warm up
+    seconds, tokens, taus = 0.0, [], []
+    for k, group in enumerate(groups):
+        res = decoder.generate(group, spec, seed=seed + k)
+        seconds += res.seconds
+        tokens += res.tokens
+        taus.append(res.taus.ravel())
+    tau, hist = acceptance(np.concatenate(taus), spec.block_size)
+    new = sum(len(t) for t in tokens)
+    return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
+            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
+            "tokens": tokens}
