@@ -14,8 +14,10 @@ A DDTree round drafts per-position distributions for depths 1..D (D = L - 1, L =
 Node 0 is the root and does not count toward the budget B: every stream has B + 1 slots; unused slots are padding
 (token 0, parent -1, depth 0, no links, score -inf, visible only to itself).
 
-`build_tree_heapq` is the specification (python heapq, numpy); `build_tree` is the same search in pure JAX (jit-able,
-fixed shapes, identical arrays including ties). `accept_tree` walks a tree against the target's tokens.
+`build_tree_heapq` is the specification: its log-probs come from a float64 numpy log-softmax and a stable argsort
+(`reference_topk`), its search is python heapq. `build_tree` is the same search in pure JAX (jit-able, fixed shapes)
+on the float32 `draft_topk`: given the same top-K it returns identical arrays, ties included; from logits its
+log-probs agree with the specification's to float32 rounding. `accept_tree` walks a tree against the target's tokens.
 """
 from __future__ import annotations
 
@@ -216,13 +218,25 @@ def build_tree_heapq_from_topk(top_logprobs, top_ids, root, budget: int) -> Tree
     return TreeArrays(tokens, parent, depth, first_child, next_sibling, visible, num_nodes, score)
 
 
-def build_tree_heapq(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
-    """The specification: draft_logits [S, D, V], root [S] -> TreeArrays (numpy) via python heapq.
+def reference_topk(draft_logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The specification's top-K, independent of `draft_topk`: draft_logits [S, D, V] -> (top_logprobs [S, D, k]
+    float32, top_ids [S, D, k] int32).
 
-    The top-K runs through `draft_topk` (so both builders see bit-identical log-probs), then the host search.
+    A float64 numpy log-softmax (shifted by the row maximum), then a stable argsort by decreasing log-prob, so ties go
+    to the smaller token id; the log-probs are rounded to float32 last.
     """
+    x = np.asarray(draft_logits, np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    ids = np.argsort(-logprobs, axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(logprobs, ids, axis=-1).astype(np.float32), ids.astype(np.int32)
+
+
+def build_tree_heapq(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
+    """The specification: draft_logits [S, D, V], root [S] -> TreeArrays (numpy): `reference_topk`, then the host
+    search (`build_tree_heapq_from_topk`)."""
     k = resolve_topk(budget, np.shape(draft_logits)[-1], topk)
-    top_logprobs, top_ids = jax.device_get(jax.jit(draft_topk, static_argnums=1)(draft_logits, k))
+    top_logprobs, top_ids = reference_topk(draft_logits, k)
     return build_tree_heapq_from_topk(top_logprobs, top_ids, root, budget)
 
 
@@ -320,7 +334,7 @@ def build_tree_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays
 
 
 def build_tree(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
-    """draft_logits [S, D, V], root [S] int -> TreeArrays (jnp), identical to `build_tree_heapq`.
+    """draft_logits [S, D, V], root [S] int -> TreeArrays (jnp): `build_tree_heapq` with the float32 `draft_topk`.
 
     Pure JAX with fixed shapes: jit with `budget` and `topk` static.
     """

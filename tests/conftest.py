@@ -3,6 +3,8 @@ import itertools
 
 import numpy as np
 
+from pallas_kernels.tree import reference_topk
+
 
 def causal_logits(model, tokens, absorbed: bool = True):
     """A causal prefill of tokens [S, T] from an empty cache -> logits [S, T, V] f32."""
@@ -25,3 +27,19 @@ def random_targets(rng, tree, vocab: int, hit_rate: float):
         if children.size and rng.random() < hit_rate:
             target[s, i] = tokens[s, rng.choice(children)]
     return target
+
+
+def assert_topk_matches_reference(logits, k: int, got, exact_ids: bool) -> None:
+    """got = draft_topk(logits [S, D, V], k) against reference_topk (float64): the same top-k log-probs to float32
+    rounding, each id carrying the log-prob reported for it, no id twice; exact_ids: the ids themselves (inputs whose
+    equal log-probs are exactly equal in both, e.g. integer logits, where ties go to the smaller id)."""
+    got_lp, got_ids = (np.asarray(a) for a in got)
+    want_lp, want_ids = reference_topk(logits, k)
+    np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6, atol=1e-6)
+    all_lp, all_ids = reference_topk(logits, np.shape(logits)[-1])
+    lp_of_id = np.empty_like(all_lp)
+    np.put_along_axis(lp_of_id, all_ids, all_lp, axis=-1)
+    np.testing.assert_allclose(np.take_along_axis(lp_of_id, got_ids, axis=-1), want_lp, rtol=1e-6, atol=1e-6)
+    assert all(len(set(row)) == k for row in got_ids.reshape(-1, k))
+    if exact_ids:
+        np.testing.assert_array_equal(got_ids, want_ids)

@@ -1,4 +1,11 @@
-"""Draft trees: the jit builder equals the heapq specification (ties included), hand-made trees, invariants, accept."""
+"""Draft trees: draft_topk equals the float64 reference top-K, the jit builder equals the heapq specification (ties
+included), hand-made trees, invariants, accept.
+
+The specification's log-probs come from numpy in float64 (`reference_topk`), the jit builder's from jax in float32
+(`draft_topk`): from the same top-K the two builders must give identical arrays, ties included; from logits without
+near ties the trees must be the same and the path scores may differ by float32 rounding (SCORE_RTOL). (With ties,
+sums equal in exact arithmetic may round apart differently in the two, so ties are checked from the same top-K.)
+"""
 import itertools
 
 import jax
@@ -6,18 +13,25 @@ import numpy as np
 import pytest
 
 from pallas_kernels import tree as T
-from conftest import random_targets
+from conftest import assert_topk_matches_reference, random_targets
 
 build_jit = jax.jit(T.build_tree, static_argnums=(2, 3))
 build_from_topk_jit = jax.jit(T.build_tree_from_topk, static_argnums=3)
 accept_jit = jax.jit(T.accept_tree, static_argnums=2)
+topk_jit = jax.jit(T.draft_topk, static_argnums=(1, 2))
+# Path scores from float32 log-probs against the float64 reference's, rounded: a few float32 ulps per depth.
+SCORE_RTOL = 1e-6
 
 
-def assert_trees_equal(got, want):
+def assert_trees_equal(got, want, score_rtol: float = 0.0):
+    """Every field bit for bit (shape and dtype too); with score_rtol, scores within that relative tolerance."""
     for name, g, w in zip(T.TreeArrays._fields, got, want):
         g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, g.dtype, w.shape, w.dtype)
-        np.testing.assert_array_equal(g, w, err_msg=name)
+        if name == "score" and score_rtol:
+            np.testing.assert_allclose(g, w, rtol=score_rtol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 def random_logits(rng, n_streams, max_depth, vocab, ties: bool):
@@ -51,15 +65,30 @@ def _combos():
             yield pytest.param(budget, block, k or None, marks=marks)
 
 
+def assert_jit_matches_heapq(logits, root, budget: int, topk=None):
+    """The jit search from the specification's top-K gives the specification's arrays bit for bit."""
+    top = T.reference_topk(logits, T.resolve_topk(budget, np.shape(logits)[-1], topk))
+    assert_trees_equal(build_from_topk_jit(*top, root, budget), T.build_tree_heapq(logits, root, budget, topk))
+
+
 @pytest.mark.parametrize("budget,block,topk", list(_combos()))
 def test_jit_matches_heapq(budget, block, topk):
     rng = np.random.default_rng(1000 * budget + 10 * block + (topk or 0))
     vocab = 512
     logits = np.concatenate([random_logits(rng, 2, block - 1, vocab, ties=False),
                              random_logits(rng, 2, block - 1, vocab, ties=True)])
-    root = rng.integers(0, vocab, size=4)
-    want = T.build_tree_heapq(logits, root, budget, topk)
-    assert_trees_equal(build_jit(logits, root, budget, topk), want)
+    assert_jit_matches_heapq(logits, rng.integers(0, vocab, size=4), budget, topk)
+
+
+@pytest.mark.parametrize("budget,block,vocab,topk", [(7, 16, 512, None), (64, 16, 512, 4), (300, 8, 512, None),
+                                                     (40, 4, 3, None)])
+def test_build_tree_from_logits_matches_heapq(budget, block, vocab, topk):
+    """End to end (draft_topk, then the search) on logits without near ties: the specification's trees."""
+    rng = np.random.default_rng(budget + block + vocab)
+    logits = random_logits(rng, 3, block - 1, vocab, ties=False)
+    root = rng.integers(0, vocab, size=3)
+    assert_trees_equal(build_jit(logits, root, budget, topk), T.build_tree_heapq(logits, root, budget, topk),
+                       SCORE_RTOL)
 
 
 @pytest.mark.parametrize("budget,block,vocab", [(50, 3, 4), (300, 4, 3), (9, 5, 2)])
@@ -69,10 +98,9 @@ def test_jit_matches_heapq_small_vocab(budget, block, vocab):
     logits = np.concatenate([random_logits(rng, 2, block - 1, vocab, ties=False),
                              random_logits(rng, 2, block - 1, vocab, ties=True)])
     root = rng.integers(0, vocab, size=4)
-    want = T.build_tree_heapq(logits, root, budget)
-    assert_trees_equal(build_jit(logits, root, budget, None), want)
+    assert_jit_matches_heapq(logits, root, budget)
     if T.max_tree_nodes(block - 1, vocab) < budget:
-        assert (want.num_nodes < budget + 1).all()
+        assert (T.build_tree_heapq(logits, root, budget).num_nodes < budget + 1).all()
 
 
 def test_masked_vocab_minus_inf_scores():
@@ -83,7 +111,7 @@ def test_masked_vocab_minus_inf_scores():
     root = rng.integers(0, 6, size=3)
     want = T.build_tree_heapq(logits, root, 40)
     assert np.isneginf(want.score).any() and (want.num_nodes == 41).all()
-    assert_trees_equal(build_jit(logits, root, 40, None), want)
+    assert_jit_matches_heapq(logits, root, 40)
 
 
 # --------------------------------------------------------------------------------------------- hand-made trees
@@ -147,7 +175,7 @@ def test_invariants_and_top_b_prefixes(budget, block, vocab):
     root = rng.integers(0, vocab, size=n_streams)
     tree = T.build_tree_heapq(logits, root, budget)  # == build_tree (test_jit_matches_heapq)
     k = T.resolve_topk(budget, vocab)
-    top_lp, top_ids = jax.device_get(T.draft_topk(logits, k))
+    top_lp, top_ids = T.reference_topk(logits, k)
     for s in range(n_streams):
         n = int(tree.num_nodes[s])
         assert n == 1 + min(budget, T.max_tree_nodes(depth_max, k))
@@ -251,6 +279,17 @@ def test_chunked_top_k_equals_lax_top_k(vocab, k, chunk):
     got = T.chunked_top_k(jax.numpy.asarray(x), k, chunk)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("vocab,k,chunk,ties", [(512, 64, None, False), (512, 64, None, True), (4096, 300, 16, False),
+                                                 (4096, 300, 16, True), (6, 6, None, False)])
+def test_draft_topk_matches_float64_reference(vocab, k, chunk, ties):
+    """draft_topk (jax, float32, chunked or not) against the specification's float64 numpy log-softmax and argsort,
+    with masked (-inf) entries."""
+    rng = np.random.default_rng(vocab + k)
+    logits = random_logits(rng, 3, 5, vocab, ties=ties)
+    logits[0, 1, rng.random(vocab) < 0.3] = -np.inf
+    assert_topk_matches_reference(logits, k, topk_jit(logits, k, chunk), exact_ids=ties)
 
 
 def test_topk_chunk_size():

@@ -2,7 +2,9 @@
 
 The pure-JAX references equal the python specifications (heapq build, python accept loop; tests/test_tree.py), so
 most cases compare a kernel with the specification directly, which costs no extra compilation; the dispatch test
-and one accept case compare with the jitted references.
+and one accept case compare with the jitted references. The build kernel searches a given top-K: it gets the
+specification's (`reference_topk`, float64) and must return the specification's arrays bit for bit; from logits it
+runs `draft_topk` first, which the dispatch test covers.
 
 Interpret mode fills every output with poison before the kernel runs (NaN for floats, INT32_MIN for ints), so a
 slot the kernel forgets to write cannot match the reference.
@@ -26,6 +28,12 @@ def assert_same(got, want, fields):
         g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, g.dtype, w.shape, w.dtype)
         np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def build_kernel(logits, root, budget: int, topk=None):
+    """The build kernel (interpret mode) on the specification's top-K of logits [S, D, V]."""
+    top = T.reference_topk(logits, T.resolve_topk(budget, np.shape(logits)[-1], topk))
+    return TB.tree_build_from_topk(*map(jnp.asarray, top), jnp.asarray(root), budget=budget, interpret=True)
 
 
 def random_logits(rng, n_streams, max_depth, vocab, ties: bool):
@@ -58,8 +66,8 @@ def random_draft(rng, n_streams, block, vocab):
 def test_build_kernel_matches_reference(budget, block, vocab, topk):
     rng = np.random.default_rng(budget * 31 + block)
     logits, root = random_draft(rng, 4, block, vocab)
-    got = TB.tree_build(jnp.asarray(logits), root, budget, topk, interpret=True)
-    assert_same(got, T.build_tree_heapq(logits, root, budget, topk), T.TreeArrays._fields)
+    assert_same(build_kernel(logits, root, budget, topk), T.build_tree_heapq(logits, root, budget, topk),
+                T.TreeArrays._fields)
 
 
 def test_build_kernel_minus_inf_scores():
@@ -67,7 +75,7 @@ def test_build_kernel_minus_inf_scores():
     logits = random_logits(rng, 3, 3, 6, ties=False)
     logits[:, :, 2:] = -np.inf
     root = rng.integers(0, 6, size=3).astype(np.int32)
-    got = TB.tree_build(jnp.asarray(logits), root, 40, interpret=True)
+    got = build_kernel(logits, root, 40)
     assert np.isneginf(np.asarray(got.score)).any()
     assert_same(got, T.build_tree_heapq(logits, root, 40), T.TreeArrays._fields)
 
