@@ -64,6 +64,7 @@ from absl import app, flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from experiments.timing import wall_us
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
 from kdtree_jax.cache import KVCache
@@ -248,18 +249,7 @@ def time_collective(mesh, op: str, dtype: str, elements: int, reps: int) -> floa
     fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(sharding.TP), out_specs=P(sharding.TP), check_vma=False))
     x = jax.device_put(jnp.ones((local * tp,), HLO_DTYPES.get(dtype, jnp.float32)),
                        NamedSharding(mesh, P(sharding.TP)))
-    return median_seconds(lambda: fn(x), reps, warmup=2) / CHAIN
-
-
-def median_seconds(call, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return wall_us(fn, [(x,)], reps, warmup=2) * 1e-6 / CHAIN
 
 
 def collective_summary(counts: dict, seconds_each: dict | None = None) -> dict:

@@ -17,12 +17,11 @@ of --prompt_len tokens:
     XLA:GPU reads a while loop's predicate back to the host and waits for it every iteration unless the trip count
     is known, so `while_loop - fixed_loop` per round is the cost of that round trip;
   * overhead = while_loop per round - sum of the stages.
-Times are device spans from profiler traces (experiments/bench_kernels.time_jobs; wall clock where there is no device
+Times are device spans from profiler traces (experiments/timing.time_jobs; wall clock where there is no device
 trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
 On the GPU the loops also report device busy time, device events and device-to-host copies per round.
 
-Flags --out, --reps and --plot are bench_kernels.py's (this script uses its timing); --out defaults here to
-experiments/results/round_<backend>.json, and the plot of the stage times goes beside it (.png).
+--out defaults to experiments/results/round_<backend>.json, and the plot of the stage times goes beside it (.png).
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from experiments.bench_kernels import Job, rel_err, time_jobs
+from experiments.timing import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
 from kdtree_jax import plots
 from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
@@ -59,10 +58,9 @@ flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop st
 flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
 flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
 flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
-flags.declare_key_flag("out")
-flags.declare_key_flag("reps")
-F.set_default("out", "")
-F.set_default("reps", 10)
+flags.DEFINE_string("out", "", "where the JSON results go ('' for experiments/results/round_<backend>.json)")
+flags.DEFINE_integer("reps", 10, "timed calls per measurement (median reported)")
+flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
 
@@ -275,9 +273,6 @@ def main(argv):
     print(f"wrote {out} in {time.time() - start:.0f} s", flush=True)
     if F.plot:
         plot_stages(results, os.path.splitext(out)[0] + ".png")
-
-
-STAGES = ("draft", "build", "verify", "accept", "commit")
 
 
 def plot_stages(results: dict, path: str) -> None:

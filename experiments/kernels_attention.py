@@ -1,0 +1,148 @@
+"""bench_kernels section `attention`: tree_verify_attention (Pallas Triton) against its XLA reference at K2.6 MLA
+shapes (latent 512, rope 64), with an f32 check, optional split-K counts and tilings, FLOPs and bytes per case.
+
+    cases      S streams x H heads x N prefix rows x T tree nodes (attention_cases)
+    inputs     q_lat [S,T,H,512], q_rope [S,T,H,64], c_kv [S,N+T,512], k_rope [S,N+T,64], prefix_len [S],
+               visible [S,T,T] of a random tree (attention_inputs), bf16
+    cost       useful FLOPs, fewest HBM bytes (attention_cost) -> roofline fraction
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.timing import BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
+from pallas_kernels import tree_verify_attention as attn
+from pallas_kernels.tree import random_tree_visible
+
+K26_LAT, K26_ROPE = 512, 64
+K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
+
+
+def attention_cases(quick: bool) -> list[dict]:
+    """The cases: dicts of streams, heads, prefix, nodes; `quick`: small ones, for a CPU smoke run."""
+    if quick:
+        return [dict(streams=1, heads=8, prefix=256, nodes=t) for t in (1, 16)] + [
+            dict(streams=2, heads=4, prefix=128, nodes=5)]
+    cases = [dict(streams=1, heads=h, prefix=p, nodes=t) for h in (8, 64) for p in (4096, 32768)
+             for t in (1, 16, 64, 256)]
+    return cases + [dict(streams=8, heads=8, prefix=32768, nodes=64)]
+
+
+def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -> list[attn.AttentionConfig]:
+    """Alternative configs timed beside the default: the split-K counts `splits` on every case (those it admits: at
+    most prefix / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four prefix-32768
+    cases."""
+    rows = case["nodes"] * case["heads"]
+    base = attn.default_config(case["streams"], rows, case["prefix"] + case["nodes"])
+    split_configs = [dataclasses.replace(base, num_splits=s) for s in sorted(set(splits))
+                     if s != base.num_splits and s <= attn.max_splits(case["prefix"] + case["nodes"], base.block_k)
+                     and attn.query_tiles(case["streams"], rows, base.block_q) * s <= 4 * attn.wave_slots(base.block_q)]
+    if (not tilings or quick or case["prefix"] != 32768 or case["streams"] > 1
+            or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 16), (64, 256))):
+        return split_configs
+    fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
+    if rows <= 16:
+        variants = [dict(block_k=128), dict(block_k=32, num_stages=3), more]
+    else:
+        variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer]
+    return split_configs + [dataclasses.replace(base, **v) for v in variants]
+
+
+def attention_inputs(key, case, rng):
+    s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
+    n = p + t
+    k = jax.random.split(key, 4)
+    return (jax.random.normal(k[0], (s, t, h, K26_LAT), BF16), jax.random.normal(k[1], (s, t, h, K26_ROPE), BF16),
+            jax.random.normal(k[2], (s, n, K26_LAT), BF16), jax.random.normal(k[3], (s, n, K26_ROPE), BF16),
+            jnp.full((s,), p, jnp.int32), jnp.asarray(random_tree_visible(rng, s, t)))
+
+
+def attention_cost(case) -> tuple[float, float]:
+    """Useful FLOPs and the fewest HBM bytes (cache rows once, q once, out once) of one call."""
+    s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
+    rows = p + t
+    flops = 2.0 * s * t * h * rows * (2 * K26_LAT + K26_ROPE)
+    bytes_ = 2.0 * s * (rows * (K26_LAT + K26_ROPE) + t * h * (2 * K26_LAT + K26_ROPE))
+    return flops, bytes_
+
+
+def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
+                  splits: list[int], save) -> None:
+    """Time every case (kernel, the configs of attention_sweep, the XLA reference) against the ceilings `ceil`; one
+    row per case appended to `results`, printed, then `save()`; no new case past `deadline` (time.time())."""
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(0)
+    for ci, case in enumerate(attention_cases(quick)):
+        if time.time() > deadline:
+            results.append(dict(case, skipped="time budget"))
+            continue
+        try:
+            one = 2.0 * case["streams"] * (case["prefix"] + case["nodes"]) * (K26_LAT + K26_ROPE)
+            n_sets = int(min(32, max(2, math.ceil(ROTATE_BYTES / one))))
+            sets = [attention_inputs(jax.random.key(1000 * ci + i), case, rng) for i in range(n_sets)]
+            configs = [None] + attention_sweep(case, quick, tilings, splits)
+            fns = {}
+            for cfg in configs:
+                fns["kernel" if cfg is None else f"kernel:{cfg}"] = jax.jit(
+                    lambda *a, cfg=cfg: attn.tree_verify_attention(*a, scale=K26_SCALE, config=cfg,
+                                                                   interpret=interpret))
+            ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
+            ref = ref_fn(*sets[0]).astype(jnp.float32)
+            errors, failed = try_candidates(fns, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
+            jobs = [Job(name, fn, sets) for name, fn in fns.items()] + [Job("reference", ref_fn, sets)]
+            t = time_jobs(jobs, reps)
+            flops, bytes_ = attention_cost(case)
+            floor = roofline(flops, bytes_, ceil)
+            best = min(fns, key=lambda k: t[k]["us"])
+            k_us, r_us = t["kernel"]["us"], t["reference"]["us"]
+            entry = dict(case, config=str(attn.default_config(case["streams"], case["nodes"] * case["heads"],
+                                                               case["prefix"] + case["nodes"])),
+                         kernel_us=k_us, reference_us=r_us, speedup_vs_reference=r_us / k_us,
+                         GBps=bytes_ / (k_us * 1e-6) / 1e9, TFLOPs=flops / (k_us * 1e-6) / 1e12,
+                         roofline_us=floor, roofline_fraction=floor / k_us, rel_err_bf16=errors["kernel"],
+                         best_config=best, best_us=t[best]["us"], best_roofline_fraction=floor / t[best]["us"],
+                         timing_method=t["kernel"]["method"], input_sets=n_sets,
+                         sweep={k: dict(us=t[k]["us"], rel_err=errors[k]) for k in fns if k != "kernel"},
+                         sweep_failed=failed, timings=t)
+        except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
+            entry = dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        results.append(entry)
+        _print_attention_row(entry)
+        save()
+
+
+def attention_f32_check(quick: bool) -> dict:
+    """f32 inputs (IEEE dots in the kernel) on a ragged batch with random trees: split-K on and off -> {"splits=n":
+    relative error against the reference}."""
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(1)
+    s, t, h, n = 4, 16, 8, (1024 if not quick else 96)
+    key = jax.random.split(jax.random.key(7), 4)
+    args = (jax.random.normal(key[0], (s, t, h, K26_LAT)), jax.random.normal(key[1], (s, t, h, K26_ROPE)),
+            jax.random.normal(key[2], (s, n, K26_LAT)), jax.random.normal(key[3], (s, n, K26_ROPE)),
+            jnp.asarray([0, n - t, 37, n // 2], jnp.int32), jnp.asarray(random_tree_visible(rng, s, t)))
+    ref = attn.tree_verify_attention_reference(*args, scale=0.05)
+    out = {}
+    for splits in (1, 4):
+        cfg = attn.AttentionConfig(block_q=16, block_k=16, num_splits=splits)   # f32 tiles: small, for shared memory
+        got = attn.tree_verify_attention(*args, scale=0.05, config=cfg, interpret=interpret)
+        out[f"splits={splits}"] = rel_err(got, ref)
+    return out
+
+
+def _print_attention_row(r):
+    if "error" in r or "skipped" in r:
+        print(f"attention S={r['streams']} H={r['heads']} N={r['prefix']} T={r['nodes']}: "
+              f"{r.get('error') or r.get('skipped')}", flush=True)
+        return
+    print(f"attention S={r['streams']:2d} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} | kernel "
+          f"{r['kernel_us']:9.1f} us  ref {r['reference_us']:9.1f} us  x{r['speedup_vs_reference']:5.2f} | "
+          f"{r['GBps']:6.0f} GB/s {r['TFLOPs']:6.1f} TF/s roof {r['roofline_fraction']:5.1%} | best "
+          f"{r['best_us']:9.1f} ({r['best_roofline_fraction']:5.1%}) | err {r['rel_err_bf16']:.1e}", flush=True)
+

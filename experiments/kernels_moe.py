@@ -1,0 +1,199 @@
+"""bench_kernels section `moe`: int4_moe (Pallas Triton, INT4 experts dequantized in registers) against the XLA paths
+over bf16 weights (ragged_dot, gather + einsum) and its jnp reference, at K2.6 expert shapes, with an f32 check and
+optional tilings.
+
+    cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
+    cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from experiments.timing import BF16, Job, rel_err, roofline, time_jobs, try_candidates
+from pallas_kernels import int4_moe as moe
+
+
+def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
+    """(experts E, hidden D, inter I, top_k) and the token counts M; `quick`: small ones, for a CPU smoke run."""
+    if quick:
+        return dict(experts=16, hidden=512, inter=256, top_k=4), (1, 8, 64)
+    return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 4096)
+
+
+def moe_sweep(m: int, n_pairs: int, num_experts: int, quick: bool, sweep_tokens: list[int]) -> list[moe.MoeConfig]:
+    """Alternative tilings timed beside the default when M is one of `sweep_tokens`."""
+    if quick or m not in sweep_tokens:
+        return []
+    base = moe.default_config(n_pairs, num_experts)
+    if base.block_m == 16:
+        variants = [dict(block_n=128), dict(block_n=32), dict(block_n=32, num_warps=2), dict(block_n=16, num_warps=2),
+                    dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)] + [
+            dict(block_m=bm, use_mma=False) for bm in (1, 2, 4)]
+    else:
+        variants = [dict(block_m=128), dict(block_m=32, block_n=128, num_warps=4), dict(block_n=64, num_warps=4)]
+    return [dataclasses.replace(base, **v) for v in variants]
+
+
+@functools.partial(jax.jit, static_argnames=("e", "d", "i"))
+def _random_experts(key, e: int, d: int, i: int):
+    """Random INT4 experts (E = e, D = d, I = i) in the compressed-tensors layout, repacked for the kernel."""
+    ks = jax.random.split(key, 6)
+    words = lambda k, o, n: lax.bitcast_convert_type(jax.random.bits(k, (e, o, n // 8), jnp.uint32), jnp.int32)
+    scales = lambda k, o, n: (jax.random.uniform(k, (e, o, n // moe.GROUP), minval=0.5, maxval=1.5)
+                              * (0.7 / math.sqrt(n))).astype(BF16)
+    return moe.Int4Experts.from_compressed_tensors(words(ks[0], i, d), scales(ks[1], i, d), words(ks[2], i, d),
+                                                   scales(ks[3], i, d), words(ks[4], d, i), scales(ks[5], d, i))
+
+
+@jax.jit
+def _bf16_weights(experts: moe.Int4Experts):
+    """Dequantized bf16 weights for the XLA baselines, one expert at a time: gate_up [E, D, 2I], down [E, I, D]."""
+    d, i = experts.hidden_size, experts.intermediate_size
+
+    def one(args):
+        gp, gs, up, us, dp, ds = (a[None] for a in args)
+        gate = moe.dequantize_kernel_layout(gp, gs, d)[0]
+        upw = moe.dequantize_kernel_layout(up, us, d)[0]
+        down = moe.dequantize_kernel_layout(dp, ds, i)[0]
+        return jnp.concatenate([gate, upw], axis=0).T.astype(BF16), down.T.astype(BF16)
+    return lax.map(one, tuple(experts))
+
+
+def ragged_dot_moe(x, gate_up, down, ids, weights):
+    """XLA baseline: sort pairs by expert, two lax.ragged_dot over bf16 weights, unsort and sum."""
+    m, k = ids.shape
+    e = gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat)
+    xs = x[order // k]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    gu = lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=jnp.float32)
+    g, u = jnp.split(gu, 2, axis=1)
+    y = lax.ragged_dot((jax.nn.silu(g) * u).astype(x.dtype), down, sizes, preferred_element_type=jnp.float32)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(y).astype(x.dtype)
+
+
+def gather_einsum_moe(x, gate_up, down, ids, weights):
+    """XLA baseline: per slot, gather the tokens' bf16 experts and einsum."""
+    out = jnp.zeros(x.shape, jnp.float32)
+    for j in range(ids.shape[1]):
+        gu = jnp.einsum("md,mdn->mn", x, gate_up[ids[:, j]], preferred_element_type=jnp.float32)
+        g, u = jnp.split(gu, 2, axis=1)
+        y = jnp.einsum("mi,mid->md", (jax.nn.silu(g) * u).astype(x.dtype), down[ids[:, j]],
+                       preferred_element_type=jnp.float32)
+        out = out + weights[:, j:j + 1] * y
+    return out.astype(x.dtype)
+
+
+def moe_routing(key, m, num_experts, top_k):
+    """Distinct top-k experts per token (random scores), normalised weights."""
+    k1, k2 = jax.random.split(key)
+    ids = jnp.argsort(jax.random.uniform(k1, (m, num_experts)), axis=1)[:, :top_k].astype(jnp.int32)
+    w = jax.random.uniform(k2, (m, top_k), minval=0.1, maxval=1.0)
+    return ids, w / w.sum(1, keepdims=True)
+
+
+def moe_cost(ids: np.ndarray, shape: dict) -> tuple[float, float, int]:
+    """(FLOPs, bytes of the touched experts + x + out, touched experts) of one call."""
+    d, i = shape["hidden"], shape["inter"]
+    touched = len(np.unique(ids))
+    weight_bytes = 3 * d * i * (0.5 + 2 / moe.GROUP)
+    return 2.0 * ids.size * 3 * d * i, touched * weight_bytes + 2 * 2.0 * ids.shape[0] * d, touched
+
+
+def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int, quick: bool,
+            sweep_tokens: list[int], save) -> None:
+    """Time every token count (kernel, the tilings of moe_sweep, the baselines) against the ceilings `ceil`; one row per
+    M appended to `results`, printed, then `save()`; no new M past `deadline` (time.time()); then the f32 check into
+    checks["int4_moe_f32_16_tokens"]."""
+    interpret = jax.default_backend() != "gpu"
+    shape, token_counts = moe_shapes(quick)
+    e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
+    experts = _random_experts(jax.random.key(3), e, d, shape["inter"])
+    gate_up_bf16 = down_bf16 = None
+    for m in token_counts:
+        if time.time() > deadline:
+            results.append(dict(tokens=m, skipped="time budget"))
+            continue
+        try:
+            sets = []
+            for s in range(4):
+                ids, w = moe_routing(jax.random.key(100 * m + s), m, e, k)
+                sets.append((jax.random.normal(jax.random.key(7 + s), (m, d), BF16), experts, ids, w))
+            fns = {"kernel": jax.jit(lambda *a: moe.int4_moe(*a, interpret=interpret))}
+            for cfg in moe_sweep(m, m * k, e, quick, sweep_tokens):
+                fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe.int4_moe(*a, config=cfg, interpret=interpret))
+            ref_fn = jax.jit(moe.int4_moe_reference)
+            x0, _, ids0, w0 = sets[0]
+            sub = min(m, 32)
+            ref = ref_fn(x0[:sub], experts, ids0[:sub], w0[:sub]).astype(jnp.float32)
+            errors, failed = try_candidates(fns, lambda fn: fn(*sets[0])[:sub].astype(jnp.float32), ref)
+            jobs = [Job(name, fn, sets) for name, fn in fns.items()]
+            if m <= 64:
+                jobs.append(Job("reference_int4", ref_fn, sets))
+            if m <= 256 and not interpret:
+                if gate_up_bf16 is None:
+                    gate_up_bf16, down_bf16 = _bf16_weights(experts)
+                bf16_sets = [(x, gate_up_bf16, down_bf16, ids, w) for x, _, ids, w in sets]
+                jobs.append(Job("xla_ragged_dot_bf16", jax.jit(ragged_dot_moe), bf16_sets))
+                if m <= 64:
+                    jobs.append(Job("xla_gather_einsum_bf16", jax.jit(gather_einsum_moe), bf16_sets))
+            t = time_jobs(jobs, reps)
+            flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
+            floor = roofline(flops, bytes_, ceil)
+            k_us = t["kernel"]["us"]
+            best = min(fns, key=lambda n: t[n]["us"])
+            baselines = {n: t[n]["us"] for n in t if n.startswith("xla_") or n.startswith("reference")}
+            bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
+            entry = dict(tokens=m, **shape, config=str(moe.default_config(m * k, e)), touched_experts=touched,
+                         kernel_us=k_us, baselines_us=baselines,
+                         speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
+                         touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
+                         bandwidth_fraction=bytes_ / (k_us * 1e-6) / 1e9 / ceil["bandwidth_GBps"],
+                         TFLOPs=flops / (k_us * 1e-6) / 1e12,
+                         matmul_fraction=flops / (k_us * 1e-6) / 1e12 / ceil["matmul_TFLOPs"],
+                         roofline_us=floor, roofline_fraction=floor / k_us,
+                         rel_err_bf16_first_tokens=errors["kernel"], checked_tokens=sub,
+                         best_config=best, best_us=t[best]["us"],
+                         sweep={n: dict(us=t[n]["us"], rel_err=errors[n]) for n in fns if n != "kernel"},
+                         sweep_failed=failed, timing_method=t["kernel"]["method"], timings=t)
+        except Exception as ex:  # noqa: BLE001 - record the failure and go on with the other cases
+            entry = dict(tokens=m, error=f"{type(ex).__name__}: {str(ex)[:2000]}")
+        results.append(entry)
+        _print_moe_row(entry)
+        save()
+    del gate_up_bf16, down_bf16
+    try:
+        checks["int4_moe_f32_16_tokens"] = _moe_f32_check(experts, shape, interpret)
+    except Exception as e:  # noqa: BLE001 - a failed check is a result
+        checks["int4_moe_f32_16_tokens"] = f"{type(e).__name__}: {str(e)[:2000]}"
+
+
+def _moe_f32_check(experts, shape, interpret) -> float:
+    """f32 activations (IEEE dots): kernel vs reference at the full expert shape, 16 tokens, two ids off-device."""
+    ids, w = moe_routing(jax.random.key(11), 16, shape["experts"], shape["top_k"])
+    ids = ids.at[0, 0].set(-1).at[1, 1].set(shape["experts"])          # other devices' experts contribute 0
+    x = jax.random.normal(jax.random.key(12), (16, shape["hidden"]), jnp.float32)
+    return rel_err(moe.int4_moe(x, experts, ids, w, interpret=interpret), moe.int4_moe_reference(x, experts, ids, w))
+
+
+
+def _print_moe_row(r):
+    if "error" in r or "skipped" in r:
+        print(f"int4_moe M={r['tokens']}: {r.get('error') or r.get('skipped')}", flush=True)
+        return
+    base = " ".join(f"{k}={v:.1f}" for k, v in r["baselines_us"].items())
+    print(f"int4_moe M={r['tokens']:5d} experts {r['touched_experts']:3d} | kernel {r['kernel_us']:9.1f} us | "
+          f"{r['touched_GBps']:6.0f} GB/s ({r['bandwidth_fraction']:5.1%}) {r['TFLOPs']:6.1f} TF/s "
+          f"({r['matmul_fraction']:5.1%}) | best {r['best_us']:9.1f} | {base} | err "
+          f"{r['rel_err_bf16_first_tokens']:.1e}", flush=True)
+

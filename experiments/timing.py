@@ -1,0 +1,189 @@
+"""Device time of jitted calls, for every benchmark script: profiler-trace timing, wall clock, the machine's ceilings.
+
+Every timing of `time_jobs` is device time: the span of the GPU events of one call, read from a JAX profiler trace
+(the call runs inside a TraceAnnotation and is waited for), median over `reps` calls after a warm-up, with inputs
+rotated over enough sets to exceed the L2 cache (ROTATE_BYTES). Where there is no device trace (the CPU) it is the
+wall clock. Ceilings are measured in the same run: the best of a plain copy and an elementwise pass for bandwidth
+(bytes read + written), an 8192^3 bf16 matmul for FLOP/s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROTATE_BYTES = 200e6     # bytes of the input sets rotated over: several times the H200's 60 MB L2
+GAP_S = 0.002            # host pause between timed calls, so calls never overlap on the device
+BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass
+class Call:
+    """The device side of one timed call, from the profiler trace."""
+    span_us: float                  # first event start to last event end
+    events_us: dict[str, float]     # total us per GPU event name (kernels and copies)
+    events: int                     # device events (kernel launches + copies)
+    d2h_copies: int                 # device-to-host copies (e.g. a while loop's predicate, once per iteration)
+
+
+def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
+    """From the trace in trace_dir: {job: [Call of each timed call]}."""
+    from jax.profiler import ProfileData
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return {}
+    data = ProfileData.from_file(sorted(files)[-1])
+    windows, device = [], []
+    for plane in data.planes:
+        is_device = plane.name.startswith("/device:GPU")
+        for line in plane.lines:
+            for ev in line.events:
+                if is_device and ev.duration_ns > 0:
+                    device.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+                elif not is_device and ev.name.startswith("bench|"):
+                    windows.append((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns))
+    device.sort()
+    starts = np.array([d[0] for d in device])
+    calls: dict[str, list[Call]] = {}
+    for name, lo, hi in windows:
+        i0, i1 = np.searchsorted(starts, lo), np.searchsorted(starts, hi)
+        inside = [d for d in device[i0:i1] if d[1] <= hi]
+        if inside:
+            per_event: dict[str, float] = {}
+            for d in inside:
+                per_event[d[2][:80]] = per_event.get(d[2][:80], 0.0) + (d[1] - d[0]) / 1e3
+            calls.setdefault(name.split("|")[1], []).append(Call(
+                span_us=(max(d[1] for d in inside) - inside[0][0]) / 1e3, events_us=per_event, events=len(inside),
+                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside)))
+    return calls
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    fn: object                  # jitted callable
+    arg_sets: list = dataclasses.field(default_factory=list)   # argument tuples, rotated
+    fresh_args: object = None   # or () -> a new argument tuple for every call (donated arguments), made and waited
+                                # for outside the timed window
+
+    def args(self, r: int):
+        if self.fresh_args is not None:
+            return jax.block_until_ready(self.fresh_args())
+        return self.arg_sets[r % len(self.arg_sets)]
+
+    def warmups(self) -> int:
+        return 2 if self.fresh_args is not None else min(2, len(self.arg_sets))
+
+
+def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
+    """Warm up every job, then time them all in one profiler session. Returns {name: timing dict}: `us` (device span,
+    or wall clock when there is no device trace), `wall_us`; with a trace also `busy_us` (sum of the call's device
+    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call."""
+    for job in jobs:
+        for r in range(job.warmups()):
+            jax.block_until_ready(job.fn(*job.args(r)))
+    wall: dict[str, list[float]] = {job.name: [] for job in jobs}
+    trace_dir = tempfile.mkdtemp(prefix="bench_trace_")
+    traced = True
+    try:
+        jax.profiler.start_trace(trace_dir)
+    except Exception:  # noqa: BLE001 - no profiler: fall back to wall-clock timing
+        traced = False
+    try:
+        for job in jobs:
+            for r in range(reps):
+                args = job.args(r)
+                time.sleep(GAP_S)
+                with jax.profiler.TraceAnnotation(f"bench|{job.name}|{r}"):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(job.fn(*args))
+                    wall[job.name].append((time.perf_counter() - t0) * 1e6)
+    finally:
+        if traced:
+            jax.profiler.stop_trace()
+    calls = _annotation_calls(trace_dir) if traced else {}
+    out = {}
+    for job in jobs:
+        dev = calls.get(job.name, [])
+        entry = {"wall_us": float(np.median(wall[job.name]))}
+        if len(dev) >= max(1, reps // 2):  # a device trace of (most of) the calls
+            names = {k for c in dev for k in c.events_us}
+            per_name = {k: float(np.median([c.events_us.get(k, 0.0) for c in dev])) for k in names}
+            top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
+            entry.update(us=float(np.median([c.span_us for c in dev])), method="device",
+                         device_spread_us=float(np.std([c.span_us for c in dev])),
+                         busy_us=float(np.median([sum(c.events_us.values()) for c in dev])),
+                         kernels_us=dict(top), kernel_launches=len(names),
+                         device_events=float(np.median([c.events for c in dev])),
+                         d2h_copies=float(np.median([c.d2h_copies for c in dev])))
+        else:
+            entry.update(us=entry["wall_us"], method="wall")
+        out[job.name] = entry
+    return out
+
+
+def try_candidates(fns: dict, run, ref) -> tuple[dict, dict]:
+    """Run each candidate once: ({name: rel err vs ref}, {name: error}); failing candidates leave `fns`.
+    The default ("kernel") must work."""
+    errors, failed = {}, {}
+    for name in list(fns):
+        try:
+            errors[name] = rel_err(run(fns[name]), ref)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile is a result, not a crash
+            if name == "kernel":
+                raise
+            failed[name] = f"{type(e).__name__}: {str(e)[:500]}"
+            del fns[name]
+    return errors, failed
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+
+def wall_us(fn, arg_sets, reps: int, warmup: int = 0) -> float:
+    """Median wall clock (us) of fn(*args), args rotated over arg_sets, waited for, after `warmup` untimed calls,
+    outside any profiler: the host's view of a call."""
+    for r in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[r % len(arg_sets)]))
+    times = []
+    for r in range(reps):
+        args = arg_sets[r % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+# --------------------------------------------------------------------------------------------------- ceilings
+def measure_ceilings(reps: int, quick: bool) -> dict:
+    """Bandwidth (GB/s) and matmul rate (TFLOP/s) of this device, with their timings; `quick`: small arrays, a CPU
+    smoke run."""
+    n = (1 << 31) if not quick else (1 << 20)                        # 4 GiB of bf16
+    x = jax.random.normal(jax.random.key(0), (n,), BF16)
+    m = 8192 if not quick else 256
+    a, b = (jax.random.normal(jax.random.key(i), (m, m), BF16) for i in (1, 2))
+    t = time_jobs([Job("copy", jax.jit(jnp.copy), [(x,)]),
+                   Job("elementwise", jax.jit(lambda v: v + 1), [(x,)]),
+                   Job("matmul", jax.jit(jnp.matmul), [(a, b)])], reps)
+    moved = 2 * x.size * x.dtype.itemsize
+    bw = {k: moved / (t[k]["us"] * 1e-6) / 1e9 for k in ("copy", "elementwise")}
+    best = max(bw, key=bw.get)
+    return {"bandwidth_GBps": bw[best], "bandwidth_method": f"{best} of {moved / 1e9:.1f} GB (read + write)",
+            "copy_GBps": bw["copy"], "elementwise_GBps": bw["elementwise"],
+            "matmul_TFLOPs": 2 * m ** 3 / (t["matmul"]["us"] * 1e-6) / 1e12, "matmul_shape": [m, m, m],
+            "timings": t}
+
+
+def roofline(flops: float, bytes_: float, ceil: dict) -> float:
+    """Floor in us: the larger of bytes over bandwidth and FLOPs over the matmul rate."""
+    return max(bytes_ / (ceil["bandwidth_GBps"] * 1e9), flops / (ceil["matmul_TFLOPs"] * 1e12)) * 1e6
+
