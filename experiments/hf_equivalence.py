@@ -32,10 +32,10 @@ flags.DEFINE_float("rms_norm_eps", 1e-6, "config rms_norm_eps (HF's q_a/kv_a lay
 flags.DEFINE_float("tolerance", 1e-4, "fail (exit 1) when a reference path's max_rel exceeds this")
 
 
-def hf_config_kwargs(q_lora_rank: int | None = 32, rms_norm_eps: float = 1e-6) -> dict:
+def hf_config_kwargs(q_lora_rank: int | None = 32, rms_norm_eps: float = 1e-6, vocab_size: int = 512) -> dict:
     """A tiny DeepseekV3Config with Kimi K2 routing and YaRN (factor 4 over 64 original positions)."""
     return dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
