@@ -119,7 +119,7 @@ def memory_plan(cfg: config_lib.ModelConfig, *, tp: int = 8, data: int = 1, stre
     kv = cfg.cache_bytes_per_token_per_layer * cfg.num_layers
     if drafter is not None:
         weights["drafter (replicated)"] = drafter_bytes(drafter, cfg)
-        kv += drafter.num_layers * 2 * drafter.num_heads * drafter.head_dim * act
+        kv += drafter.num_layers * 2 * drafter.kv_heads * drafter.head_dim * act
     s = streams // data
     depth = block_size - 1
     tree_rows = depth + max(budget, depth) + 1

@@ -103,12 +103,21 @@ class DrafterConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    num_kv_heads: int | None = None  # grouped-query attention: K/V heads (None: num_heads, one K/V head per query)
 
     def __post_init__(self):
         _check(self.block_size >= 2, "block_size", self.block_size, "must be at least 2 (bonus + one draft)")
         _check(len(self.target_layer_ids) > 0, "target_layer_ids", self.target_layer_ids, "must name a layer")
         _check(0 <= self.mask_token_id < self.vocab_size, "mask_token_id", self.mask_token_id,
                f"must be a token id below vocab_size={self.vocab_size}")
+        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE turns pairs of dims)")
+        _check(self.num_heads % self.kv_heads == 0, "num_kv_heads", self.num_kv_heads,
+               f"must divide num_heads={self.num_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads per layer (num_heads unless grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
 
     def check_fits(self, target: "ModelConfig") -> None:
         """Raise ValueError when this drafter cannot run on `target`."""
@@ -226,6 +235,7 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
 
     Raises ValueError naming the field for anything this engine cannot run exactly.
     """
+    outer_quant = hf.get("quantization_config")  # a nested config may keep it beside text_config
     if "text_config" in hf:
         hf = hf["text_config"]
     model_type = hf.get("model_type", "deepseek_v3")
@@ -249,7 +259,7 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     rope = hf.get("rope_scaling") or {}
     rope_type = rope.get("type", rope.get("rope_type", "yarn")) if rope else None
     _check(rope_type in (None, "yarn"), "rope_scaling.type", rope_type, "is not supported; only YaRN is implemented")
-    quant = _expert_quant(hf.get("quantization_config"))
+    quant = _expert_quant(hf.get("quantization_config") or outer_quant)
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]

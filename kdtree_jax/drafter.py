@@ -21,19 +21,25 @@ from kdtree_jax.model.rope import plain_inv_frequencies, rotate_pairs
 
 
 class DrafterCache(NamedTuple):
-    """Context keys/values per drafter layer, [S, N, H, hd] each; row j = committed token j (target cache rows)."""
+    """Context keys/values per drafter layer, [S, N, H_kv, hd] each; row j = committed token j (target cache rows)."""
 
     k: tuple
     v: tuple
 
 
 class DrafterLayer(nnx.Module):
+    """A pre-norm decoder layer: attention over [context K/V, block K/V] (non-causal), then a gated MLP.
+
+    Grouped-query attention when cfg.kv_heads < cfg.num_heads: query head h reads K/V head h // (H / H_kv).
+    Projections: q_proj [D, H, hd], k_proj / v_proj [D, H_kv, hd], o_proj [H, hd, D]; q_norm / k_norm over hd.
+    """
+
     def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        d, h, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.q_proj = init_weight(rngs, (d, h, hd), d, dtype)
-        self.k_proj = init_weight(rngs, (d, h, hd), d, dtype)
-        self.v_proj = init_weight(rngs, (d, h, hd), d, dtype)
+        self.k_proj = init_weight(rngs, (d, kvh, hd), d, dtype)
+        self.v_proj = init_weight(rngs, (d, kvh, hd), d, dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.o_proj = init_weight(rngs, (h, hd, d), h * hd, dtype)
@@ -45,24 +51,27 @@ class DrafterLayer(nnx.Module):
         return rotate_pairs(x, positions, plain_inv_frequencies(self.cfg.head_dim, self.cfg.rope_theta))
 
     def keys_values(self, x, positions):
-        """x [S, T, D] -> k, v [S, T, H, hd] (k normed and rotated)."""
+        """x [S, T, D] -> k, v [S, T, H_kv, hd] (k normed and rotated)."""
         k = self.k_norm(jnp.einsum("std,dhk->sthk", x, self.k_proj[...]))
         return self._rope(k, positions), jnp.einsum("std,dhk->sthk", x, self.v_proj[...])
 
     def __call__(self, x, positions, ctx_k, ctx_v, ctx_len):
-        """x [S, L, D] block, positions [S, L]; ctx_k/ctx_v [S, N, H, hd] with ctx_len [S] valid rows."""
+        """x [S, L, D] block, positions [S, L]; ctx_k/ctx_v [S, N, H_kv, hd] with ctx_len [S] valid rows."""
         h = self.input_layernorm(x)
         q = self._rope(self.q_norm(jnp.einsum("std,dhk->sthk", h, self.q_proj[...])), positions)
         k_blk, v_blk = self.keys_values(h, positions)
-        k = jnp.concatenate([ctx_k.astype(k_blk.dtype), k_blk], axis=1)  # [S, N+L, H, hd]
+        k = jnp.concatenate([ctx_k.astype(k_blk.dtype), k_blk], axis=1)  # [S, N+L, H_kv, hd]
         v = jnp.concatenate([ctx_v.astype(v_blk.dtype), v_blk], axis=1)
         rows = jnp.arange(k.shape[1])
         n = ctx_k.shape[1]
         allowed = (rows[None, :] < ctx_len[:, None]) | (rows[None, :] >= n)  # [S, N+L]
         f32 = jnp.float32
-        scores = jnp.einsum("sthk,snhk->sthn", q.astype(f32), k.astype(f32)) * self.cfg.head_dim ** -0.5
-        scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)
-        attn = jnp.einsum("sthn,snhk->sthk", jax.nn.softmax(scores, axis=-1), v.astype(f32)).astype(x.dtype)
+        s, t, heads, hd = q.shape
+        q = q.reshape(s, t, self.cfg.kv_heads, heads // self.cfg.kv_heads, hd)  # [S, L, H_kv, G, hd]
+        scores = jnp.einsum("stkgd,snkd->stkgn", q.astype(f32), k.astype(f32)) * hd ** -0.5
+        scores = jnp.where(allowed[:, None, None, None, :], scores, -jnp.inf)
+        attn = jnp.einsum("stkgn,snkd->stkgd", jax.nn.softmax(scores, axis=-1), v.astype(f32))
+        attn = attn.reshape(s, t, heads, hd).astype(x.dtype)
         x = x + jnp.einsum("sthk,hkd->std", attn, self.o_proj[...])
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -83,13 +92,13 @@ class Drafter(nnx.Module):
         return self.hidden_norm(jnp.concatenate(hidden, axis=-1) @ self.fc[...])
 
     def context_kv(self, hidden, positions):
-        """Per-layer context K/V of T committed tokens: tuples of [S, T, H, hd]."""
+        """Per-layer context K/V of T committed tokens: tuples of [S, T, H_kv, hd]."""
         feat = self.context_features(hidden)
         kv = [layer.keys_values(feat, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
     def init_cache(self, num_streams: int, capacity: int) -> DrafterCache:
-        shape = (num_streams, capacity, self.cfg.num_heads, self.cfg.head_dim)
+        shape = (num_streams, capacity, self.cfg.kv_heads, self.cfg.head_dim)
         dt = self.fc[...].dtype
         return DrafterCache(tuple(jnp.zeros(shape, dt) for _ in self.layers),
                             tuple(jnp.zeros(shape, dt) for _ in self.layers))
