@@ -72,7 +72,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.decode import pick_tokens
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
-from kdtree_jax.training import expert_loads
+from kdtree_jax.training.target_objective import expert_loads
 from pallas_kernels.tree import random_tree_visible
 
 GB = 1e9

@@ -1,4 +1,4 @@
-"""Training utilities and both training scripts (kdtree_jax/training.py, experiments/train_*.py): tiny configs, CPU."""
+"""Training utilities and both training scripts (kdtree_jax/training/, experiments/train_*.py): tiny configs, CPU."""
 import dataclasses
 import importlib.util
 import json
@@ -11,9 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdtree_jax import checkpoint, config, data, training
+from kdtree_jax import checkpoint, config, data
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.training.corpus import Corpus, count_epochs
+from kdtree_jax.training.drafter_objective import (draft_blocks, drafter_logits, drafter_metrics, drafter_summary,
+                                                   draw_anchors, make_drafter_step, position_weights)
+from kdtree_jax.training.loop import Budget, History, LoopConfig, evaluate_final, train_loop
+from kdtree_jax.training.optim import ROUTER_BIAS, OptimConfig, make_optimizer
+from kdtree_jax.training.precision import master_params
+from kdtree_jax.training.run import RunConfig
+from kdtree_jax.training.target_objective import (balance_router_bias, load_imbalance, make_target_step, target_loss,
+                                                  target_loss_and_loads, token_nll)
+from kdtree_jax.training.train_state import BestParams, StateCheckpointer, TrainState
 
 SHIPPED_TOKENIZER = os.path.join(os.path.dirname(__file__), os.pardir, "checkpoints", "tokenizer.json")
 RATE = 1e-3  # router bias balancing rate
@@ -24,11 +34,18 @@ def _compile(jitted, *args):
     return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)
 
 
-def _load_script(name):
+def _load_script(name, monkeypatch):
+    """experiments/<name>.py as a module, compiling with FAST_COMPILE."""
     spec = importlib.util.spec_from_file_location(
         name, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+
+    def fast_compile_ahead(fn, *args):
+        start = time.perf_counter()
+        return _compile(fn, *args), time.perf_counter() - start
+
+    monkeypatch.setattr(module, "compile_ahead", fast_compile_ahead)
     return module
 
 
@@ -59,16 +76,16 @@ def _fit(step_fn, state, args, lr, steps):
 
 def test_target_step_fits_a_fixed_batch_and_balances_the_router():
     cfg = _small_target()
-    layout, params = training.master_params(Transformer(cfg, nnx.Rngs(0)))
+    layout, params = master_params(Transformer(cfg, nnx.Rngs(0)))
     assert layout.dtypes["layers"][1]["mlp"]["w_gate"] == jnp.bfloat16
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-    optimizer = training.make_optimizer(params, training.OptimConfig(lr=1e-2, warmup_steps=1))
-    state = training.TrainState(params, optimizer.init(params))
+    optimizer = make_optimizer(params, OptimConfig(lr=1e-2, warmup_steps=1))
+    state = TrainState(params, optimizer.init(params))
     window = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 17)), jnp.int32)
-    state, losses, metrics = _fit(training.make_target_step(layout, optimizer, RATE), state, (window,), 1e-2, 6)
+    state, losses, metrics = _fit(make_target_step(layout, optimizer, RATE), state, (window,), 1e-2, 6)
     assert losses[-1] < losses[0] - 0.5, losses
     assert float(metrics["imbalance"]) >= 1.0
-    bias = np.asarray(state.params["layers"][1]["mlp"][training.ROUTER_BIAS])
+    bias = np.asarray(state.params["layers"][1]["mlp"][ROUTER_BIAS])
     assert np.any(bias != 0)  # moved by the balancing rule, in whole multiples of the rate
     np.testing.assert_allclose(bias / RATE, np.round(bias / RATE), atol=1e-3)
 
@@ -81,7 +98,7 @@ def test_expert_loads_count_every_routed_token():
 
     def both(p, w):
         m = nnx.merge(graphdef, p)
-        return training.target_loss_and_loads(m, w), training.target_loss(m, w)
+        return target_loss_and_loads(m, w), target_loss(m, w)
 
     (loss, loads), plain = _compile(jax.jit(both), params, window)(params, window)
     assert loads.shape == (1, cfg.num_experts)  # one MoE layer
@@ -91,41 +108,41 @@ def test_expert_loads_count_every_routed_token():
 
 def test_router_bias_rule_moves_toward_the_mean_load():
     params = {"layers": {0: {"mlp": {"w": jnp.ones((2, 2))}},
-                         1: {"mlp": {training.ROUTER_BIAS: jnp.zeros(4)}},
-                         2: {"mlp": {training.ROUTER_BIAS: jnp.full(4, 0.5)}}}}
+                         1: {"mlp": {ROUTER_BIAS: jnp.zeros(4)}},
+                         2: {"mlp": {ROUTER_BIAS: jnp.full(4, 0.5)}}}}
     loads = jnp.array([[8.0, 0.0, 4.0, 4.0], [1.0, 2.0, 3.0, 6.0]])  # means 4 and 3
-    out = training.balance_router_bias(params, loads, 0.01)
-    np.testing.assert_allclose(out["layers"][1]["mlp"][training.ROUTER_BIAS], [-0.01, 0.01, 0.0, 0.0])
-    np.testing.assert_allclose(out["layers"][2]["mlp"][training.ROUTER_BIAS], [0.51, 0.51, 0.5, 0.49])
+    out = balance_router_bias(params, loads, 0.01)
+    np.testing.assert_allclose(out["layers"][1]["mlp"][ROUTER_BIAS], [-0.01, 0.01, 0.0, 0.0])
+    np.testing.assert_allclose(out["layers"][2]["mlp"][ROUTER_BIAS], [0.51, 0.51, 0.5, 0.49])
     assert out["layers"][0] is params["layers"][0]
-    assert float(training.load_imbalance(loads)) == 2.0
+    assert float(load_imbalance(loads)) == 2.0
 
 
 def test_optimizer_freezes_the_router_bias_and_decays_only_matrices():
-    params = {"m": jnp.ones((2, 3)), "v": jnp.ones(3), "mlp": {training.ROUTER_BIAS: jnp.ones(3)}}
-    cfg = training.OptimConfig(weight_decay=0.5)
-    optimizer = training.make_optimizer(params, cfg)
-    grads = {"m": jnp.zeros((2, 3)), "v": jnp.zeros(3), "mlp": {training.ROUTER_BIAS: jnp.ones(3)}}
+    params = {"m": jnp.ones((2, 3)), "v": jnp.ones(3), "mlp": {ROUTER_BIAS: jnp.ones(3)}}
+    cfg = OptimConfig(weight_decay=0.5)
+    optimizer = make_optimizer(params, cfg)
+    grads = {"m": jnp.zeros((2, 3)), "v": jnp.zeros(3), "mlp": {ROUTER_BIAS: jnp.ones(3)}}
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     np.testing.assert_allclose(updates["m"], 0.5)  # decoupled decay: + wd * param (the step multiplies by -lr)
     np.testing.assert_allclose(updates["v"], 0.0)
-    np.testing.assert_allclose(updates["mlp"][training.ROUTER_BIAS], 0.0)
+    np.testing.assert_allclose(updates["mlp"][ROUTER_BIAS], 0.0)
 
 
 def test_learning_rate_schedule_and_budget():
-    cfg = training.OptimConfig(lr=1.0, warmup_steps=10, final_lr_fraction=0.1)
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, final_lr_fraction=0.1)
     assert cfg.learning_rate(0, 0.0) == pytest.approx(0.1)
     assert cfg.learning_rate(50, 0.0) == pytest.approx(1.0)
     assert cfg.learning_rate(50, 0.5) == pytest.approx(0.55)
     assert cfg.learning_rate(50, 1.0) == pytest.approx(0.1)
-    budget = training.Budget(steps=8, seconds=None, started=time.monotonic())
+    budget = Budget(steps=8, seconds=None, started=time.monotonic())
     budget.begin()
     assert budget.progress(2) == 0.25 and not budget.done(7) and budget.done(8)
-    timed = training.Budget(steps=None, seconds=1e-3, started=time.monotonic() - 1.0)
+    timed = Budget(steps=None, seconds=1e-3, started=time.monotonic() - 1.0)
     timed.begin()
     assert timed.done(0)
     with pytest.raises(ValueError, match="no budget"):
-        training.Budget(steps=None, seconds=None, started=0.0)
+        Budget(steps=None, seconds=None, started=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------- drafter
@@ -133,29 +150,29 @@ def test_learning_rate_schedule_and_budget():
 
 def test_anchors_leave_room_for_a_block_and_some_context():
     rng = np.random.default_rng(0)
-    anchors = training.draw_anchors(rng, batch=64, seq_len=24, num_anchors=5, block_size=16)
+    anchors = draw_anchors(rng, batch=64, seq_len=24, num_anchors=5, block_size=16)
     assert anchors.shape == (64, 5) and anchors.dtype == np.int32
     assert all(row == sorted(set(row)) for row in anchors.tolist())  # distinct, sorted
     # every anchor a has a context (a >= 1) and its block a .. a+L-1 inside the window (a <= T - L), and all occur
     assert set(np.unique(anchors)) == set(range(1, 24 - 16 + 1))
     with pytest.raises(ValueError, match="no anchor"):
-        training.draw_anchors(rng, 1, 16, 1, 16)
+        draw_anchors(rng, 1, 16, 1, 16)
     with pytest.raises(ValueError, match="num_anchors"):
-        training.draw_anchors(rng, 1, 20, 5, 16)
+        draw_anchors(rng, 1, 20, 5, 16)
 
 
 def test_draft_blocks_on_a_hand_made_example():
     tokens = jnp.array([[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]])
     greedy = tokens + 100  # the target's token after each position
     anchors = jnp.array([[1, 4], [3, 2]])
-    blocks = training.draft_blocks(tokens, greedy, anchors, block_size=4, mask_id=2)
+    blocks = draft_blocks(tokens, greedy, anchors, block_size=4, mask_id=2)
     np.testing.assert_array_equal(blocks.block, [[11, 2, 2, 2], [14, 2, 2, 2], [23, 2, 2, 2], [22, 2, 2, 2]])
     np.testing.assert_array_equal(blocks.positions, [[1, 2, 3, 4], [4, 5, 6, 7], [3, 4, 5, 6], [2, 3, 4, 5]])
     # label k (1..L-1) = the target's greedy token after position a+k-1
     np.testing.assert_array_equal(blocks.labels, [[111, 112, 113], [114, 115, 116], [123, 124, 125],
                                                   [122, 123, 124]])
     np.testing.assert_array_equal(blocks.ctx_len, [1, 4, 3, 2])
-    np.testing.assert_allclose(training.position_weights(4, 2.0), np.exp([0.0, -0.5, -1.0]), rtol=1e-6)
+    np.testing.assert_allclose(position_weights(4, 2.0), np.exp([0.0, -0.5, -1.0]), rtol=1e-6)
 
 
 def test_drafter_context_rows_at_or_after_the_anchor_are_hidden():
@@ -165,8 +182,8 @@ def test_drafter_context_rows_at_or_after_the_anchor_are_hidden():
     tokens = jnp.asarray(np.random.default_rng(2).integers(4, 64, (1, 12)), jnp.int32)
     anchors = jnp.array([[5]])
     (dgraph, dparams), (tgraph, tparams) = nnx.split(drafter), nnx.split(target)
-    run = _compile(jax.jit(lambda d, t, x: training.drafter_logits(nnx.merge(dgraph, d), nnx.merge(tgraph, t), x,
-                                                                   anchors)[0]), dparams, tparams, tokens)
+    run = _compile(jax.jit(lambda d, t, x: drafter_logits(nnx.merge(dgraph, d), nnx.merge(tgraph, t), x,
+                                                          anchors)[0]), dparams, tparams, tokens)
     logits = run(dparams, tparams, tokens)
     after = run(dparams, tparams, tokens.at[0, 6:].set((tokens[0, 6:] + 7) % 60 + 4))
     before = run(dparams, tparams, tokens.at[0, 4].set((tokens[0, 4] + 7) % 60 + 4))
@@ -178,13 +195,13 @@ def test_drafter_metrics_chain_acceptance():
     labels = jnp.array([[1, 2, 3], [1, 2, 3]])
     predicted = jnp.array([[1, 2, 0], [1, 0, 3]])  # right: [1,1,0] and [1,0,1]
     logits = jax.nn.one_hot(predicted, 8) * 10.0
-    weights = training.position_weights(4, 7.0)
-    loss, sums = training.drafter_metrics(logits, labels, weights)
-    summary = training.drafter_summary({**jax.device_get(sums), "loss_sum": loss * sums["blocks"]})
+    weights = position_weights(4, 7.0)
+    loss, sums = drafter_metrics(logits, labels, weights)
+    summary = drafter_summary({**jax.device_get(sums), "loss_sum": loss * sums["blocks"]})
     assert summary["acc"] == [1.0, 0.5, 0.5]
     assert summary["chain"] == [1.0, 0.5, 0.0]
     assert summary["tau"] == pytest.approx(2.5)
-    nll = np.asarray(training.token_nll(logits, labels))
+    nll = np.asarray(token_nll(logits, labels))
     assert summary["loss"] == pytest.approx(float((nll * weights).sum() / (2 * weights.sum())), rel=1e-5)
 
 
@@ -193,13 +210,13 @@ def test_drafter_step_fits_a_fixed_batch_with_the_target_frozen():
     target_graphdef, target_params = nnx.split(Transformer(target_cfg, nnx.Rngs(4)))
     frozen = jax.tree.map(np.asarray, target_params)
     dcfg = _small_drafter(target_cfg)
-    layout, params = training.master_params(Drafter(dcfg, target_cfg, nnx.Rngs(5)))
-    optimizer = training.make_optimizer(params, training.OptimConfig(lr=1e-2, warmup_steps=1))
-    state = training.TrainState(params, optimizer.init(params))
+    layout, params = master_params(Drafter(dcfg, target_cfg, nnx.Rngs(5)))
+    optimizer = make_optimizer(params, OptimConfig(lr=1e-2, warmup_steps=1))
+    state = TrainState(params, optimizer.init(params))
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(4, 64, (4, 16)), jnp.int32)
-    anchors = jnp.asarray(training.draw_anchors(rng, 4, 16, 6, dcfg.block_size))
-    step = training.make_drafter_step(layout, target_graphdef, optimizer, training.position_weights(4, 7.0))
+    anchors = jnp.asarray(draw_anchors(rng, 4, 16, 6, dcfg.block_size))
+    step = make_drafter_step(layout, target_graphdef, optimizer, position_weights(4, 7.0))
     state, losses, metrics = _fit(step, state, (target_params, tokens, anchors), 1e-2, 6)
     assert losses[-1] < losses[0] - 0.3, losses
     assert float(metrics["blocks"]) == 24
@@ -210,33 +227,33 @@ def test_drafter_step_fits_a_fixed_batch_with_the_target_frozen():
 
 
 def test_best_params_keep_the_lowest_held_out_loss():
-    best = training.BestParams(keep=True)
+    best = BestParams(keep=True)
     for step, loss in [(0, 5.0), (10, 3.0), (20, 3.0), (30, float("nan")), (40, 4.0)]:
         best.offer(step, {"loss": loss}, {"w": jnp.float32(step)})
     assert best.summary() == {"step": 10, "held_out": {"loss": 3.0}}  # a tie or a NaN does not replace the best
     assert best.to_save(40, {"w": jnp.float32(40)}) == (10, {"w": 10.0})
-    last = training.BestParams(keep=False)
+    last = BestParams(keep=False)
     assert last.offer(0, {"loss": 1.0}, {"w": jnp.float32(0)}) and last.params is None
     assert last.to_save(40, "last params") == (40, "last params")
     with pytest.raises(ValueError, match="no held-out evaluation"):
-        training.BestParams(keep=True).to_save(0, {})
+        BestParams(keep=True).to_save(0, {})
 
 
 @pytest.mark.parametrize("keep_best", [True, False])
 def test_train_loop_keeps_the_params_of_the_best_evaluation(keep_best):
     """A fake run whose held-out loss (w - 3)^2 falls until step 3 and then rises; the step donates its state, so the
     best params must be a copy."""
-    step_fn = jax.jit(lambda state, lr: (training.TrainState({"w": state.params["w"] + 1.0}, state.opt_state),
+    step_fn = jax.jit(lambda state, lr: (TrainState({"w": state.params["w"] + 1.0}, state.opt_state),
                                          {"loss": state.params["w"]}), donate_argnums=0)
     evaluate = lambda p: {"loss": float((p["w"] - 3.0) ** 2)}
-    state = training.TrainState({"w": jnp.float32(0.0)}, ())
-    history, best = training.History(), training.BestParams(keep_best)
-    loop = training.LoopConfig(eval_every=0.125, log_every=1)
-    state, step, _ = training.train_loop(state, step_fn, lambda _: (), evaluate, training.Budget(8, None, 0.0),
-                                         training.OptimConfig(), loop, history, best, 4, 0, None, lambda *_: {})
+    state = TrainState({"w": jnp.float32(0.0)}, ())
+    history, best = History(), BestParams(keep_best)
+    loop = LoopConfig(eval_every=0.125, log_every=1)
+    state, step, _ = train_loop(state, step_fn, lambda _: (), evaluate, Budget(8, None, 0.0),
+                                OptimConfig(), loop, history, best, 4, 0, None, lambda *_: {})
     assert step == 8 and float(state.params["w"]) == 8.0
     assert [r["step"] for r in history.held_out] == list(range(9))  # at the start, then every 1/8 of the budget
-    final = training.evaluate_final(evaluate, state.params, step, 4, history, best)
+    final = evaluate_final(evaluate, state.params, step, 4, history, best)
     assert final == {"loss": 25.0} and len(history.held_out) == 9  # the step-8 evaluation is reused
     assert best.summary() == {"step": 3, "held_out": {"loss": 0.0}}
     saved_step, params = best.to_save(step, state.params)
@@ -244,15 +261,15 @@ def test_train_loop_keeps_the_params_of_the_best_evaluation(keep_best):
 
 
 def test_epochs_beyond_two_warn_and_name_the_default_roots(caplog):
-    corpus = training.Corpus(np.zeros(1000, np.uint16), np.zeros(10, np.uint16), {"roots": ["/stdlib"]})
+    corpus = Corpus(np.zeros(1000, np.uint16), np.zeros(10, np.uint16), {"roots": ["/stdlib"]})
     with caplog.at_level("WARNING"):
-        assert training.count_epochs(1500, corpus, "train_x") == 1.5
+        assert count_epochs(1500, corpus, "train_x") == 1.5
     assert not caplog.records
     with caplog.at_level("WARNING"):
-        assert training.count_epochs(26000, corpus, "train_x") == 26.0
+        assert count_epochs(26000, corpus, "train_x") == 26.0
     assert "26.0 epochs" in caplog.text and "default roots" in caplog.text
     with pytest.raises(ValueError, match="fraction of the budget"):
-        training.LoopConfig(eval_every=0.0)
+        LoopConfig(eval_every=0.0)
 
 
 # ------------------------------------------------------------------------------------------------------ script
@@ -269,19 +286,14 @@ def _corpus(root, files=40):
 
 
 def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
-    def fast_compile_ahead(fn, *args):
-        start = time.perf_counter()
-        return _compile(fn, *args), time.perf_counter() - start
-
-    monkeypatch.setattr(training, "compile_ahead", fast_compile_ahead)
     (tmp_path / "src").mkdir()
     _corpus(tmp_path / "src")
     cfg = _small_target(vocab_size=4096)
-    run = training.RunConfig(out=str(tmp_path / "target"), state_dir=str(tmp_path / "state"),
-                             results_dir=str(tmp_path / "results"), steps=2, batch=2, seq_len=16, eval_batches=1,
-                             roots=(str(tmp_path / "src"),), tokenizer=SHIPPED_TOKENIZER, token_cache=None,
-                             loop=training.LoopConfig(log_every=1))
-    train_target = _load_script("train_target")
+    run = RunConfig(out=str(tmp_path / "target"), state_dir=str(tmp_path / "state"),
+                    results_dir=str(tmp_path / "results"), steps=2, batch=2, seq_len=16, eval_batches=1,
+                    roots=(str(tmp_path / "src"),), tokenizer=SHIPPED_TOKENIZER, token_cache=None,
+                    loop=LoopConfig(log_every=1))
+    train_target = _load_script("train_target", monkeypatch)
     results = train_target.train(cfg, run, RATE, time.monotonic())
     assert results["steps"] == 2 and results["tokens_seen"] == 2 * 2 * 16
     assert results["epochs"] == pytest.approx(2 * 2 * 16 / results["corpus"]["tokens_train"])
@@ -293,10 +305,10 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     assert restored.cfg == cfg
     assert restored.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16
     assert restored.layers[1].mlp.gate[...].dtype == jnp.float32
-    state = training.StateCheckpointer(run.state_dir, {"config": results["config"]})
-    layout, like = training.master_params(Transformer(cfg, nnx.Rngs(9)))
-    optimizer = training.make_optimizer(like, run.optim)
-    saved, meta, best = state.restore(training.TrainState(like, optimizer.init(like)), keep_best=True)
+    state = StateCheckpointer(run.state_dir, {"config": results["config"]})
+    layout, like = master_params(Transformer(cfg, nnx.Rngs(9)))
+    optimizer = make_optimizer(like, run.optim)
+    saved, meta, best = state.restore(TrainState(like, optimizer.init(like)), keep_best=True)
     assert meta["step"] == 2 and best.summary() == results["best"]
     mine = nnx.to_pure_dict(nnx.state(restored, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, mine, layout.cast(best.params))  # the bf16 cast of the best masters
@@ -310,8 +322,8 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     # The drafter script on that checkpoint.
     drafter_run = dataclasses.replace(run, out=str(tmp_path / "drafter"), state_dir=str(tmp_path / "dstate"),
                                       seq_len=24)
-    drafter_results = _load_script("train_drafter").train(drafter_run, run.out, 3, 7.0, time.monotonic(),
-                                                          drafter_config=_small_drafter)
+    train_drafter = _load_script("train_drafter", monkeypatch)
+    drafter_results = train_drafter.train(drafter_run, run.out, 3, 7.0, time.monotonic(), drafter_config=_small_drafter)
     assert drafter_results["steps"] == 2 and drafter_results["blocks_seen"] == 2 * 2 * 3
     assert drafter_results["epochs"] == pytest.approx(2 * 2 * 24 / drafter_results["corpus"]["tokens_train"])
     held_out = drafter_results["final"]["held_out"]
