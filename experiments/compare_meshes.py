@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import platform
+import time
 
 import jax
 import numpy as np
@@ -133,7 +134,7 @@ def main(argv):
                 spec = DecodeSpec(policy=policy, budget=budget, block_size=block,
                                   max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
                 for batch in batches:
-                    key = case_key(policy, budget, batch, dtype)
+                    key, start = case_key(policy, budget, batch, dtype), time.monotonic()
                     got = decode_in_batches(on_mesh, prompts, spec, batch, FLAGS.seed)
                     if reference is None:
                         want = decode_in_batches(one, prompts, spec, batch, FLAGS.seed)["tokens"]
@@ -149,15 +150,24 @@ def main(argv):
                            "tau_mesh": got["tau"], "tokens_per_s_mesh": got["tokens_per_s"],
                            "first_divergence": first_divergence(prompts, got["tokens"], want,
                                                                 {"mesh": on_mesh, "one_device": one})}
+                    row["seconds_case"] = time.monotonic() - start
                     rows.append(row)
+                    write_results(rows, one_device_tokens, len(prompts))
                     if jax.process_index() == 0:
                         print(f"{key}: identical={row['identical_tokens']} "
-                              f"agree={row['tokens_before_divergence']:.3f}", flush=True)
+                              f"agree={row['tokens_before_divergence']:.3f} ({row['seconds_case']:.0f} s)", flush=True)
+    if jax.process_index() == 0:
+        print_table(rows)
+
+
+def write_results(rows, one_device_tokens, num_prompts: int) -> None:
+    """The JSON (--out) and the one-device tokens (--tokens_out) so far; process 0 writes, after every case, so a run
+    cut short keeps the cases it finished."""
     if jax.process_index() != 0:
         return
     meta = {"mesh": FLAGS.mesh, "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
             "jax": jax.__version__, "host": platform.node(), "processes": jax.process_count(),
-            "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
+            "num_prompts": num_prompts, "prompt_tokens": FLAGS.prompt_tokens,
             "max_new_tokens": FLAGS.max_new_tokens, "reference": FLAGS.reference or "one device in this process",
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
@@ -166,7 +176,6 @@ def main(argv):
     if FLAGS.tokens_out:
         with open(FLAGS.tokens_out, "w") as f:
             json.dump({"meta": meta, "tokens": one_device_tokens}, f)
-    print_table(rows)
 
 
 def print_table(rows) -> None:
