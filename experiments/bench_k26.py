@@ -60,11 +60,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.timing import wall_us
+from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
 from kdtree_jax.cache import KVCache
@@ -615,4 +616,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main)

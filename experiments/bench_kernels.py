@@ -18,7 +18,7 @@ import platform
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jax
 
@@ -27,7 +27,7 @@ from experiments.kernels_attention_mgpu import run_attention_mgpu
 from experiments.kernels_moe import run_moe
 from experiments.kernels_tree import run_tree
 from experiments.timing import measure_ceilings
-from kdtree_jax import plots
+from kdtree_jax import cli, plots
 
 flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
 flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which parts to run")
@@ -60,7 +60,7 @@ def main(_):
                           ("sweep", ("attention", "moe"))):
         unknown = set(getattr(F, flag)) - set(allowed)
         if unknown:
-            raise app.UsageError(f"--{flag}: unknown {sorted(unknown)}; choose from {list(allowed)} ('' for none)")
+            raise ValueError(f"--{flag}: unknown {sorted(unknown)}; choose from {list(allowed)} ('' for none)")
     dev = jax.devices()[0]
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
@@ -149,4 +149,4 @@ def plot_results(results: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
