@@ -2,6 +2,8 @@
 
   python experiments/bench_decode.py --target=checkpoints/target --drafter=checkpoints/drafter \
       --tokenizer=checkpoints/tokenizer.json --num_prompts=32 --batch_sizes=1,8 --temperatures=0,1
+An HF model directory with a DFlash drafter directory, tokenized by the model's own tokenizer, on a mesh:
+  python experiments/bench_decode.py --target=K26_DIR --drafter=DFLASH_DIR --tokenizer=K26_DIR --mesh=tp=8
 
 Prompts come from held-out stdlib files only. Every policy runs the same prompts in the same process, one after the
 other (ar first, as the peer); compile time is excluded (each spec is warmed up on the first batch). At T = 0 every
@@ -18,16 +20,19 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from kdtree_jax import cli, plots
-from kdtree_jax.checkpoint import restore_drafter, restore_target
-from kdtree_jax.data import eval_prompts, load_tokenizer
+from kdtree_jax import cli, model_dir, plots, sharding
+from kdtree_jax.data import eval_prompts
+from kdtree_jax.tokenizer import load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, decode_in_batches
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
-flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter checkpoint directory")
-flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "tokenizer of the checkpoints")
+flags.DEFINE_string("target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model directory")
+flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash drafter "
+                    "directory in the published format")
+flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model directory "
+                    "(tiktoken.model or tokenizer.json)")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "run the models in this dtype (default: the checkpoint's)")
+flags.DEFINE_string("mesh", "", "device mesh, e.g. 'tp=8' (empty: one device); the target is read into its shards")
 flags.DEFINE_integer("num_prompts", 32, "held-out prompts")
 flags.DEFINE_integer("prompt_tokens", 64, "tokens per prompt")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
@@ -48,13 +53,15 @@ flags.DEFINE_float("time_budget_s", None, "start no (temperature, batch) group a
 def main(argv):
     del argv
     tokenizer = load_tokenizer(FLAGS.tokenizer)
-    target = restore_target(FLAGS.target, dtype=FLAGS.dtype)
-    drafter = restore_drafter(FLAGS.drafter, target.cfg)
-    decoder = Decoder(target, drafter)
+    mesh = sharding.parse_mesh(FLAGS.mesh)
+    target = model_dir.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
+    drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg)
+    eos = model_dir.eos_token_id(FLAGS.target, target.cfg)
+    decoder = Decoder(target, drafter, mesh=mesh)
     prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
     block = drafter.cfg.block_size
     meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
-            "dtype": target.cfg.dtype,
+            "dtype": target.cfg.dtype, "target": FLAGS.target, "drafter": FLAGS.drafter, "mesh": FLAGS.mesh,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
             "max_new_tokens": FLAGS.max_new_tokens, "block_size": block,
             "rounds_per_check": FLAGS.rounds_per_check, "topk": FLAGS.topk, "skipped_groups": []}
@@ -68,7 +75,7 @@ def main(argv):
             def spec(policy, budget=0):
                 return DecodeSpec(policy=policy, budget=budget, topk=FLAGS.topk, block_size=block,
                                   temperature=temperature,
-                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id,
+                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=eos,
                                   rounds_per_check=FLAGS.rounds_per_check)
             ar = decode_in_batches(decoder, prompts, spec("ar"), batch, FLAGS.seed)
             runs = [ar, decode_in_batches(decoder, prompts, spec("chain"), batch, FLAGS.seed)]

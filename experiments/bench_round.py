@@ -39,7 +39,7 @@ from flax import nnx
 
 from experiments.timing import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
-from kdtree_jax import plots
+from kdtree_jax import model_dir, plots
 from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
                                root_only_tree)
 from kdtree_jax.drafter import Drafter
@@ -48,8 +48,10 @@ from pallas_kernels import ops
 
 F = flags.FLAGS
 flags.DEFINE_string("config", "code_target", f"model preset of a random target: {sorted(config_lib.PRESETS)}")
-flags.DEFINE_string("init", "checkpoints/target", "'random' (at --config) or a target checkpoint directory")
-flags.DEFINE_string("drafter", "checkpoints/drafter", "'random' or a drafter checkpoint directory")
+flags.DEFINE_string("init", "checkpoints/target", "'random' (at --config), a target checkpoint directory of ours or "
+                    "an HF model directory")
+flags.DEFINE_string("drafter", "checkpoints/drafter", "'random', a drafter checkpoint directory of ours or a DFlash "
+                    "drafter directory")
 flags.DEFINE_integer("block_size", 16, "block size L of a random drafter (a checkpointed drafter has its own)")
 flags.DEFINE_list("budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
 flags.DEFINE_list("streams", ["1", "8"], "streams decoded together")
@@ -67,19 +69,13 @@ STAGES = ("draft", "build", "verify", "accept", "commit")
 
 # ------------------------------------------------------------------------------------------------------ models
 def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int) -> tuple[Transformer, Drafter]:
-    """The target (checkpoint or random at `preset`) and its drafter (checkpoint or random: the code_target's own
-    drafter config for code_target, the tiny drafter config otherwise)."""
-    if init == "random":
-        target = Transformer(config_lib.preset(preset), nnx.Rngs(seed))
-    else:
-        from kdtree_jax.checkpoint import restore_target
-        target = restore_target(init)
-    if drafter_init == "random":
-        cfg = (config_lib.code_drafter(target.cfg) if target.cfg.name == "code_target"
-               else config_lib.tiny_drafter(target.cfg, block_size))
-        return target, Drafter(cfg, target.cfg, nnx.Rngs(seed + 1))
-    from kdtree_jax.checkpoint import restore_drafter
-    return target, restore_drafter(drafter_init, target.cfg)
+    """The target (random at `preset`, a checkpoint of ours or an HF directory: kdtree_jax.model_dir) and its drafter
+    (random: the code_target's own drafter config for code_target, the tiny drafter config otherwise; a checkpoint of
+    ours or a DFlash directory)."""
+    target = model_dir.load_target(init, preset=preset, seed=seed)
+    if drafter_init == "random" and target.cfg.name == "code_target":
+        return target, Drafter(config_lib.code_drafter(target.cfg), target.cfg, nnx.Rngs(seed + 1))
+    return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1)
 
 
 # ------------------------------------------------------------------------------------------------------ stages

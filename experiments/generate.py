@@ -6,30 +6,43 @@ Token ids (no tokenizer), a random tiny model:
 The shipped models on a held-out prompt, DDTree beside AR (what `make demo` runs):
   python experiments/generate.py --init=checkpoints/target --drafter=checkpoints/drafter \
       --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=32 --compare
+An HF model directory (Kimi K2.6, DeepSeek-V3) with a DFlash drafter directory, the model's own tokenizer and chat
+template, on a mesh (README.md, "Running on real Kimi K2.6"):
+  python experiments/generate.py --init=tests/fixtures/kimi_k26_tiny --drafter=tests/fixtures/dflash_tiny \
+      --chat --prompt="Write a haiku." --policy=ddtree --budget=16 --compare --mesh=tp=4
 
-Each --prompt is one stream: text when a tokenizer is given, else comma-separated token ids. With --json the last line
-printed is one JSON object.
+Each --prompt is one stream: text when a tokenizer is in use, else comma-separated token ids. With --json the last
+line printed is one JSON object; --out writes it to a file.
 """
 from __future__ import annotations
 
 import json
+import os
 
+import jax
 from absl import flags, logging
-from flax import nnx
 
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
-from kdtree_jax import sharding
+from kdtree_jax import model_dir, sharding
+from kdtree_jax import tokenizer as tokenizer_lib
 from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance
-from kdtree_jax.drafter import Drafter
-from kdtree_jax.model.transformer import Transformer
+from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "tiny", f"model preset: {sorted(config_lib.PRESETS)} (ignored when --init is a checkpoint)")
-flags.DEFINE_string("init", "random", "'random' or a target checkpoint directory")
-flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "dtype of a random target (default: the preset's)")
-flags.DEFINE_string("drafter", "random", "'random' or a drafter checkpoint directory (chain / ddtree)")
-flags.DEFINE_string("tokenizer", "", "tokenizer.json: prompts are text and outputs are decoded (empty: token ids)")
+flags.DEFINE_string("init", "random", "the target: 'random' (at --config), a checkpoint directory of ours, or an HF "
+                    "model directory (config.json + safetensors: DeepSeek-V3, Kimi K2.x incl. K2.6 INT4), streamed "
+                    "into the --mesh")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "run the target in this dtype (default: a preset's, a "
+                  "checkpoint's own, bfloat16 for an HF directory)")
+flags.DEFINE_string("drafter", "random", "the drafter (chain / ddtree): 'random', a drafter checkpoint of ours, or a "
+                    "DFlash drafter directory in the published format (config.json naming DFlashDraftModel)")
+flags.DEFINE_string("tokenizer", "", "'' = the --init directory's own tokenizer when it has one (tiktoken.model or "
+                    "tokenizer.json), else token ids; 'none' = token ids; a model directory; or a tokenizers JSON "
+                    "file of ours (checkpoints/tokenizer.json)")
+flags.DEFINE_bool("chat", False, "wrap each --prompt as one user turn in the tokenizer directory's chat template "
+                  "(with the assistant's generation prompt)")
 flags.DEFINE_integer("seed", 0, "seed of random init and sampling")
 flags.DEFINE_multi_string("prompt", None, "one stream's prompt (text, or comma-separated ids); repeat for more")
 flags.DEFINE_integer("held_out_prompts", 0, "add this many prompts drawn from held-out stdlib files (needs tokenizer)")
@@ -44,31 +57,41 @@ flags.DEFINE_bool("compare", False, "also run ar and report both side by side, w
 flags.DEFINE_string("mesh", "", "device mesh, e.g. 'tp=8' or 'data=2,tp=4' (empty: one device); for N fake CPU "
                     "devices set XLA_FLAGS=--xla_force_host_platform_device_count=N")
 flags.DEFINE_bool("json", False, "print one JSON object as the last line")
+flags.DEFINE_string("out", "", "also write the JSON object to this file (process 0 only)")
+flags.DEFINE_enum("kernels", "auto", ops.IMPLEMENTATIONS, "Pallas kernels or pure-JAX references ('auto': kernels "
+                  "on the GPU)")
+flags.DEFINE_string("coordinator", "", "host:port of process 0: join --num_processes processes with "
+                    "jax.distributed.initialize before the mesh is made (one process per GPU or per host)")
+flags.DEFINE_integer("num_processes", 1, "processes joined by jax.distributed (with --coordinator)")
+flags.DEFINE_integer("process_id", 0, "this process's index, 0 .. num_processes - 1 (with --coordinator)")
 
 
 def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int, need_drafter: bool,
                 mesh=None, dtype: str | None = None):
-    """mesh: a checkpointed target is restored straight into its shards. dtype: of a random target."""
-    if init == "random":
-        cfg = config_lib.preset(preset)
-        target = Transformer(cfg.replace(dtype=dtype) if dtype else cfg, nnx.Rngs(seed))
-    else:
-        from kdtree_jax.checkpoint import restore_target
-        target = restore_target(init, shardings=sharding.restore_shardings(mesh) if mesh is not None else None)
+    """The target (into its shards on `mesh`) and, when needed, the drafter (kdtree_jax.model_dir)."""
+    target = model_dir.load_target(init, preset=preset, seed=seed, dtype=dtype, mesh=mesh)
     if not need_drafter:
         return target, None
-    if drafter_init == "random":
-        drafter = Drafter(config_lib.tiny_drafter(target.cfg, block_size), target.cfg, nnx.Rngs(seed + 1))
-    else:
-        from kdtree_jax.checkpoint import restore_drafter
-        drafter = restore_drafter(drafter_init, target.cfg)
-    return target, drafter
+    return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1)
 
 
-def read_prompts(texts, tokenizer, held_out: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+def tokenizer_path(flag: str, init: str) -> str | None:
+    """Where the tokenizer comes from (None: prompts and outputs are token ids)."""
+    if flag == "none":
+        return None
+    if flag:
+        return flag
+    return init if init != model_dir.RANDOM and tokenizer_lib.has_model_tokenizer(init) else None
+
+
+def read_prompts(texts, tokenizer, held_out: int, prompt_tokens: int, seed: int,
+                 chat_dir: str | None = None) -> list[list[int]]:
+    """Token ids per stream. chat_dir: encode each text as a user turn under that directory's chat template."""
     prompts = []
     for text in texts or []:
-        if tokenizer is not None:
+        if chat_dir is not None:
+            prompts.append(tokenizer_lib.encode_chat(tokenizer, chat_dir, text))
+        elif tokenizer is not None:
             prompts.append(tokenizer.encode(text))
         else:
             try:
@@ -99,17 +122,24 @@ def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len
 def main(argv):
     del argv
     logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the report
-    tokenizer = None
-    if FLAGS.tokenizer:
-        from kdtree_jax.data import load_tokenizer
-        tokenizer = load_tokenizer(FLAGS.tokenizer)
-    prompts = read_prompts(FLAGS.prompt, tokenizer, FLAGS.held_out_prompts, FLAGS.prompt_tokens, FLAGS.seed)
+    if FLAGS.coordinator:
+        jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
+                                   process_id=FLAGS.process_id)
+    ops.set_implementation(FLAGS.kernels)
+    source = tokenizer_path(FLAGS.tokenizer, FLAGS.init)
+    tokenizer = tokenizer_lib.load_tokenizer(source) if source else None
+    if FLAGS.chat and (source is None or not os.path.isdir(source)):
+        raise ValueError("--chat needs a model directory's tokenizer and chat template: give --init an HF directory "
+                         "that holds its tokenizer, or --tokenizer=DIRECTORY")
+    prompts = read_prompts(FLAGS.prompt, tokenizer, FLAGS.held_out_prompts, FLAGS.prompt_tokens, FLAGS.seed,
+                           chat_dir=source if FLAGS.chat else None)
     mesh = sharding.parse_mesh(FLAGS.mesh)
     target, drafter = load_models(FLAGS.init, FLAGS.config, FLAGS.drafter, FLAGS.block_size, FLAGS.seed,
                                   FLAGS.policy != "ar", mesh, FLAGS.dtype)
+    eos = model_dir.eos_token_id(FLAGS.init, target.cfg)
     block = drafter.cfg.block_size if drafter is not None else FLAGS.block_size
     spec = DecodeSpec(policy=FLAGS.policy, budget=FLAGS.budget, block_size=block, temperature=FLAGS.temperature,
-                      max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
+                      max_new_tokens=FLAGS.max_new_tokens, eos_token_id=eos)
     decoder = Decoder(target, drafter, mesh=mesh)
     cache_len = FLAGS.cache_len or None
     report = run_policy(decoder, prompts, spec, FLAGS.seed, cache_len)
@@ -118,7 +148,7 @@ def main(argv):
         baseline = run_policy(decoder, prompts, DecodeSpec(policy="ar", block_size=block,
                                                            temperature=FLAGS.temperature,
                                                            max_new_tokens=FLAGS.max_new_tokens,
-                                                           eos_token_id=target.cfg.eos_token_id),
+                                                           eos_token_id=eos),
                               FLAGS.seed, cache_len)
         runs = [baseline, report]
         report["ar"] = {k: baseline[k] for k in ("tokens_per_s", "seconds", "rounds", "tokens")}
@@ -128,8 +158,14 @@ def main(argv):
     if FLAGS.compare and FLAGS.policy != "ar":
         print(f"\n{FLAGS.policy} output identical to ar: {report['identical_to_ar']}  "
               f"(speedup {report['speedup_over_ar']:.2f}x on this CPU)")
+    report.update(init=FLAGS.init, drafter=FLAGS.drafter if drafter is not None else None, mesh=FLAGS.mesh,
+                  kernels=FLAGS.kernels, backend=jax.default_backend(), dtype=target.cfg.dtype, eos_token_id=eos)
     if FLAGS.json:
         print(json.dumps(report))
+    if FLAGS.out and jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def print_report(prompts, runs, tokenizer) -> None:

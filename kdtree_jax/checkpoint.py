@@ -46,12 +46,17 @@ def restore_target(directory: str, step: int | None = None, shardings: Shardings
     dtype: run the model in this dtype instead of the stored one ("float32" for exact equivalence checks); the
     params are cast on restore.
     """
-    meta = read_meta(directory, step)
-    _expect_kind(meta, TARGET, directory)
-    cfg = _config_from_dict(ModelConfig, meta["config"])
+    cfg = read_target_config(directory, step)
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     return _restore_new(directory, step, lambda: Transformer(cfg, nnx.Rngs(0)), shardings)
+
+
+def read_target_config(directory: str, step: int | None = None) -> ModelConfig:
+    """The ModelConfig stored with a target checkpoint (no array is read)."""
+    meta = read_meta(directory, step)
+    _expect_kind(meta, TARGET, directory)
+    return _config_from_dict(ModelConfig, meta["config"])
 
 
 def restore_drafter(directory: str, target_cfg: ModelConfig, step: int | None = None,

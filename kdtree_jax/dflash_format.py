@@ -175,7 +175,7 @@ def dflash_config_dict(cfg: DrafterConfig, target: ModelConfig, dtype: str) -> d
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "max_position_embeddings": target.max_position_embeddings,
         "layer_types": ["full_attention"] * cfg.num_layers, "sliding_window": None, "use_sliding_window": False,
-        "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "torch_dtype": dtype,
+        "vocab_size": cfg.vocab_size, "tie_word_embeddings": False, "dtype": dtype, "torch_dtype": dtype,
         "block_size": cfg.block_size, "num_target_layers": target.num_layers,
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
     }

@@ -4,6 +4,8 @@ cannot run are refused by name."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,14 @@ def test_default_target_layer_ids():
     assert dflash_format.default_target_layer_ids(61, 1) == [30]
     assert dflash_format.default_target_layer_ids(61, 5) == [1, 15, 30, 44, 58]
     assert dflash_format.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+def test_export_script_refuses_a_drafter_of_the_last_layer():
+    """The shipped drafter reads the code target's last layer (7), which the published format cannot express."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "export_dflash.py"),
+                           f"--drafter={root}/checkpoints/drafter", f"--target={root}/checkpoints/target",
+                           "--out=/nonexistent/never_written"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "include the target's last layer (7)" in proc.stderr.splitlines()[-1]
