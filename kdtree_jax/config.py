@@ -228,6 +228,9 @@ def preset(name: str) -> ModelConfig:
 # ----------------------------------------------------------------------------------------------- HF reader
 
 _SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
+                    "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor", "rms_norm_eps")
 
 
 def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
@@ -242,6 +245,10 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     if model_type not in _SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config field 'model_type' = {model_type!r} is not supported; "
                          f"expected one of {_SUPPORTED_MODEL_TYPES}")
+    missing = [field for field in _REQUIRED_FIELDS if field not in hf]
+    if missing:
+        raise ValueError(f"config fields {missing} are missing: not the config.json of a DeepSeek-V3 / Kimi K2.x "
+                         f"text model (or a truncated one)")
     scoring = hf.get("scoring_func", "sigmoid")
     _check(scoring == "sigmoid", "scoring_func", scoring, "is not supported; only 'sigmoid' routing is implemented")
     method = hf.get("topk_method", "noaux_tc")

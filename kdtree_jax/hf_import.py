@@ -114,7 +114,10 @@ def read_hf_config(directory: str) -> ModelConfig:
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist; pass cfg= to load a checkpoint without a config.json")
     with open(path) as f:
-        return from_hf_config(legacy_rope_fields(json.load(f)), name=os.path.basename(os.path.normpath(directory)))
+        try:
+            return from_hf_config(legacy_rope_fields(json.load(f)), name=os.path.basename(os.path.normpath(directory)))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def legacy_rope_fields(hf: dict) -> dict:

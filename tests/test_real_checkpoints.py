@@ -81,3 +81,13 @@ def test_quantization_config_beside_text_config():
         hf = json.load(f)
     hf["quantization_config"] = hf["text_config"].pop("quantization_config")
     assert config.from_hf_config(hf).expert_quant == "int4"
+
+
+def test_config_without_model_fields_is_named(tmp_path):
+    """A config.json that is not a DeepSeek-V3 / Kimi K2.x text model's: the missing fields and the file are named."""
+    for name in os.listdir(TARGET_DIR):
+        os.symlink(os.path.join(TARGET_DIR, name), tmp_path / name)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k2", "hidden_size": 64}))
+    with pytest.raises(ValueError, match=r"config.json: config fields \['vocab_size', 'num_hidden_layers'"):
+        model_dir.load_target(str(tmp_path))
