@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import NamedTuple
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax import sharding
+from kdtree_jax import memory, sharding
 from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
 from kdtree_jax.drafter import Drafter, DrafterCache
@@ -130,8 +131,8 @@ class Decoder:
                 raise ValueError(f"block_size={spec.block_size} differs from the drafter's "
                                  f"{self.drafter_cfg.block_size}; use the drafter's block size")
             tree_lib.check_budget(spec.tree_budget, spec.block_size, self.cfg.vocab_size)
-        if spec.temperature < 0:
-            raise ValueError(f"temperature={spec.temperature} must be >= 0")
+        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+            raise ValueError(f"temperature={spec.temperature} must be a finite number >= 0 (0 = greedy)")
         if spec.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
         if spec.rounds_per_check < 1:
@@ -148,9 +149,30 @@ class Decoder:
         check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
                        f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
                        f"tree rows")
-        if longest + spec.max_new_tokens + spec.depth > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens reaches position {longest + spec.max_new_tokens}, past the "
-                             f"model's max_position_embeddings={self.cfg.max_position_embeddings}")
+        last = longest + spec.max_new_tokens + spec.depth
+        if last > self.cfg.max_position_embeddings:
+            raise ValueError(f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.depth} drafted "
+                             f"positions past the last (the drafter's depth) reaches position {last}, past the "
+                             f"model's max_position_embeddings={self.cfg.max_position_embeddings}; shorten the prompt "
+                             f"or max_new_tokens")
+        self.check_memory(spec, len(prompts), longest, cache_len)
+
+    def check_memory(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int) -> None:
+        """Refuse, before compiling, a loop whose params, caches and largest array of one step cannot fit in the
+        devices' memory (a lower bound, kdtree_jax.memory)."""
+        s, n, v, nodes = num_streams, cache_len, self.cfg.vocab_size, spec.tree_budget + 1
+        arrays = {f"verify logits [{s}, {nodes}, {v}] f32": s * nodes * v * 4,
+                  f"tree mask [{s}, {nodes}, {nodes}]": s * nodes * nodes}
+        if not ops.uses_kernel():  # the pure-JAX attention materialises its scores [S, T, H, N] in f32
+            for what, t in (("prefill", prompt_len), ("verify", nodes)):
+                arrays[f"{what} attention scores [{s}, {t}, {self.cfg.num_heads}, {n}] f32"] = \
+                    s * t * self.cfg.num_heads * n * 4
+        largest = max(arrays, key=arrays.get)
+        caches = jax.eval_shape(functools.partial(self._make_caches, spec, s, cache_len))
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        memory.check_fits({"params": memory.tree_bytes((self.target_params, self.drafter_params)),
+                           "caches": memory.tree_bytes(caches), largest: arrays[largest]}, devices,
+                          "lower the tree budget, the number of streams, the prompt length or max_new_tokens")
 
     @staticmethod
     def default_cache_len(spec: DecodeSpec, prompts) -> int:
@@ -181,14 +203,16 @@ class Decoder:
 
     def new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
         """Empty target and drafter caches; under a mesh made in place, split over data (never whole on one device)."""
-        def make():
-            cache = init_cache(self.cfg, num_streams, cache_len)
-            dcache = (nnx.merge(self.drafter_def, self.drafter_params).init_cache(num_streams, cache_len)
-                      if spec.policy != "ar" else None)
-            return cache, dcache
+        make = functools.partial(self._make_caches, spec, num_streams, cache_len)
         if self.mesh is None:
             return make()
         return jax.jit(make, out_shardings=sharding.stream_sharding(self.mesh))()
+
+    def _make_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
+        cache = init_cache(self.cfg, num_streams, cache_len)
+        dcache = (nnx.merge(self.drafter_def, self.drafter_params).init_cache(num_streams, cache_len)
+                  if spec.policy != "ar" else None)
+        return cache, dcache
 
     def compiled_loop(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
         """The jitted prefill + loop `generate` runs for this spec and shape (cached), called as

@@ -67,14 +67,26 @@ def test_reference_matches_numpy_loop():
     assert rel_err(ref, numpy_attention(*inputs)) < 1e-5
 
 
+# bf16 kernel output against the reference's (f32 softmax, rounded to bf16), per stream. The two round the attention
+# weights to bf16 at different points (the kernel before normalising), so they differ by about the bf16 precision:
+# 2.6e-3 to 3.0e-3 per stream (seeds 1, 2, 11). Values are random with mean 0, so a stream's output is about
+# 1 / sqrt(rows seen) of one row's size and dropping one key moves it by about that much: >= 12% with the short
+# prefixes and block edges (default block 64) here, for the last prefix row and for the first tree row (the root,
+# visible to every node) alike.
+BF16_PREFIXES = [1, 2, 7, 63, 64, 65]
+BF16_TOL = 5e-3
+
+
 def test_default_tiling_power_of_two_dims_bf16():
     rng = np.random.default_rng(11)
-    inputs = make_inputs(rng, streams=2, nodes=5, heads=8, lat=64, rope=16, capacity=300, dtype=jnp.bfloat16)
+    inputs = make_inputs(rng, streams=len(BF16_PREFIXES), nodes=5, heads=8, lat=64, rope=16,
+                         capacity=max(BF16_PREFIXES) + 5, dtype=jnp.bfloat16, prefix=np.asarray(BF16_PREFIXES))
     out = tree_verify_attention(*inputs, scale=SCALE, interpret=True)
     ref = tree_verify_attention_reference(*inputs, scale=SCALE)
-    assert out.dtype == jnp.bfloat16
+    assert out.dtype == ref.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, ref) < 1e-2
+    errors = [rel_err(out[s], ref[s]) for s in range(len(BF16_PREFIXES))]
+    assert max(errors) < BF16_TOL, errors
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

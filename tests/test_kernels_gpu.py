@@ -19,7 +19,7 @@ from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_verify_attention as A
 from conftest import assert_topk_matches_reference, random_targets, rel_err
-from test_attention_kernel import make_inputs
+from test_attention_kernel import BF16_TOL, make_inputs
 from test_tree_kernels import assert_same, random_draft
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need the GPU")
@@ -29,13 +29,15 @@ K26 = config_lib.kimi_k2_6()
 
 @pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 16)])
 def test_attention_bf16_k26(heads, nodes):
-    """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache."""
+    """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache; per stream against the
+    reference rounded to bf16, to test_attention_kernel.BF16_TOL."""
     rng = np.random.default_rng(heads * 1000 + nodes)
     inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
     out = A.tree_verify_attention(*inputs, scale=K26.softmax_scale)
     ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, ref) < 1e-2
+    errors = [rel_err(out[s], ref[s]) for s in range(3)]
+    assert max(errors) < BF16_TOL, errors
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
