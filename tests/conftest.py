@@ -1,8 +1,13 @@
 """Shared test helpers."""
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from kdtree_jax import config as config_lib
+from kdtree_jax.drafter import DrafterCache
 from pallas_kernels.tree import reference_topk
 
 
@@ -43,3 +48,32 @@ def assert_topk_matches_reference(logits, k: int, got, exact_ids: bool) -> None:
     assert all(len(set(row)) == k for row in got_ids.reshape(-1, k))
     if exact_ids:
         np.testing.assert_array_equal(got_ids, want_ids)
+
+
+class OracleDrafter(nnx.Module):
+    """Drafts the target's own greedy continuation (known from an ar run), so acceptance is high.
+
+    At every third position the true token is ranked SECOND behind a decoy: a chain stops there while a tree with
+    K >= 2 keeps going, so multi-token rounds, branching and compaction are all exercised.
+    """
+
+    def __init__(self, cfg: config_lib.DrafterConfig, sequences: np.ndarray):
+        self.cfg = cfg
+        self.truth = nnx.Variable(jnp.asarray(sequences, jnp.int32))  # [S, total]: prompt + ar output
+
+    def init_cache(self, num_streams, capacity):
+        return DrafterCache((), ())
+
+    def extend_cache(self, cache, hidden, positions, offsets):
+        return cache
+
+    def draft(self, embed, lm_head, bonus, start, cache, ctx_len):
+        depth, vocab = self.cfg.block_size - 1, self.cfg.vocab_size
+        idx = start[:, None] + jnp.arange(1, depth + 1)[None, :]
+        truth = jnp.take_along_axis(self.truth[...], jnp.clip(idx, 0, self.truth.shape[1] - 1), axis=1)
+        logits = jax.random.normal(jax.random.key(0), (bonus.shape[0], depth, vocab))
+        decoy = (truth + 1) % vocab
+        demote = (idx % 3) == 0
+        logits = jax.vmap(jax.vmap(lambda l, t, d, dm: l.at[t].set(8.0).at[d].set(jnp.where(dm, 9.0, l[d]))))(
+            logits, truth, decoy, demote)
+        return logits

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import causal_logits, rel_err
+from conftest import OracleDrafter, causal_logits, rel_err
 from kdtree_jax import checkpoint, config, hf_import, sharding
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
+from pallas_kernels import ops
 
 DEVICES = 8
 IN_CHILD = os.environ.get("KDTREE_SHARDING_CHILD") == "1"
@@ -127,6 +128,48 @@ def test_decode_equals_single_device_token_for_token(models):
     mixed = Decoder(target, drafter, mesh=sharding.parse_mesh("data=2,tp=4"))
     spec = DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK, max_new_tokens=max_new)
     assert mixed.generate(PROMPTS, spec).tokens == expect
+
+
+@on_devices
+@pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4"])
+def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text):
+    """Every kernel the model calls, in Pallas' interpret mode, under a mesh: tree-verify attention per head group and
+    int4_moe per expert group inside their shard_maps, tree build and accept in the loop. ar, chain and ddtree (ragged
+    batch, INT4 experts, an oracle drafter so that rounds accept several nodes and branch) give one device's greedy
+    tokens (pure-JAX references). Failed before `pallas_kernels.pallas_call` stated the kernels' varying axes."""
+    cfg = CFG.replace(expert_quant="int4", num_layers=2)
+    target = Transformer(cfg, nnx.Rngs(3))
+    max_new = 6
+    truth = Decoder(target).generate(PROMPTS, DecodeSpec(max_new_tokens=max_new + BLOCK)).tokens
+    sequences = np.zeros((len(PROMPTS), 32), np.int32)
+    for i, (prompt, out) in enumerate(zip(PROMPTS, truth)):
+        sequences[i, :len(prompt) + len(out)] = prompt + out
+    decoder = Decoder(target, OracleDrafter(config.tiny_drafter(cfg, BLOCK), sequences),
+                      mesh=sharding.parse_mesh(mesh_text))
+    with ops.implementation("kernel", interpret=True):
+        for policy in ("ar", "chain", "ddtree"):
+            got = decoder.generate(PROMPTS, DecodeSpec(policy=policy, budget=8, block_size=BLOCK,
+                                                       max_new_tokens=max_new))
+            assert got.tokens == [t[:max_new] for t in truth], policy
+            if policy == "ddtree":
+                assert got.taus[got.taus > 0].mean() > 1.5  # the accept walk goes past the root
+
+
+@on_devices
+def test_compiled_kernels_trace_inside_shard_map_with_vma_checks():
+    """The GPU path's contract, checked on the CPU by tracing (no lowering): with the compiled (not interpreted)
+    kernels, the shard_maps keep check_vma on, and tree-verify attention and int4_moe state how their outputs vary
+    over the mesh. Before `pallas_kernels.pallas_call`, this raised 'manual_axis_type on jax.ShapeDtypeStruct must
+    not be None', as the first 2 x H200 run did."""
+    model = Transformer(CFG.replace(expert_quant="int4", num_layers=2), nnx.Rngs(4))
+    graphdef, params = nnx.split(model)
+    mesh = sharding.parse_mesh("data=2,tp=4")
+    params = sharding.shard_params(params, mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, CFG.vocab_size)
+    with ops.implementation("kernel", interpret=False), jax.set_mesh(mesh):
+        traced = jax.jit(lambda p, t: causal_logits(nnx.merge(graphdef, p), t)).trace(params, tokens)
+    text = str(traced.jaxpr)
+    assert "tree_verify_attention" in text and "int4_moe_gate_up" in text and "int4_moe_down" in text
 
 
 def _assert_only_own_shards(params, mesh, reference):
