@@ -231,6 +231,9 @@ _SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
                     "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor", "rms_norm_eps")
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+                        "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
 
 
 def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
@@ -249,6 +252,17 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     if missing:
         raise ValueError(f"config fields {missing} are missing: not the config.json of a DeepSeek-V3 / Kimi K2.x "
                          f"text model (or a truncated one)")
+    for field in _POSITIVE_INT_FIELDS:
+        value = hf.get(field, 1)
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field, value,
+               "must be a positive integer")
+    q_lora = hf.get("q_lora_rank")
+    _check(q_lora is None or (isinstance(q_lora, int) and q_lora >= 1), "q_lora_rank", q_lora,
+           "must be a positive integer, or null for a direct q projection")
+    for field in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
+        value = hf.get(field, 1.0)
+        _check(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, field, value,
+               "must be a positive number")
     scoring = hf.get("scoring_func", "sigmoid")
     _check(scoring == "sigmoid", "scoring_func", scoring, "is not supported; only 'sigmoid' routing is implemented")
     method = hf.get("topk_method", "noaux_tc")

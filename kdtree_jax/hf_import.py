@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import re
 from typing import Callable, Iterator
 
 import jax
@@ -120,6 +121,17 @@ def read_hf_config(directory: str) -> ModelConfig:
             raise ValueError(f"{path}: {e}") from None
 
 
+def text_config_fields(directory: str) -> dict:
+    """The text model's fields of `directory/config.json` as written (under `text_config` for K2.5/K2.6); {} when
+    there is no config.json."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        hf = json.load(f)
+    return hf.get("text_config", hf)
+
+
 def legacy_rope_fields(hf: dict) -> dict:
     """Rewrite the `rope_parameters` that transformers >= 5 writes into the released checkpoints' field names.
 
@@ -145,22 +157,27 @@ def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype:
                        place: Place | None = None, progress: bool = True, keep_int4: bool = True) -> Transformer:
     """Build a Transformer from the HF safetensors in `directory`, one param at a time.
 
-    cfg: read from config.json when None. dtype: the model dtype ("bfloat16" | "float32"; default cfg.dtype). INT4
-    experts stay INT4 in device memory (repacked once into the int4_moe kernel's layout, the model's INT4 path) unless
-    keep_int4=False, which dequantizes them into bf16-path experts of `dtype`.
+    cfg: read from config.json when None. dtype: the model dtype ("bfloat16" | "float32"); by default cfg.dtype when
+    cfg is given, else the checkpoint's own (its embedding's, which config.json's torch_dtype / dtype must not
+    contradict). INT4 experts stay INT4 in device memory (repacked once into the int4_moe kernel's layout, the model's
+    INT4 path) unless keep_int4=False, which dequantizes them into bf16-path experts of `dtype`.
     place(path, host_array) -> jax.Array puts each param on its devices (default
-    jnp.asarray; pass a function built on jax.make_array_from_callback to shard). Raises ValueError naming the tensor
-    or file for a missing tensor, a wrong shape, or a truncated / corrupt file.
+    jnp.asarray; pass a function built on jax.make_array_from_callback to shard). Raises ValueError naming the tensor,
+    file or config field for a missing tensor, a wrong shape, a truncated / corrupt file, a tensor of the text model
+    the config does not use (another layer count, a tied lm_head that is present, ...), or a dtype config.json
+    contradicts; tensors of other towers (vision) and of the declared MTP layers are skipped.
     """
     directory = os.path.abspath(directory)
+    text = text_config_fields(directory)
+    told_dtype = dtype or (cfg.dtype if cfg is not None else None)
     cfg = cfg or read_hf_config(directory)
-    if dtype is not None:
-        cfg = cfg.replace(dtype=dtype)
     place = place or (lambda path, x: jnp.asarray(x))
     with _TensorFiles(directory) as files:
         prefix = NESTED_PREFIX if any(n.startswith(NESTED_PREFIX + "model.") for n in files.names) else ""
         sources = param_sources(cfg, prefix)
         _check_present(files, sources)
+        _check_unused(files, sources, cfg, prefix, mtp_layers=text.get("num_nextn_predict_layers") or 0)
+        cfg = cfg.replace(dtype=told_dtype or _checkpoint_dtype(files, sources[0].hf[0], text))
         resident = keep_int4 and cfg.expert_quant == "int4"
         model_cfg = cfg if resident else cfg.replace(expert_quant="bf16")
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
@@ -293,6 +310,10 @@ class _TensorFiles(contextlib.AbstractContextManager):
         except SafetensorError as e:
             raise ValueError(f"cannot read tensor {name!r} from {os.path.join(self.directory, file)}: {e}") from None
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code of tensor `name` ("BF16", "F32", ...), from the file's header."""
+        return self._handle(self.file_of[name]).get_slice(name).get_dtype()
+
     def _handle(self, file: str):
         if file not in self._open:
             path = os.path.join(self.directory, file)
@@ -320,6 +341,50 @@ def _check_present(files: _TensorFiles, sources: list[Source]) -> None:
         hint = "; the checkpoint holds bf16 experts but the config says INT4: pass cfg with expert_quant='bf16'"
     shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
     raise ValueError(f"checkpoint {files.directory} lacks tensors the config needs: {shown}{hint}")
+
+
+def _check_unused(files: _TensorFiles, sources: list[Source], cfg: ModelConfig, prefix: str, mtp_layers: int) -> None:
+    """Refuse tensors of the text model (`<prefix>model.*`, `<prefix>lm_head.weight`) that no param reads: config.json
+    and the checkpoint then disagree, and loading would run another model. Skipped: other towers, the
+    `mtp_layers` multi-token-prediction layers after the last layer, and rotary `inv_freq` buffers (recomputed)."""
+    model, lm_head = prefix + "model.", prefix + "lm_head.weight"
+    used = {n for s in sources for n in s.tensor_names()}
+    mtp = tuple(f"{model}layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + mtp_layers))
+    unused = sorted(n for n in files.names if (n.startswith(model) or n == lm_head) and n not in used
+                    and not n.startswith(mtp) and not n.endswith("rotary_emb.inv_freq"))
+    if not unused:
+        return
+    where = f"checkpoint {files.directory}"
+    if lm_head in unused and cfg.tie_word_embeddings:
+        raise ValueError(f"config.json says tie_word_embeddings=true (the output layer is the embedding) but {where} "
+                         f"has its own {lm_head}; set tie_word_embeddings to false in config.json")
+    layers = sorted({int(m.group(1)) for n in unused if (m := re.match(re.escape(model) + r"layers\.(\d+)\.", n))
+                     and int(m.group(1)) >= cfg.num_layers})
+    if layers:
+        raise ValueError(f"{where} has tensors of layers {layers[0]}..{layers[-1]} but config.json says "
+                         f"num_hidden_layers={cfg.num_layers} (and num_nextn_predict_layers={mtp_layers} MTP layers "
+                         f"after them); fix num_hidden_layers (or num_nextn_predict_layers) in config.json")
+    shown = ", ".join(unused[:8]) + (f", ... ({len(unused)} in all)" if len(unused) > 8 else "")
+    raise ValueError(f"{where} has tensors the config does not use: {shown}; config.json and the tensors disagree "
+                     f"(q_lora_rank, first_k_dense_replace, n_shared_experts, n_routed_experts, ...): fix config.json")
+
+
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "F64": "float64"}
+
+
+def _checkpoint_dtype(files: _TensorFiles, name: str, text: dict) -> str:
+    """The dtype the checkpoint was saved in (that of tensor `name`, the embedding), checked against config.json's
+    torch_dtype / dtype fields (`text`)."""
+    code = files.dtype(name)
+    found = SAFETENSORS_DTYPES.get(code, code)
+    for field in ("torch_dtype", "dtype"):
+        if text.get(field) not in (None, found):
+            raise ValueError(f"config.json says {field}={text[field]!r} but checkpoint {files.directory} holds "
+                             f"{found} tensors ({name}); fix {field} in config.json, or pass dtype= to convert them")
+    if found not in ("bfloat16", "float32"):
+        raise ValueError(f"checkpoint {files.directory} holds {found} tensors ({name}), which the engine does not "
+                         f"run; pass dtype='bfloat16' or dtype='float32' to convert them")
+    return found
 
 
 def _read_param(files: _TensorFiles, s: Source, shape: tuple, dtype, group: int) -> np.ndarray:

@@ -182,6 +182,7 @@ def test_bf16_model_without_index_and_foreign_tensors(tmp_path):
     save_file({"vision_tower.patch_embed.weight": np.ones((4, 4), np.float32),
                "language_model.model.layers.2.mlp.gate.weight": np.ones((8, 64), np.float32)},  # an MTP layer
               os.path.join(directory, "extra.safetensors"))
+    _edit_config(directory, num_nextn_predict_layers=1)
     assert not os.path.exists(os.path.join(directory, hf_import.INDEX_FILE))
     loaded = hf_import.load_hf_checkpoint(directory, progress=False)  # config.json: bfloat16, no q_lora
     assert loaded.cfg.q_lora_rank is None and loaded.cfg.dtype == "bfloat16"
@@ -204,6 +205,18 @@ def test_sharded_placement_hook(tmp_path, model):
 
 
 # ----------------------------------------------------------------------------------------------- broken files
+
+def _edit_config(directory, drop=(), **changes):
+    """Change (or `drop`) fields of the text model in directory/config.json."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    text = hf.get("text_config", hf)
+    text.update(changes)
+    for field in drop:
+        del text[field]
+    with open(path, "w") as f:
+        json.dump(hf, f)
 
 def _rewrite(path, change):
     with safe_open(path, framework="numpy") as f:
@@ -268,3 +281,53 @@ def test_transformers5_rope_parameters_are_read():
     assert config.from_hf_config(plain).rope_scaling_factor == 1.0 and config.from_hf_config(plain).rope_theta == 1e4
     with pytest.raises(ValueError, match="truncate"):
         hf_import.legacy_rope_fields({**text, "rope_parameters": {**text["rope_parameters"], "truncate": False}})
+
+
+# ----------------------------------------------------------------------------------------------- config vs tensors
+
+def test_layers_the_config_does_not_count_are_refused(exported):
+    _edit_config(exported, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"has tensors of layers 2..2 but config.json says num_hidden_layers=2 \(and "
+                                         r"num_nextn_predict_layers=0 MTP layers after them\); fix num_hidden_layers"):
+        hf_import.load_hf_checkpoint(exported, progress=False)
+
+
+def test_tied_embeddings_with_an_lm_head_are_refused(exported):
+    _edit_config(exported, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=true .* has its own lm_head.weight; set "
+                                         r"tie_word_embeddings to false"):
+        hf_import.load_hf_checkpoint(exported, progress=False)
+
+
+def test_other_unused_tensors_are_named(exported):
+    _edit_config(exported, n_shared_experts=0)
+    with pytest.raises(ValueError, match=r"has tensors the config does not use: "
+                                         r"model.layers.1.mlp.shared_experts.down_proj.weight, .*"
+                                         r"model.layers.2.mlp.shared_experts.up_proj.weight; config.json and the "
+                                         r"tensors disagree"):
+        hf_import.load_hf_checkpoint(exported, progress=False)
+
+
+def test_the_checkpoint_dtype_is_honoured(exported):
+    """The exported tiny model is float32 (config.json: torch_dtype float32): it loads as float32 unless told."""
+    assert hf_import.load_hf_checkpoint(exported, progress=False).cfg.dtype == "float32"
+    _edit_config(exported, drop=("torch_dtype",))
+    loaded = hf_import.load_hf_checkpoint(exported, progress=False)  # no field: the tensors' dtype
+    assert loaded.cfg.dtype == "float32" and loaded.layers[0].self_attn.kv_b_proj[...].dtype == jnp.float32
+    assert hf_import.load_hf_checkpoint(exported, dtype="bfloat16", progress=False).cfg.dtype == "bfloat16"
+    _edit_config(exported, torch_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"config.json says torch_dtype='bfloat16' but checkpoint .* holds float32 "
+                                         r"tensors \(model.embed_tokens.weight\); fix torch_dtype"):
+        hf_import.load_hf_checkpoint(exported, progress=False)
+
+
+@pytest.mark.parametrize("change, drop, message", [
+    ({}, ("kv_lora_rank",), r"config fields \['kv_lora_rank'\] are missing"),
+    ({"num_attention_heads": 0}, (), r"config field 'num_attention_heads' = 0 must be a positive integer"),
+    ({"q_lora_rank": -4}, (), r"config field 'q_lora_rank' = -4 must be a positive integer, or null"),
+    ({"rms_norm_eps": 0.0}, (), r"config field 'rms_norm_eps' = 0.0 must be a positive number"),
+])
+def test_missing_and_invalid_config_fields_are_named(exported, change, drop, message):
+    _edit_config(exported, drop=drop, **change)
+    with pytest.raises(ValueError, match=re.escape(os.path.join(exported, "config.json")) + ": " + message):
+        hf_import.load_hf_checkpoint(exported, progress=False)
