@@ -3,12 +3,17 @@
 A checkpoint directory holds one orbax step per save (`<directory>/<step>/`) with two items:
   params  the `nnx.Param` state as a pure dict (StandardSave), each array in the dtype it had when saved
   meta    JSON: {"kind": "target" | "drafter", "config": the ModelConfig or DrafterConfig as a dict}
-Restores build the model abstractly (no random init), compare the checkpoint's tree of shapes with the model's before
-reading any array, and place every array with the given shardings (default: the first device).
+and beside them FILE_SIZES, the size of every file of the step when it was written. Restores build the model
+abstractly (no random init), refuse a model larger than the devices' memory, check that the step's files are all
+there with their sizes (a missing or truncated file is reported as corrupt, by name), compare the checkpoint's tree of
+shapes with the model's before reading any array, and place every array with the given shardings (default: the first
+device). An array that still cannot be read is reported as corrupt too, with the reader's own reason.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 from typing import Any, Callable
 
@@ -16,11 +21,14 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from kdtree_jax import memory
 from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 
 TARGET, DRAFTER = "target", "drafter"
+FILE_SIZES = "file_sizes.json"  # in each step directory: {file path relative to the step: bytes when saved}
+REQUIRED_FILES = ("params/_METADATA", "params/manifest.ocdbt", "meta/metadata")  # what every orbax step of ours has
 
 # A pytree of jax.sharding.Sharding shaped like the model's Param state (or an nnx.State of them), or a function
 # (path, jax.ShapeDtypeStruct) -> Sharding with path a tuple of state keys such as ("layers", 1, "mlp", "w_gate").
@@ -36,6 +44,11 @@ def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
     with _manager(directory, read_only=False) as mngr:
         mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
+    step_dir = os.path.join(directory, str(step))
+    sizes = {os.path.relpath(os.path.join(root, f), step_dir): os.path.getsize(os.path.join(root, f))
+             for root, _, files in os.walk(step_dir) for f in files}
+    with open(os.path.join(step_dir, FILE_SIZES), "w") as f:
+        json.dump(sizes, f, indent=1, sort_keys=True)
     return directory
 
 
@@ -87,7 +100,9 @@ def read_meta(directory: str, step: int | None = None) -> dict:
     directory = os.path.abspath(directory)
     with _manager(directory) as mngr:
         step = _resolve_step(mngr, directory, step)
-        return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        _check_files(directory, step)
+        with _reported_as_corrupt(directory, step):
+            return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
 # ----------------------------------------------------------------------------------------------- internals
@@ -95,6 +110,8 @@ def read_meta(directory: str, step: int | None = None) -> dict:
 def _restore_new(directory, step, build: Callable[[], nnx.Module], shardings):
     abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract, nnx.Param)  # raises if the module holds anything but Params
+    memory.check_fits({f"{type(abstract).__name__} params": memory.tree_bytes(state)}, jax.devices(),
+                      "restore it on more devices (shardings over a mesh) or a machine with more memory")
     nnx.replace_by_pure_dict(state, _restore_params(directory, step, state, shardings))
     return nnx.merge(graphdef, state)
 
@@ -105,9 +122,45 @@ def _restore_params(directory, step, state: nnx.State, shardings) -> dict:
     target = _abstract_params(state, shardings)
     with _manager(directory) as mngr:
         step = _resolve_step(mngr, directory, step)
+        _check_files(directory, step)
         _check_same_shapes(mngr.item_metadata(step)["params"], target, f"{directory} step {step}")
-        restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        with _reported_as_corrupt(directory, step):
+            restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     return restored["params"]
+
+
+def _check_files(directory: str, step: int) -> None:
+    """Raise ValueError naming the first file of the step that is missing or no longer has its saved size."""
+    step_dir = os.path.join(directory, str(step))
+    sizes_path = os.path.join(step_dir, FILE_SIZES)
+    sizes = {}
+    if os.path.exists(sizes_path):  # checkpoints saved before FILE_SIZES existed have only REQUIRED_FILES checked
+        with open(sizes_path) as f:
+            sizes = json.load(f)
+    for rel in dict.fromkeys(REQUIRED_FILES + tuple(sorted(sizes))):
+        path = os.path.join(step_dir, rel)
+        if not os.path.exists(path):
+            raise _corrupt(directory, step, f"{path} is missing")
+        if rel in sizes and os.path.getsize(path) != sizes[rel]:
+            raise _corrupt(directory, step, f"{path} has {os.path.getsize(path)} bytes, {sizes[rel]} when saved")
+
+
+@contextlib.contextmanager
+def _reported_as_corrupt(directory: str, step: int):
+    """An error of orbax / TensorStore while reading a step becomes a ValueError naming the step and the root cause
+    (TensorStore wraps it in a bare Exception carrying a 60-line spec)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - TensorStore raises bare Exceptions
+        while e.__cause__ is not None or e.__context__ is not None:
+            e = e.__cause__ or e.__context__
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise _corrupt(directory, step, f"reading it failed ({reason[:500]})") from None
+
+
+def _corrupt(directory: str, step: int, what: str) -> ValueError:
+    return ValueError(f"checkpoint {directory} step {step} is corrupt: {what}; copy the checkpoint again or "
+                              f"save it again")
 
 
 def _abstract_params(state: nnx.State, shardings) -> dict:

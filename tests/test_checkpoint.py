@@ -1,5 +1,6 @@
 """Orbax round trips of the target and the drafter; restoring into a different config fails loudly."""
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,37 @@ def test_restore_with_explicit_shardings(tmp_path, target):
     for _, v in nnx.to_flat_state(nnx.state(restored, nnx.Param)):
         assert v[...].sharding == device
     _assert_same_params(restored, target)
+
+
+def _largest_data_file(step_dir):
+    files = [os.path.join(root, f) for root, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs
+             if os.sep + "d" + os.sep in os.path.join(root, f)]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _overwrite_start(path):
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 64)
+
+
+@pytest.mark.parametrize("damage, names", [
+    (lambda step: _truncate(_largest_data_file(step)), r"params/.*/d/\w+ has \d+ bytes, \d+ when saved"),
+    (lambda step: os.remove(_largest_data_file(step)), r"params/.*/d/\w+ is missing"),
+    (lambda step: os.remove(os.path.join(step, "params", "_METADATA")), r"params/_METADATA is missing"),
+    (lambda step: os.remove(os.path.join(step, "meta", "metadata")), r"meta/metadata is missing"),
+    (lambda step: _overwrite_start(_largest_data_file(step)), r"reading it failed \(.*Error reading"),
+], ids=["truncated", "deleted", "metadata_deleted", "meta_deleted", "overwritten"])
+def test_a_corrupt_checkpoint_is_reported_as_corrupt(tmp_path, target, damage, names):
+    """One line naming the checkpoint, the damaged file (or the reader's reason) and the fix, never a TensorStore
+    dump or a config mismatch."""
+    path = checkpoint.save(tmp_path / "t", target)
+    damage(os.path.join(path, "0"))
+    with pytest.raises(ValueError, match=rf"checkpoint {path} step 0 is corrupt: .*{names}.*; copy the checkpoint "
+                                         rf"again or save it again") as e:
+        checkpoint.restore_target(path)
+    assert "\n" not in str(e.value)
