@@ -62,8 +62,9 @@ def test_bench_round_tiny(tmp_path):
     ar, tree = result["rows"]
     assert (ar["policy"], ar["budget"], tree["policy"], tree["budget"]) == ("ar", 0, "ddtree", 8)
     assert set(ar["stages_us"]) == set(STAGES) - {"draft"} and set(tree["stages_us"]) == set(STAGES)
+    assert ar["tau_mean"] == 1.0 and 1.0 <= tree["tau_mean"] <= 16  # ar emits one token a round; L = 16
     for r in (ar, tree):
-        assert r["streams"] == 2 and 1 <= r["rounds"] <= 3 and r["tau_mean"] >= 1
+        assert r["streams"] == 2 and 1 <= r["rounds"] <= 3
         assert r["checks"] == dict(stages_length_equal=True, stages_vs_round_rel_err=pytest.approx(0, abs=1e-6),
                                    fixed_loop_same_output=True)
         assert r["stages_sum_us"] == pytest.approx(sum(r["stages_us"].values()))
@@ -90,8 +91,13 @@ def test_bench_decode_small_table(tmp_path):
         assert [x["policy"] for x in runs if (x["temperature"], x["batch"]) == (r["temperature"], r["batch"])] == \
             ["ar", "chain", "ddtree"]
         assert r["new_tokens"] == 24 and sum(r["accept_hist"]) == r["rounds"]
+        emitted = sum(tau * n for tau, n in enumerate(r["accept_hist"], start=1))
+        assert emitted == 24 - 3  # every round's tokens: all but the first of each of the 3 prompts (prefill's)
+        assert r["tau"] == pytest.approx(emitted / r["rounds"])
+        if r["policy"] == "ar":
+            assert r["accept_hist"][1:] == [0] * (len(r["accept_hist"]) - 1)  # one token a round
         assert r["identical_to_ar"] is (True if r["temperature"] == 0 else None)
-        assert r["speedup"] > 0 and r["tau"] >= 1
+        assert r["speedup"] > 0
 
     skipped = tmp_path / "skipped.json"
     run_script("bench_decode.py", "--num_prompts=2", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=1",

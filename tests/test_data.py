@@ -53,7 +53,9 @@ def test_split_is_pinned_and_about_five_percent():
     names = [f"pkg{i % 17}/module_{i}.py" for i in range(20000)]
     fraction = np.mean([data.is_held_out(n) for n in names])
     assert abs(fraction - data.HELD_OUT_FRACTION) < 0.006
-    assert [data.is_held_out(n) for n in names[:500]] == [data.is_held_out(n) for n in names[:500]]
+    held_out = [i for i, n in enumerate(names[:500]) if data.is_held_out(n)]
+    assert held_out == [22, 63, 65, 93, 97, 123, 130, 150, 171, 186, 228, 232, 259, 266, 279, 284, 292, 296, 331, 463,
+                        482]  # pinned: the split of 500 synthetic paths
 
 
 def test_stdlib_split(stdlib_files):
