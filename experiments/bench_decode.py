@@ -55,7 +55,7 @@ def main(argv):
     tokenizer = load_tokenizer(FLAGS.tokenizer)
     mesh = sharding.parse_mesh(FLAGS.mesh)
     target = model_dir.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
-    drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg)
+    drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg, mesh=mesh)
     eos = model_dir.eos_token_id(FLAGS.target, target.cfg)
     decoder = Decoder(target, drafter, mesh=mesh)
     prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]

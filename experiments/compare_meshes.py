@@ -27,8 +27,8 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
-from kdtree_jax import cli, sharding
-from kdtree_jax.checkpoint import restore_drafter, restore_target
+from kdtree_jax import cli, model_dir, sharding
+from kdtree_jax.checkpoint import restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, decode_in_batches
 
@@ -123,12 +123,12 @@ def main(argv):
         precision = "highest" if dtype == "float32" else None
         with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
             target = restore_target(FLAGS.target, dtype=dtype, shardings=sharding.restore_shardings(mesh))
-            drafter = restore_drafter(FLAGS.drafter, target.cfg, shardings=lambda *_: sharding.replicated(mesh))
+            drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg, mesh=mesh)
             on_mesh = Decoder(target, drafter, mesh=mesh)
             one = None
             if reference is None:
                 one_target = restore_target(FLAGS.target, dtype=dtype)
-                one = Decoder(one_target, restore_drafter(FLAGS.drafter, one_target.cfg))
+                one = Decoder(one_target, model_dir.load_drafter(FLAGS.drafter, one_target.cfg))
             block = drafter.cfg.block_size
             for policy, budget in cases:
                 spec = DecodeSpec(policy=policy, budget=budget, block_size=block,

@@ -72,7 +72,8 @@ def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed
     target = model_dir.load_target(init, preset=preset, seed=seed, dtype=dtype, mesh=mesh)
     if not need_drafter:
         return target, None
-    return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1)
+    return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1,
+                                             mesh=mesh)
 
 
 def tokenizer_path(flag: str, init: str) -> str | None:
@@ -157,7 +158,7 @@ def main(argv):
     print_report(prompts, runs, tokenizer)
     if FLAGS.compare and FLAGS.policy != "ar":
         print(f"\n{FLAGS.policy} output identical to ar: {report['identical_to_ar']}  "
-              f"(speedup {report['speedup_over_ar']:.2f}x on this CPU)")
+              f"(speedup {report['speedup_over_ar']:.2f}x on this device)")
     report.update(init=FLAGS.init, drafter=FLAGS.drafter if drafter is not None else None, mesh=FLAGS.mesh,
                   kernels=FLAGS.kernels, backend=jax.default_backend(), dtype=target.cfg.dtype, eos_token_id=eos)
     if FLAGS.json:

@@ -73,14 +73,19 @@ def target_config(value: str) -> config_lib.ModelConfig:
     raise ValueError(f"{value!r} is not a target checkpoint (an orbax checkpoint of ours or an HF model directory)")
 
 
-def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int = 8, seed: int = 0) -> Drafter:
-    """The drafter named by `value` for `target` (random: the tiny drafter config with `block_size`)."""
+def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int = 8, seed: int = 0,
+                 mesh=None) -> Drafter:
+    """The drafter named by `value` for `target` (random: the tiny drafter config with `block_size`).
+
+    mesh: a checkpoint of ours is restored replicated over it, so that with several processes every process holds
+    its devices' copies (restored onto one device, a process could not address it)."""
     kind = checkpoint_kind(value)
     if kind == RANDOM:
         return Drafter(config_lib.tiny_drafter(target, block_size), target, nnx.Rngs(seed))
     if kind == ORBAX:
         from kdtree_jax.checkpoint import restore_drafter
-        return restore_drafter(value, target)
+        return restore_drafter(value, target,
+                               shardings=(lambda *_: sharding.replicated(mesh)) if mesh is not None else None)
     if kind == DFLASH:
         return dflash_format.load_dflash_drafter(value, target)
     raise ValueError(f"{value} holds a target model (its config.json does not name DFlashDraftModel), not a "

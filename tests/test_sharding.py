@@ -99,15 +99,16 @@ def test_forward_equals_single_device(models, tp):
 @on_devices
 @pytest.mark.parametrize("quant", ["bf16", "int4"])
 def test_step_collectives_psum_and_no_weight_gather(models, quant):
-    """tp=8: one psum per MoE layer (XLA may fuse it with the shared expert's all-reduce into one tuple all-reduce);
-    the only all-gather is the router's scores; no split param is ever gathered whole."""
+    """tp=8: one psum per MoE layer (XLA may fuse it with the shared expert's all-reduce into one tuple all-reduce)
+    and one for the vocab-parallel embedding lookup; the only all-gather is the router's scores; no split param is
+    ever gathered whole."""
     model = models[0] if quant == "bf16" else Transformer(CFG.replace(expert_quant="int4"), nnx.Rngs(2))
     tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, CFG.vocab_size)
     expect = jax.jit(lambda t: causal_logits(model, t))(tokens)
     got, lowered, hlo, params = sharded_forward(model, sharding.make_mesh(tp=8), tokens)
     assert rel_err(got, expect) < 1e-5
     moe_layers = CFG.num_layers - CFG.first_k_dense
-    assert lowered.count("stablehlo.all_reduce") == moe_layers  # the shard_map's psum, before XLA partitions the rest
+    assert lowered.count("stablehlo.all_reduce") == moe_layers + 1  # the shard_maps' psums, before XLA partitions
     m, d = tokens.size, CFG.hidden_size
     assert collectives(hlo, "all-reduce").count(f"f32[{m},{d}]") >= moe_layers
     gathered = set(collectives(hlo, "all-gather"))

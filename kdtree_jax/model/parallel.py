@@ -1,4 +1,5 @@
-"""The model's two shard_map regions: expert-parallel routed experts and head-parallel tree-verify attention.
+"""The model's shard_map regions: expert-parallel routed experts, head-parallel tree-verify attention and the
+vocab-parallel embedding lookup.
 
 The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import ops
@@ -41,13 +43,8 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights):
     tp = tp_size(mesh)
     if tp == 1:
         return local_moe(x, experts, ids, weights)
-    num_experts = jax.tree.leaves(experts)[0].shape[0]
-    if num_experts % tp:
-        raise ValueError(f"experts = {num_experts} is not divisible by {TP} = {tp}; choose a {TP} size that divides "
-                         f"the number of routed experts")
-    per_device = num_experts // tp
-    data = dict(mesh.shape).get(DATA, 1)
-    tokens = P(DATA) if data > 1 and x.shape[0] % data == 0 else P()
+    per_device = _per_device(jax.tree.leaves(experts)[0].shape[0], tp, "experts", "routed experts")
+    tokens = P(_stream_axis(mesh, x.shape[0]))
 
     def local(x, experts, ids, weights):
         first = jax.lax.axis_index(TP) * per_device
@@ -70,18 +67,51 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
     tp = tp_size(mesh)
     if tp == 1:
         return attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-    heads = q_lat.shape[2]
-    if heads % tp:
-        raise ValueError(f"heads = {heads} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
-                         f"number of attention heads")
-    data = dict(mesh.shape).get(DATA, 1)
-    streams = DATA if data > 1 and q_lat.shape[0] % data == 0 else None
+    _per_device(q_lat.shape[2], tp, "heads", "attention heads")
+    streams = _stream_axis(mesh, q_lat.shape[0])
     per_head = P(streams, None, TP, None)
     per_stream = P(streams)
     return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
                          out_specs=per_head, check_vma=_check_vma())(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
 
 
+def vocab_parallel_embed(table, tokens):
+    """Rows of the embedding table, split on its vocab axis over tp when the current mesh has tp > 1.
+
+    table [V, D], tokens [S, T] int -> [S, T, D]. Left to XLA, a lookup of a single token (an AR step at one stream)
+    becomes a dynamic slice of the vocab-split table, which the GPU partitioner serves by all-gathering the whole
+    table: 2.35 GB and 5 ms per step for K2.6 at tp=2 on 2 x H200 (experiments/notes/sharding.md). Here each device
+    looks the tokens up in its own V / tp rows (zero rows for the others' tokens) and one psum over tp adds them:
+    S x T x D values on the wire. Streams stay split over data when it divides S.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return jnp.take(table, tokens, axis=0)
+    per_device = _per_device(table.shape[0], tp, "vocab", "vocabulary entries")
+    streams = P(_stream_axis(mesh, tokens.shape[0]))
+
+    def local(table, tokens):
+        ids = tokens - jax.lax.axis_index(TP) * per_device
+        mine = (ids >= 0) & (ids < per_device)
+        rows = jnp.take(table, jnp.where(mine, ids, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), TP)
+
+    return jax.shard_map(local, in_specs=(P(TP), streams), out_specs=streams)(table, tokens)
+
+
+def _per_device(count: int, tp: int, name: str, what: str) -> int:
+    """count / tp, or a ValueError naming the axis that tp does not divide."""
+    if count % tp:
+        raise ValueError(f"{name} = {count} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
+                         f"number of {what}")
+    return count // tp
+
+
+def _stream_axis(mesh, num_streams: int) -> str | None:
+    """The mesh axis that splits the streams: data, when the mesh has one that divides them; else none."""
+    data = dict(mesh.shape).get(DATA, 1)
+    return DATA if data > 1 and num_streams % data == 0 else None
 
 
 def _check_vma() -> bool:

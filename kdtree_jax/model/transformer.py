@@ -12,6 +12,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
+from kdtree_jax.model.parallel import vocab_parallel_embed
 
 
 class DecoderLayer(nnx.Module):
@@ -50,8 +51,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def embed(self, tokens):
-        """tokens [S, T] -> [S, T, D]."""
-        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+        """tokens [S, T] -> [S, T, D] (vocab-parallel under a mesh: `parallel.vocab_parallel_embed`)."""
+        return vocab_parallel_embed(self.embed_tokens[...], tokens)
 
     def logits(self, hidden):
         """final-normed hidden [S, T, D] -> logits [S, T, V] in f32."""
