@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from pallas_kernels import int4_layout
+from kdtree_jax import memory
 from kdtree_jax.config import ModelConfig, from_hf_config
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels.int4_moe import repack_linear
@@ -181,6 +182,8 @@ def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype:
         resident = keep_int4 and cfg.expert_quant == "int4"
         model_cfg = cfg if resident else cfg.replace(expert_quant="bf16")
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
+        memory.check_fits({f"{cfg.name} params": memory.tree_bytes(state)}, jax.devices(),
+                          "place it over more devices (place=, --mesh) or use a machine with more memory")
         wanted = {path: (tuple(v.shape), np.dtype(v.dtype)) for path, v in nnx.to_flat_state(state)}
         expected = {p for s in sources for p in (_int4_paths(s) if resident and s.stacked else (s.path,))}
         if set(wanted) != expected:
