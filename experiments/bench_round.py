@@ -52,7 +52,8 @@ flags.DEFINE_string("init", "checkpoints/target", "'random' (at --config), a tar
                     "an HF model directory")
 flags.DEFINE_string("drafter", "checkpoints/drafter", "'random', a drafter checkpoint directory of ours or a DFlash "
                     "drafter directory")
-flags.DEFINE_integer("block_size", 16, "block size L of a random drafter (a checkpointed drafter has its own)")
+flags.DEFINE_integer("block_size", 16, "block size L of a random drafter; a checkpointed drafter has its own, and "
+                     "another value given here is refused")
 flags.DEFINE_list("budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
 flags.DEFINE_list("streams", ["1", "8"], "streams decoded together")
 flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
@@ -68,7 +69,8 @@ STAGES = ("draft", "build", "verify", "accept", "commit")
 
 
 # ------------------------------------------------------------------------------------------------------ models
-def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int) -> tuple[Transformer, Drafter]:
+def load_models(init: str, preset: str, drafter_init: str, block_size: int | None, seed: int
+                ) -> tuple[Transformer, Drafter]:
     """The target (random at `preset`, a checkpoint of ours or an HF directory: kdtree_jax.model_dir) and its drafter
     (random: the code_target's own drafter config for code_target, the tiny drafter config otherwise; a checkpoint of
     ours or a DFlash directory)."""
@@ -241,7 +243,8 @@ def main(argv):
     logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the table
     start = time.time()
     out = F.out or f"experiments/results/round_{jax.default_backend()}.json"
-    target, drafter = load_models(F.init, F.config, F.drafter, F.block_size, F.seed)
+    block_size = F.block_size if F["block_size"].present or F.drafter == "random" else None  # a checkpoint's own
+    target, drafter = load_models(F.init, F.config, F.drafter, block_size, F.seed)
     decoder = Decoder(target, drafter)
     block = drafter.cfg.block_size
     results = dict(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,

@@ -50,7 +50,8 @@ flags.DEFINE_integer("prompt_tokens", 64, "length of each held-out prompt in tok
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate per stream")
 flags.DEFINE_enum("policy", "ar", ["ar", "chain", "ddtree"], "decoding policy")
 flags.DEFINE_integer("budget", 16, "ddtree: non-root tree nodes B")
-flags.DEFINE_integer("block_size", 8, "block size L of a random drafter (a checkpointed drafter has its own)")
+flags.DEFINE_integer("block_size", None, f"block size L of a random drafter (default {model_dir.RANDOM_BLOCK_SIZE}); "
+                     "a checkpointed drafter has its own, and another value is refused")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples the target per tree node")
 flags.DEFINE_integer("cache_len", 0, "cache rows per stream (0 = just enough)")
 flags.DEFINE_bool("compare", False, "also run ar and report both side by side, with whether outputs are identical")
@@ -66,7 +67,7 @@ flags.DEFINE_integer("num_processes", 1, "processes joined by jax.distributed (w
 flags.DEFINE_integer("process_id", 0, "this process's index, 0 .. num_processes - 1 (with --coordinator)")
 
 
-def load_models(init: str, preset: str, drafter_init: str, block_size: int, seed: int, need_drafter: bool,
+def load_models(init: str, preset: str, drafter_init: str, block_size: int | None, seed: int, need_drafter: bool,
                 mesh=None, dtype: str | None = None):
     """The target (into its shards on `mesh`) and, when needed, the drafter (kdtree_jax.model_dir)."""
     target = model_dir.load_target(init, preset=preset, seed=seed, dtype=dtype, mesh=mesh)
@@ -138,7 +139,7 @@ def main(argv):
     target, drafter = load_models(FLAGS.init, FLAGS.config, FLAGS.drafter, FLAGS.block_size, FLAGS.seed,
                                   FLAGS.policy != "ar", mesh, FLAGS.dtype)
     eos = model_dir.eos_token_id(FLAGS.init, target.cfg)
-    block = drafter.cfg.block_size if drafter is not None else FLAGS.block_size
+    block = drafter.cfg.block_size if drafter is not None else (FLAGS.block_size or model_dir.RANDOM_BLOCK_SIZE)
     spec = DecodeSpec(policy=FLAGS.policy, budget=FLAGS.budget, block_size=block, temperature=FLAGS.temperature,
                       max_new_tokens=FLAGS.max_new_tokens, eos_token_id=eos)
     decoder = Decoder(target, drafter, mesh=mesh)

@@ -18,11 +18,12 @@ import os
 from flax import nnx
 
 from kdtree_jax import config as config_lib
-from kdtree_jax import dflash_format, sharding
+from kdtree_jax import dflash_format, memory, sharding
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 
 RANDOM, ORBAX, HF, DFLASH = "random", "orbax", "hf", "dflash"
+RANDOM_BLOCK_SIZE = 8  # block size L of a random drafter unless given
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -51,7 +52,9 @@ def load_target(value: str, *, preset: str = "tiny", seed: int = 0, dtype: str |
     kind = checkpoint_kind(value)
     if kind == RANDOM:
         cfg = config_lib.preset(preset)
-        return Transformer(cfg.replace(dtype=dtype) if dtype else cfg, nnx.Rngs(seed))  # the Decoder shards it
+        cfg = cfg.replace(dtype=dtype) if dtype else cfg
+        memory.check_model_fits(lambda: Transformer(cfg, nnx.Rngs(seed)), cfg.name)
+        return Transformer(cfg, nnx.Rngs(seed))  # the Decoder shards it
     if kind == ORBAX:
         from kdtree_jax.checkpoint import restore_target
         return restore_target(value, dtype=dtype, shardings=sharding.restore_shardings(mesh) if mesh else None)
@@ -73,23 +76,29 @@ def target_config(value: str) -> config_lib.ModelConfig:
     raise ValueError(f"{value!r} is not a target checkpoint (an orbax checkpoint of ours or an HF model directory)")
 
 
-def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int = 8, seed: int = 0,
+def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int | None = None, seed: int = 0,
                  mesh=None) -> Drafter:
-    """The drafter named by `value` for `target` (random: the tiny drafter config with `block_size`).
+    """The drafter named by `value` for `target` (random: the tiny drafter config with `block_size`, default
+    RANDOM_BLOCK_SIZE). A checkpointed drafter has its own block size: a `block_size` that differs is refused.
 
     mesh: a checkpoint of ours is restored replicated over it, so that with several processes every process holds
     its devices' copies (restored onto one device, a process could not address it)."""
     kind = checkpoint_kind(value)
     if kind == RANDOM:
-        return Drafter(config_lib.tiny_drafter(target, block_size), target, nnx.Rngs(seed))
+        return Drafter(config_lib.tiny_drafter(target, block_size or RANDOM_BLOCK_SIZE), target, nnx.Rngs(seed))
     if kind == ORBAX:
         from kdtree_jax.checkpoint import restore_drafter
-        return restore_drafter(value, target,
-                               shardings=(lambda *_: sharding.replicated(mesh)) if mesh is not None else None)
-    if kind == DFLASH:
-        return dflash_format.load_dflash_drafter(value, target)
-    raise ValueError(f"{value} holds a target model (its config.json does not name DFlashDraftModel), not a "
-                     f"drafter; pass a DFlash drafter directory or a drafter checkpoint of ours as --drafter")
+        drafter = restore_drafter(value, target,
+                                  shardings=(lambda *_: sharding.replicated(mesh)) if mesh is not None else None)
+    elif kind == DFLASH:
+        drafter = dflash_format.load_dflash_drafter(value, target)
+    else:
+        raise ValueError(f"{value} holds a target model (its config.json does not name DFlashDraftModel), not a "
+                         f"drafter; pass a DFlash drafter directory or a drafter checkpoint of ours as --drafter")
+    if block_size is not None and block_size != drafter.cfg.block_size:
+        raise ValueError(f"--block_size={block_size} differs from the block size {drafter.cfg.block_size} the drafter "
+                         f"{value} was trained with; drop --block_size (a checkpointed drafter uses its own)")
+    return drafter
 
 
 def eos_token_id(value: str, target: config_lib.ModelConfig) -> int | None:
