@@ -21,10 +21,12 @@ same seed must give the same samples. Two statistics, on S streams x max_new tok
 Power against "argmax at every tree node except the root" (the bug this file exists for): every checked token is
 then its argmax, so z = sum_t (1 - m_t) / sqrt(sum_t m_t (1 - m_t)) >= sqrt(sum_t (1 - m_t)) with certainty, since
 m_t (1 - m_t) <= 1 - m_t. The test asserts sum_t (1 - m_t) >= MIN_UNCERTAINTY = 100 over the checked tokens (so
-z >= 10 > Z_MAX under the bug: it fails with probability 1, not just > 99%). Measured with the default sizes (64
-streams x 13 tokens, 512 checked tokens per T): mean m_t 0.44 / 0.34 / 0.28 at T = 0.7 / 1.0 / 1.3, so
-sum_t (1 - m_t) is about 290 / 340 / 370 and z under the bug about 25 / 27 / 31. The slow variant (512 streams x 25
-tokens, ~8000 checked tokens per T) also resolves smaller errors, e.g. the wrong temperature at non-root nodes.
+z >= 10 > Z_MAX under the bug: it fails with probability 1, not just > 99%). Measured with the default sizes (256
+streams x 13 tokens, 2048 checked tokens per T, T = 0.7 / 1.0 / 1.3): sum_t (1 - m_t) 1154 / 1367 / 1486; correct
+sampling chi-square 6.6 / 5.2 / 6.3 and z 1.2 / 0.0 / 0.0; under the bug chi-square 2254 / 3499 / 4625 and
+z 54 / 65 / 74. A subtler bug, sampling the nodes below the root at T = 1 whatever T, gives chi-square 198 / 3 / 54
+and z -9.5 / 0.6 / 6.6 (caught at T = 0.7 and 1.3; with 64 streams it gave 37 and -4.8 at T = 0.7: not reliably
+caught, hence 256). The slow variant (512 streams x 25 tokens, ~8000 checked tokens per T) resolves smaller errors.
 """
 import jax
 import jax.numpy as jnp
@@ -134,7 +136,7 @@ def check_ddtree(target, temperature: float, streams: int, max_new: int) -> None
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 def test_ddtree_tokens_follow_the_target(target, temperature):
-    check_ddtree(target, temperature, streams=64, max_new=13)
+    check_ddtree(target, temperature, streams=256, max_new=13)
 
 
 @pytest.mark.slow
