@@ -34,12 +34,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 
 from experiments.timing import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
-from kdtree_jax import model_dir, plots
+from kdtree_jax import cli, model_dir, plots
 from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
                                root_only_tree)
 from kdtree_jax.drafter import Drafter
@@ -296,4 +296,4 @@ def plot_stages(results: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
