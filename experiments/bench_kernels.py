@@ -88,7 +88,8 @@ def main(_):
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s, F.reps, F.quick,
                 [int(m) for m in F.moe_sweep_tokens] if "moe" in F.sweep else [], _dump)
-        print("int4_moe f32 check:", RESULTS["checks"].get("int4_moe_f32_16_tokens"), flush=True)
+        print("int4_moe f32 checks:", {k: v for k, v in RESULTS["checks"].items() if k.startswith("int4_moe")},
+              flush=True)
     if "tree" in F.sections:
         run_tree(RESULTS["tree"], RESULTS["checks"], time.time() + F.tree_budget_s, F.reps, F.quick, _dump)
         print("tree kernels identical to the heapq spec and the python accept walk:",

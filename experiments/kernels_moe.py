@@ -19,6 +19,7 @@ from jax import lax
 
 from experiments.timing import BF16, Job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
+from pallas_kernels import int4_moe_triton as moe_triton
 
 
 def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
@@ -28,22 +29,28 @@ def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
     return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 4096)
 
 
-def moe_sweep(m: int, n_pairs: int, num_experts: int, quick: bool, sweep_tokens: list[int]) -> list[moe.MoeConfig]:
-    """Alternative tilings timed beside the default when M is one of `sweep_tokens`."""
-    if quick or m not in sweep_tokens:
+def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]) -> list:
+    """Tilings of the Triton kernel timed beside its default when M is one of `sweep_tokens`."""
+    if m not in sweep_tokens:
         return []
-    base = moe.default_config(n_pairs, num_experts)
-    if base.block_m == 16:
-        variants = [dict(block_n=128), dict(block_n=32), dict(block_n=32, num_warps=2), dict(block_n=16, num_warps=2),
-                    dict(num_stages=3), dict(num_stages=5), dict(num_warps=8)] + [
-            dict(block_m=bm, use_mma=False) for bm in (1, 2, 4)]
+    base = moe_triton.default_config(n_pairs, num_experts)
+    Config = moe_triton.TritonMoeConfig
+    if n_pairs / num_experts < 16:
+        candidates = [Config(block_m=bm, block_n=bn, num_warps=4, num_stages=3, use_mma=False)
+                      for bm in (1, 2, 4, 8) for bn in (32, 64)]
+        candidates += [Config(block_m=2, block_n=64, num_warps=8, num_stages=3, use_mma=False),
+                       Config(block_m=16, block_n=64, words=32, num_warps=4, num_stages=3),
+                       Config(block_m=16, block_n=32, words=32, num_warps=4, num_stages=3)]
     else:
-        variants = [dict(block_m=128), dict(block_m=32, block_n=128, num_warps=4), dict(block_n=64, num_warps=4)]
-    return [dataclasses.replace(base, **v) for v in variants]
+        candidates = [Config(block_m=64, block_n=128, words=16, num_warps=8, num_stages=3),
+                      Config(block_m=128, block_n=128, words=32, num_warps=8, num_stages=3),
+                      Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4),
+                      Config(block_m=128, block_n=64, words=16, num_warps=4, num_stages=3)]
+    return [c for c in candidates if c != base]
 
 
 @functools.partial(jax.jit, static_argnames=("e", "d", "i"))
-def _random_experts(key, e: int, d: int, i: int):
+def random_experts(key, e: int, d: int, i: int):
     """Random INT4 experts (E = e, D = d, I = i) in the compressed-tensors layout, repacked for the kernel."""
     ks = jax.random.split(key, 6)
     words = lambda k, o, n: lax.bitcast_convert_type(jax.random.bits(k, (e, o, n // 8), jnp.uint32), jnp.int32)
@@ -118,7 +125,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
     interpret = jax.default_backend() != "gpu"
     shape, token_counts = moe_shapes(quick)
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
-    experts = _random_experts(jax.random.key(3), e, d, shape["inter"])
+    experts = random_experts(jax.random.key(3), e, d, shape["inter"])
     gate_up_bf16 = down_bf16 = None
     for m in token_counts:
         if time.time() > deadline:
@@ -130,8 +137,10 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 ids, w = moe_routing(jax.random.key(100 * m + s), m, e, k)
                 sets.append((jax.random.normal(jax.random.key(7 + s), (m, d), BF16), experts, ids, w))
             fns = {"kernel": jax.jit(lambda *a: moe.int4_moe(*a, interpret=interpret))}
-            for cfg in moe_sweep(m, m * k, e, quick, sweep_tokens):
-                fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe.int4_moe(*a, config=cfg, interpret=interpret))
+            if not interpret:
+                fns["triton"] = jax.jit(moe_triton.int4_moe)
+                for cfg in triton_sweep(m, m * k, e, sweep_tokens):
+                    fns[f"triton:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
             ref_fn = jax.jit(moe.int4_moe_reference)
             x0, _, ids0, w0 = sets[0]
             sub = min(m, 32)
@@ -172,18 +181,22 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
         _print_moe_row(entry)
         save()
     del gate_up_bf16, down_bf16
-    try:
-        checks["int4_moe_f32_16_tokens"] = _moe_f32_check(experts, shape, interpret)
-    except Exception as e:  # noqa: BLE001 - a failed check is a result
-        checks["int4_moe_f32_16_tokens"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    kernels = {"int4_moe_f32_16_tokens": functools.partial(moe.int4_moe, interpret=interpret)}
+    if not interpret:
+        kernels["int4_moe_triton_f32_16_tokens"] = moe_triton.int4_moe
+    for name, kernel in kernels.items():
+        try:
+            checks[name] = _moe_f32_check(kernel, experts, shape)
+        except Exception as e:  # noqa: BLE001 - a failed check is a result
+            checks[name] = f"{type(e).__name__}: {str(e)[:2000]}"
 
 
-def _moe_f32_check(experts, shape, interpret) -> float:
+def _moe_f32_check(kernel, experts, shape) -> float:
     """f32 activations (IEEE dots): kernel vs reference at the full expert shape, 16 tokens, two ids off-device."""
     ids, w = moe_routing(jax.random.key(11), 16, shape["experts"], shape["top_k"])
     ids = ids.at[0, 0].set(-1).at[1, 1].set(shape["experts"])          # other devices' experts contribute 0
     x = jax.random.normal(jax.random.key(12), (16, shape["hidden"]), jnp.float32)
-    return rel_err(moe.int4_moe(x, experts, ids, w, interpret=interpret), moe.int4_moe_reference(x, experts, ids, w))
+    return rel_err(kernel(x, experts, ids, w), moe.int4_moe_reference(x, experts, ids, w))
 
 
 

@@ -38,8 +38,8 @@ def pallas_call(kernel, *, out_shape, **kwargs):
     out_shape: a ShapeDtypeStruct or a pytree of them; kwargs: those of `pl.pallas_call`.
     """
     def call(*operands):
-        varying = frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(operands)))
-        operands = jax.tree.map(lambda x: _vary_over(x, varying), operands)
+        varying = varying_axes(operands)
+        operands = jax.tree.map(lambda x: vary_over(x, varying), operands)
         shapes = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=ManualAxisType(varying=varying)),
             out_shape)
@@ -47,6 +47,12 @@ def pallas_call(kernel, *, out_shape, **kwargs):
     return call
 
 
-def _vary_over(x, axes: frozenset):
+def varying_axes(operands) -> frozenset:
+    """The manual mesh axes any array of the pytree `operands` varies over (empty outside shard_map)."""
+    return frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(operands)))
+
+
+def vary_over(x, axes: frozenset):
+    """x typed as varying over `axes` too (a type cast inside shard_map: no data moves)."""
     missing = tuple(sorted(axes - jax.typeof(x).mat.varying))
     return lax.pcast(x, missing, to="varying") if missing else x

@@ -117,7 +117,7 @@ def dequantize_kernel_layout(packed, scale, in_dim: int):
     return w.reshape(e, out_dim, -1)[:, :, :in_dim]
 
 
-def _check_inputs(x, experts: Int4Experts, topk_ids, topk_weights):
+def check_inputs(x, experts: Int4Experts, topk_ids, topk_weights):
     if x.ndim != 2 or x.shape[1] != experts.hidden_size:
         raise ValueError(f"x {x.shape} must be [M, D={experts.hidden_size}]")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
@@ -130,7 +130,7 @@ def int4_moe_reference(x, experts: Int4Experts, topk_ids, topk_weights):
 
     x [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype.
     """
-    _check_inputs(x, experts, topk_ids, topk_weights)
+    check_inputs(x, experts, topk_ids, topk_weights)
     num_experts = experts.num_experts
     d, i = experts.hidden_size, experts.intermediate_size
     hi = lax.Precision.HIGHEST
@@ -187,7 +187,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     return MoeConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
 
 
-class _Routing(NamedTuple):
+class Routing(NamedTuple):
     block_expert: jax.Array   # [B] int32: the expert of each block; E for blocks past the last
     block_token: jax.Array    # [B, block_m] int32: token of each row; M for padding rows
     block_weight: jax.Array   # [B, block_m] f32: routing weight of each row; 0 for padding rows
@@ -195,7 +195,7 @@ class _Routing(NamedTuple):
     pair_ok: jax.Array        # [M * K] bool: the pair's expert lies in [0, E)
 
 
-def _route(topk_ids, topk_weights, num_experts: int, block_m: int) -> _Routing:
+def route_pairs(topk_ids, topk_weights, num_experts: int, block_m: int) -> Routing:
     """Sort the (token, slot) pairs by expert and cut each expert's run into blocks of block_m rows."""
     m, k = topk_ids.shape
     n_pairs = m * k
@@ -220,7 +220,7 @@ def _route(topk_ids, topk_weights, num_experts: int, block_m: int) -> _Routing:
     rank = jnp.zeros(n_pairs, jnp.int32).at[order].set(jnp.arange(n_pairs, dtype=jnp.int32))
     ke = jnp.minimum(key, num_experts - 1)
     pair_row = block_begin[ke] * block_m + rank - pair_begin[ke]
-    return _Routing(block_expert, block_token, block_weight, pair_row, key < num_experts)
+    return Routing(block_expert, block_token, block_weight, pair_row, key < num_experts)
 
 
 # bf16 bit pattern 0x4300 | n is the number 128 + n for a nibble n: the tile is built with integer ops only (no
@@ -330,11 +330,11 @@ def int4_moe(x, experts: Int4Experts, topk_ids, topk_weights, *, config: MoeConf
 
     x [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
     """
-    _check_inputs(x, experts, topk_ids, topk_weights)
+    check_inputs(x, experts, topk_ids, topk_weights)
     m, d = x.shape
     num_experts, inter = experts.num_experts, experts.intermediate_size
     cfg = config or default_config(topk_ids.size, num_experts)
-    routing = _route(topk_ids, topk_weights, num_experts, cfg.block_m)
+    routing = route_pairs(topk_ids, topk_weights, num_experts, cfg.block_m)
     num_blocks = routing.block_expert.shape[0]
     rows = num_blocks * cfg.block_m
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -352,10 +352,10 @@ def int4_moe(x, experts: Int4Experts, topk_ids, topk_weights, *, config: MoeConf
         grid=(num_blocks, pl.cdiv(d, cfg.block_n)),
         compiler_params=params, interpret=interpret, name="int4_moe_down",
     )(routing.block_expert, routing.block_token, routing.block_weight, h, experts.down_packed, experts.down_scale)
-    return _combine(y, routing.pair_row.reshape(m, -1), routing.pair_ok.reshape(m, -1)).astype(x.dtype)
+    return combine_pairs(y, routing.pair_row.reshape(m, -1), routing.pair_ok.reshape(m, -1)).astype(x.dtype)
 
 
-def _combine(y, rows, ok):
+def combine_pairs(y, rows, ok):
     """out[m] = sum_j y[rows[m, j]] over the pairs with ok[m, j]: y [R, D], rows/ok [M, K] -> [M, D] f32.
 
     K row gathers added in f32, one slot at a time (one fusion), instead of materialising the [M*K, D] gather and

@@ -1,0 +1,36 @@
+"""Run one int4_moe kernel at K2.6 shapes a few times, for a profiler (Nsight Compute) to attach to.
+
+    ncu --clock-control none --kernel-name regex:'gate_up|down' --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 experiments/profile_moe.py --kernel=triton --tokens=8
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from experiments.kernels_moe import moe_routing, moe_shapes, random_experts
+from kdtree_jax import cli
+from pallas_kernels import int4_moe as moe
+from pallas_kernels import int4_moe_triton as moe_triton
+
+flags.DEFINE_enum("kernel", "triton", ["pallas_triton", "triton"], "which int4_moe")
+flags.DEFINE_integer("tokens", 8, "tokens M")
+flags.DEFINE_integer("calls", 3, "calls of the kernel (the first compiles)")
+F = flags.FLAGS
+
+
+def main(_):
+    shape, _ = moe_shapes(quick=False)
+    experts = random_experts(jax.random.key(3), shape["experts"], shape["hidden"], shape["inter"])
+    ids, w = moe_routing(jax.random.key(4), F.tokens, shape["experts"], shape["top_k"])
+    x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
+    kernel = jax.jit({"pallas_triton": moe.int4_moe, "triton": moe_triton.int4_moe}[F.kernel])
+    for _ in range(F.calls):
+        jax.block_until_ready(kernel(x, experts, ids, w))
+    print(f"ran {F.kernel} int4_moe at M={F.tokens} {F.calls} times")
+
+
+if __name__ == "__main__":
+    cli.run(main)
