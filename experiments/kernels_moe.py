@@ -1,6 +1,7 @@
-"""bench_kernels section `moe`: int4_moe (Pallas Triton, INT4 experts dequantized in registers) against the XLA paths
-over bf16 weights (ragged_dot, gather + einsum) and its jnp reference, at K2.6 expert shapes, with an f32 check and
-optional tilings.
+"""bench_kernels section `moe`: int4_moe (the Triton kernel through jax-triton, INT4 experts dequantized in registers)
+against the previous Pallas-Triton kernel, the XLA paths over bf16 weights (ragged_dot, gather + einsum) and its jnp
+reference, at K2.6 expert shapes, with f32 checks and optional tilings. On the CPU (--quick) the Pallas kernel runs in
+interpret mode in its place.
 
     cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
     cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction
@@ -36,16 +37,12 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     base = moe_triton.default_config(n_pairs, num_experts)
     Config = moe_triton.TritonMoeConfig
     if n_pairs / num_experts < 16:
-        candidates = [Config(block_m=bm, block_n=bn, num_warps=4, num_stages=3, use_mma=False)
-                      for bm in (1, 2, 4, 8) for bn in (32, 64)]
-        candidates += [Config(block_m=2, block_n=64, num_warps=8, num_stages=3, use_mma=False),
-                       Config(block_m=16, block_n=64, words=32, num_warps=4, num_stages=3),
-                       Config(block_m=16, block_n=32, words=32, num_warps=4, num_stages=3)]
+        candidates = [Config(block_m=16, block_n=128, words=32, num_warps=8), Config(block_m=16, block_n=128, words=32),
+                      Config(block_m=16, block_n=64, words=32, num_stages=4), Config(block_m=16, block_n=64, words=16)]
     else:
-        candidates = [Config(block_m=64, block_n=128, words=16, num_warps=8, num_stages=3),
-                      Config(block_m=128, block_n=128, words=32, num_warps=8, num_stages=3),
-                      Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4),
-                      Config(block_m=128, block_n=64, words=16, num_warps=4, num_stages=3)]
+        candidates = [Config(block_m=64, block_n=128, words=16, num_warps=8),
+                      Config(block_m=64, block_n=128, words=32, num_warps=8),
+                      Config(block_m=128, block_n=64, words=16, num_warps=4)]
     return [c for c in candidates if c != base]
 
 
@@ -119,9 +116,9 @@ def moe_cost(ids: np.ndarray, shape: dict) -> tuple[float, float, int]:
 
 def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int, quick: bool,
             sweep_tokens: list[int], save) -> None:
-    """Time every token count (kernel, the tilings of moe_sweep, the baselines) against the ceilings `ceil`; one row per
-    M appended to `results`, printed, then `save()`; no new M past `deadline` (time.time()); then the f32 check into
-    checks["int4_moe_f32_16_tokens"]."""
+    """Time every token count (kernel, the tilings of triton_sweep, the baselines) against the ceilings `ceil`; one row
+    per M appended to `results`, printed, then `save()`; no new M past `deadline` (time.time()); then the f32 checks
+    into checks["int4_moe_f32_16_tokens"] (the kernel) and checks["int4_moe_pallas_triton_f32_16_tokens"]."""
     interpret = jax.default_backend() != "gpu"
     shape, token_counts = moe_shapes(quick)
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
@@ -136,17 +133,20 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             for s in range(4):
                 ids, w = moe_routing(jax.random.key(100 * m + s), m, e, k)
                 sets.append((jax.random.normal(jax.random.key(7 + s), (m, d), BF16), experts, ids, w))
-            fns = {"kernel": jax.jit(lambda *a: moe.int4_moe(*a, interpret=interpret))}
-            if not interpret:
-                fns["triton"] = jax.jit(moe_triton.int4_moe)
+            if interpret:   # the CPU smoke run: the Pallas kernel is the one with an interpret mode
+                fns = {"kernel": jax.jit(lambda *a: moe.int4_moe(*a, interpret=True))}
+            else:
+                fns = {"kernel": jax.jit(moe_triton.int4_moe)}
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
-                    fns[f"triton:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
+                    fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
             ref_fn = jax.jit(moe.int4_moe_reference)
             x0, _, ids0, w0 = sets[0]
             sub = min(m, 32)
             ref = ref_fn(x0[:sub], experts, ids0[:sub], w0[:sub]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0])[:sub].astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in fns.items()]
+            if not interpret:   # the previous kernel, kept as a baseline
+                jobs.append(Job("pallas_triton_int4", jax.jit(moe.int4_moe), sets))
             if m <= 64:
                 jobs.append(Job("reference_int4", ref_fn, sets))
             if m <= 256 and not interpret:
@@ -161,9 +161,11 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
             best = min(fns, key=lambda n: t[n]["us"])
-            baselines = {n: t[n]["us"] for n in t if n.startswith("xla_") or n.startswith("reference")}
+            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "pallas_triton"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
-            entry = dict(tokens=m, **shape, config=str(moe.default_config(m * k, e)), touched_experts=touched,
+            default = moe.default_config(m * k, e) if interpret else moe_triton.default_config(m * k, e)
+            entry = dict(tokens=m, **shape, kernel="pallas_triton (interpret)" if interpret else "triton (jax-triton)",
+                         config=str(default), touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
                          touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
@@ -181,9 +183,9 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
         _print_moe_row(entry)
         save()
     del gate_up_bf16, down_bf16
-    kernels = {"int4_moe_f32_16_tokens": functools.partial(moe.int4_moe, interpret=interpret)}
+    kernels = {"int4_moe_pallas_triton_f32_16_tokens": functools.partial(moe.int4_moe, interpret=interpret)}
     if not interpret:
-        kernels["int4_moe_triton_f32_16_tokens"] = moe_triton.int4_moe
+        kernels["int4_moe_f32_16_tokens"] = moe_triton.int4_moe
     for name, kernel in kernels.items():
         try:
             checks[name] = _moe_f32_check(kernel, experts, shape)

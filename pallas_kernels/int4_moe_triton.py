@@ -1,19 +1,23 @@
-"""Routed-expert MLP with INT4 weights as Triton kernels called through jax-triton (the maintained GPU path).
+"""Routed-expert MLP with INT4 weights as Triton kernels called through jax-triton: the GPU's int4_moe.
 
 Same op as `int4_moe.int4_moe` (signature, semantics, the repacked compressed-tensors layout `Int4Experts`, the
-reference `int4_moe_reference`, the routing of (token, slot) pairs into blocks of one expert). What differs is the
-inner step: each program reads a [block_n, words] tile of packed weights per step (block_n output rows, `words` of
-the 32 words of a 256-input block, i.e. 8 * words inputs), unpacks all 8 nibbles of every word at once into a
-[block_n, 8 * words] tile, applies the group scales elementwise and makes ONE dot with the block's tokens, where the
-Pallas-Triton kernel made eight K = 32 dots per step and scaled each product.
+reference `int4_moe_reference`, the routing of (token, slot) pairs into blocks of one expert, `route_pairs`, and the
+weighted sum of the pairs, `combine_pairs`); `ops.int4_moe` runs it on the GPU. Two kernels: gate and up for a block
+of pairs in one pass over x, writing silu(gate) * up; then down, scaled by each pair's routing weight.
 
-Unpacking word w's 8 nibbles in place puts input 32 i + w (nibble i, quantisation group i of the block) at position
-8 w + i of the tile: the activations are loaded with their columns permuted the same way (`_block_columns`), which is
-free, instead of the weights being shuffled. The integer to float conversion uses the f32 pattern 0x4B000000 | n
-(= 2^23 + n): one OR and one subtraction, exact, no I2F instruction.
+The step (bf16): a program holds block_n output rows; per step it loads `words` packed words of each row (of the 32
+words of a 256-input block) and turns them, two words at a time, into eight bf16 tiles [block_n, words], one per
+nibble position i, i.e. per quantisation group of the block (`_DEQUANT_BF16X2`: ~2 instructions per weight, the
+group scale applied in bf16x2). Nibble i's tile meets the block's tokens at inputs 32 i + w, a contiguous slice of
+x, in one tensor-core dot (wgmma, the tile straight from registers); the eight dots share one f32 accumulator.
 
-jax-triton imports only where a CUDA jaxlib is installed, so it is imported when a kernel is called; `triton`
-itself compiles on any machine, which the CPU tests use to build the PTX for sm_90 (tests/test_int4_moe_triton.py).
+f32 activations (tests, references) take an exact path: all 8 nibbles unpacked to f32 (the pattern 0x4B000000 | n is
+2^23 + n: an OR and a subtraction), scaled, and multiplied in one IEEE dot with x's columns permuted to match
+(`_block_columns`).
+
+jax-triton imports only where jaxlib has CUDA support, so it is imported at the first call (`triton_call`); Triton
+itself compiles on any machine, which the CPU tests use to build the kernels for sm_90 (tests/test_int4_moe_triton.py).
+Tilings and measurements: experiments/notes/kernels.md, "int4_moe in Triton".
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import triton
 import triton.language as tl
 
@@ -29,45 +32,28 @@ from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
 from pallas_kernels.triton_call import triton_call
 
-WORDS_PER_BLOCK = ref.BLOCK_IN // NIBBLES_PER_WORD     # 32 words hold one repacked block of 256 inputs
-
-
 @dataclasses.dataclass(frozen=True)
 class TritonMoeConfig:
     """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program, `words` packed words
-    per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton.
-
-    use_mma: the block's product as one tensor-core dot per step (block_m >= 16), or, when False, on the CUDA cores
-    (block_m in 1 .. 8): each dequantized weight times each of the block's tokens, summed over the step's words only
-    once at the end, so no dot operand layout and no padding of one token to 16.
-    """
+    per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
     num_warps: int = 4
-    num_stages: int = 4
-    use_mma: bool = True
+    num_stages: int = 3
 
     def __post_init__(self):
-        low_m, high_m = (16, 256) if self.use_mma else (1, 8)
-        for name, low, high in (("block_m", low_m, high_m), ("block_n", 16, 256)):
+        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256)):
             value = getattr(self, name)
             if not low <= value <= high or value & (value - 1):
-                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}] with "
-                                 f"use_mma={self.use_mma}")
+                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
         if self.words not in (16, 32):
             raise ValueError(f"TritonMoeConfig.words={self.words} must be 16 or 32 (128 or 256 inputs per step)")
 
 
 def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
-    """By pairs per expert: one or two tokens per touched expert on the CUDA cores, a handful on the tensor cores with
-    blocks of 16, dense GEMMs with blocks of 128 (provisional: experiments/notes/kernels.md)."""
-    per_expert = num_pairs / num_experts
-    if per_expert < 0.5:
-        return TritonMoeConfig(block_m=1, block_n=32, num_warps=4, num_stages=3, use_mma=False)
-    if per_expert < 2:
-        return TritonMoeConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, use_mma=False)
-    if per_expert < 16:
+    """Blocks of 16 tokens while a touched expert sees a handful of them; blocks of 128 once the GEMMs are dense."""
+    if num_pairs / num_experts < 16:
         return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=3)
     return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3)
 
@@ -94,11 +80,49 @@ def _dequantize(words, scale, dtype: tl.constexpr, BN: tl.constexpr, WORDS: tl.c
     return tl.reshape(values, (BN, 8 * WORDS)).to(dtype)
 
 
+# bf16x2 dequantization of two packed words, 16 weights, in 32 instructions: per byte, one prmt gathers the byte of
+# both words into the two 16-bit halves, and-or with 0x000F000F / 0x43004300 turns the low nibbles (after a shift,
+# the high ones) into the bf16 pair 128 + n, sub.bf16x2 136 makes them n - 8 (exact) and mul.bf16x2 applies the
+# group's scale (the one rounding, to bf16). Operands: $0-$7 the 8 nibbles (bf16x2 each), $8 $9 the words, $10-$17
+# the scales of nibbles 0-7 (bf16x2). Elementwise: the low half of every register is one element, the high half the
+# other, whichever two elements Triton packs.
+_DEQUANT_BF16X2 = tl.constexpr("\n".join(["{", ".reg .b32 t, u, lo, hi, off;", "mov.b32 off, 0x43084308;"] + [
+    line for b in range(4) for line in (
+        f"prmt.b32 t, $8, $9, 0x{0x0400 + b * 0x0101:04x};",
+        "shr.b32 u, t, 4;",
+        "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;",
+        "lop3.b32 hi, u, 0x000F000F, 0x43004300, 0xEA;",
+        "sub.rn.bf16x2 lo, lo, off;",
+        "sub.rn.bf16x2 hi, hi, off;",
+        f"mul.rn.bf16x2 ${2 * b}, lo, ${10 + 2 * b};",
+        f"mul.rn.bf16x2 ${2 * b + 1}, hi, ${11 + 2 * b};")] + ["}"]))
+
+
 @triton.jit
-def _dot(w, act, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(w, act, acc, input_precision="ieee")
-    return tl.dot(w, act, acc)
+def _dequantize_bf16(words, scale_ptr, ROW_STRIDE: tl.constexpr):
+    """words int32 [BN, W] and scale_ptr [BN] (group of nibble 0; nibble i's is ROW_STRIDE * i further) -> the 8
+    nibble tiles (n - 8) * scale, bf16 [BN, W] each (`_DEQUANT_BF16X2`)."""
+    return tl.inline_asm_elementwise(
+        _DEQUANT_BF16X2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+        [words, tl.load(scale_ptr)[:, None], tl.load(scale_ptr + ROW_STRIDE)[:, None],
+         tl.load(scale_ptr + 2 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 3 * ROW_STRIDE)[:, None],
+         tl.load(scale_ptr + 4 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 5 * ROW_STRIDE)[:, None],
+         tl.load(scale_ptr + 6 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 7 * ROW_STRIDE)[:, None]],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
+    """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
+    pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide. The
+    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized)."""
+    for i in tl.static_range(8):
+        if ACT_WIDTH % 256 == 0:
+            act = tl.load(act_ptr + 32 * i)
+        else:
+            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
+        acc = tl.dot(tiles[i], tl.trans(act), acc)
+    return acc
 
 
 @triton.jit
@@ -126,15 +150,25 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         acc_g = tl.zeros((BN, BM), tl.float32)
         acc_u = tl.zeros((BN, BM), tl.float32)
         for step in tl.range(0, ROW_WORDS // WORDS):
-            scale_rows = (step * WORDS // 32) * 8 + group
-            scale_at = expert_scales + scale_rows[None, :] * INTER + rows_in[:, None]            # [BN, 8]
-            cols = _block_columns(step, WORDS)
-            act = tl.load(x_ptr + tok[None, :] * HIDDEN + cols[:, None],
-                          mask=(cols < HIDDEN)[:, None] & tok_ok[None, :], other=0.0)            # [8 WORDS, BM]
-            w_gate = _dequantize(tl.load(gate_q + step * WORDS), tl.load(gate_s_ptr + scale_at), dtype, BN, WORDS)
-            acc_g = _dot(w_gate, act, acc_g, dtype == tl.float32)
-            w_up = _dequantize(tl.load(up_q + step * WORDS), tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
-            acc_u = _dot(w_up, act, acc_u, dtype == tl.float32)
+            block = step * WORDS // 32
+            w_gate = tl.load(gate_q + step * WORDS)
+            w_up = tl.load(up_q + step * WORDS)
+            if dtype == tl.bfloat16:
+                scale_at = expert_scales + block * 8 * INTER + rows_in                                   # [BN]
+                cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
+                act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]       # [BM, W]; padding rows repeat a token
+                tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, INTER)
+                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g)
+                acc_u = _nibble_dots(_dequantize_bf16(w_up, up_s_ptr + scale_at, INTER), act_at, cols, HIDDEN, acc_u)
+            else:
+                scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
+                cols = _block_columns(step, WORDS)
+                act = tl.load(x_ptr + tok[None, :] * HIDDEN + cols[:, None],
+                              mask=(cols < HIDDEN)[:, None] & tok_ok[None, :], other=0.0)              # [8 W, BM]
+                w_g = _dequantize(w_gate, tl.load(gate_s_ptr + scale_at), dtype, BN, WORDS)
+                acc_g = tl.dot(w_g, act, acc_g, input_precision="ieee")
+                w_u = _dequantize(w_up, tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
+                acc_u = tl.dot(w_u, act, acc_u, input_precision="ieee")
         h = acc_g * tl.sigmoid(acc_g) * acc_u                                                  # [BN, BM]
         out_rows = b * BM + tl.arange(0, BM)
         tl.store(h_ptr + out_rows[None, :].to(tl.int64) * H_COLS + rows[:, None], h.to(dtype),
@@ -161,97 +195,24 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN
         acc = tl.zeros((BN, BM), tl.float32)
         for step in tl.range(0, ROW_WORDS // WORDS):
-            scale_rows = (step * WORDS // 32) * 8 + group
-            scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
-            cols = _block_columns(step, WORDS)
-            act = tl.load(h_ptr + pair_rows[None, :].to(tl.int64) * h_cols + cols[:, None])            # [8 WORDS, BM]
-            w = _dequantize(tl.load(down_q + step * WORDS), scale, dtype, BN, WORDS)
-            acc = _dot(w, act, acc, dtype == tl.float32)
+            block = step * WORDS // 32
+            w = tl.load(down_q + step * WORDS)
+            if dtype == tl.bfloat16:
+                cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
+                act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
+                tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN + rows_in, HIDDEN)
+                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc)
+            else:
+                scale_rows = block * 8 + group
+                scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
+                cols = _block_columns(step, WORDS)
+                act = tl.load(h_ptr + pair_rows[None, :].to(tl.int64) * h_cols + cols[:, None])        # [8 W, BM]
+                acc = tl.dot(_dequantize(w, scale, dtype, BN, WORDS), act, acc, input_precision="ieee")
         weight = tl.load(block_weight_ptr + pair_rows)
         tok_ok = tl.load(block_token_ptr + pair_rows) < NUM_TOKENS
         y = acc * weight[None, :]
         tl.store(y_ptr + pair_rows[None, :].to(tl.int64) * HIDDEN + rows[:, None], y.to(dtype),
                  mask=tok_ok[None, :] & (rows < HIDDEN)[:, None])
-
-
-@triton.jit
-def _scaled_nibbles(words, scale_ptr, nibble: tl.constexpr):
-    """Nibble `nibble` of words int32 [BN, WORDS] as (n - 8) * scale in f32; scale_ptr [BN] points at its group."""
-    values = (((words >> (4 * nibble)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return values * tl.load(scale_ptr).to(tl.float32)[:, None]
-
-
-@triton.jit
-def _gate_up_fma_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
-                        NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr,
-                        INTER: tl.constexpr, ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr):
-    """`_gate_up_kernel` on the CUDA cores: per step, 32 words of each of BN rows (one 256-input block); products
-    accumulated per (token, row, word) in f32 and summed over the words after the last step."""
-    b = tl.program_id(0)
-    n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + b)
-    if e < NUM_EXPERTS:
-        dtype = x_ptr.dtype.element_ty
-        tok = tl.load(block_token_ptr + b * BM + tl.arange(0, BM))
-        tok_ok = tok < NUM_TOKENS
-        tok = tl.minimum(tok, NUM_TOKENS - 1)
-        rows = n * BN + tl.arange(0, BN)
-        rows_in = tl.minimum(rows, INTER - 1)
-        word = tl.arange(0, 32)
-        expert_words = e.to(tl.int64) * INTER * ROW_WORDS
-        gate_q = gate_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
-        up_q = up_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
-        scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER + rows_in
-        acc_g = tl.zeros((BM, BN, 32), tl.float32)
-        acc_u = tl.zeros((BM, BN, 32), tl.float32)
-        for step in tl.range(0, ROW_WORDS // 32):
-            w_gate = tl.load(gate_q + step * 32)
-            w_up = tl.load(up_q + step * 32)
-            for i in tl.static_range(8):
-                cols = step * 256 + i * 32 + word
-                act = tl.load(x_ptr + tok[:, None] * HIDDEN + cols[None, :],
-                              mask=tok_ok[:, None] & (cols < HIDDEN)[None, :], other=0.0).to(tl.float32)  # [BM, 32]
-                group = (step * 8 + i) * INTER
-                acc_g += _scaled_nibbles(w_gate, gate_s_ptr + scales + group, i)[None, :, :] * act[:, None, :]
-                acc_u += _scaled_nibbles(w_up, up_s_ptr + scales + group, i)[None, :, :] * act[:, None, :]
-        g = tl.sum(acc_g, axis=2)
-        u = tl.sum(acc_u, axis=2)
-        h = g * tl.sigmoid(g) * u                                                               # [BM, BN]
-        out_rows = b * BM + tl.arange(0, BM)
-        tl.store(h_ptr + out_rows[:, None].to(tl.int64) * H_COLS + rows[None, :], h.to(dtype),
-                 mask=(rows < H_COLS)[None, :])
-
-
-@triton.jit
-def _down_fma_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
-                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr,
-                     ROW_WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """`_down_kernel` on the CUDA cores (see `_gate_up_fma_kernel`)."""
-    b = tl.program_id(0)
-    n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + b)
-    if e < NUM_EXPERTS:
-        dtype = h_ptr.dtype.element_ty
-        h_cols: tl.constexpr = ROW_WORDS * 8
-        pair_rows = b * BM + tl.arange(0, BM)
-        rows = n * BN + tl.arange(0, BN)
-        rows_in = tl.minimum(rows, HIDDEN - 1)
-        word = tl.arange(0, 32)
-        down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
-        scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN + rows_in
-        acc = tl.zeros((BM, BN, 32), tl.float32)
-        for step in tl.range(0, ROW_WORDS // 32):
-            w = tl.load(down_q + step * 32)
-            for i in tl.static_range(8):
-                cols = step * 256 + i * 32 + word
-                act = tl.load(h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]).to(tl.float32)
-                acc += _scaled_nibbles(w, down_s_ptr + scales + (step * 8 + i) * HIDDEN, i)[None, :, :] * act[:, None, :]
-        weight = tl.load(block_weight_ptr + pair_rows)
-        tok_ok = tl.load(block_token_ptr + pair_rows) < NUM_TOKENS
-        y = tl.sum(acc, axis=2) * weight[:, None]                                              # [BM, BN]
-        tl.store(y_ptr + pair_rows[:, None].to(tl.int64) * HIDDEN + rows[None, :], y.to(dtype),
-                 mask=tok_ok[:, None] & (rows < HIDDEN)[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -274,19 +235,15 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written (padding rows give 0)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n)
-    if cfg.use_mma:
-        gate_up, down, launch = _gate_up_kernel, _down_kernel, dict(launch, WORDS=cfg.words)
-    else:
-        gate_up, down = _gate_up_fma_kernel, _down_fma_kernel
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
     h = triton_call(
         routing.block_expert, routing.block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
-        experts.up_scale, kernel=gate_up, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
+        experts.up_scale, kernel=_gate_up_kernel, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
     y = triton_call(
         routing.block_expert, routing.block_token, routing.block_weight, h, experts.down_packed, experts.down_scale,
-        kernel=down, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
+        kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, triton.cdiv(d, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **launch)
     return ref.combine_pairs(y, routing.pair_row.reshape(m, -1), routing.pair_ok.reshape(m, -1)).astype(x.dtype)

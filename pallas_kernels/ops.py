@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 
 from pallas_kernels import int4_moe as _int4_moe
+from pallas_kernels import int4_moe_triton as _int4_moe_triton
 from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
 from pallas_kernels import tree_verify_attention as _attention
@@ -33,7 +34,15 @@ def _register(name: str, kernel: Callable, reference: Callable) -> None:
 
 
 _register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
-_register("int4_moe", _int4_moe.int4_moe, _int4_moe.int4_moe_reference)
+def _int4_moe_kernel(*args, interpret: bool, **kwargs):
+    """The Triton kernel (jax-triton) on the GPU; elsewhere the Pallas kernel, which alone runs in interpret mode
+    (the CPU tests) and traces without a CUDA jaxlib. Measured: experiments/notes/kernels.md, "int4_moe in Triton"."""
+    if interpret or jax.default_backend() != "gpu":
+        return _int4_moe.int4_moe(*args, interpret=interpret, **kwargs)
+    return _int4_moe_triton.int4_moe(*args, **kwargs)
+
+
+_register("int4_moe", _int4_moe_kernel, _int4_moe.int4_moe_reference)
 _register("tree_build", _tree_build.tree_build, _tree_build.tree_build_reference)
 _register("tree_accept", _tree_accept.tree_accept, _tree_accept.tree_accept_reference)
 
@@ -82,7 +91,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
 
 
 def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
-    """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py."""
+    """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py (the op, its layout,
+    reference and the Pallas kernel) and pallas_kernels/int4_moe_triton.py (the GPU kernel)."""
     return _call("int4_moe", x, experts, topk_ids, topk_weights)
 
 

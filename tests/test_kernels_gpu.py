@@ -5,6 +5,8 @@ suite covers the same kernels in interpret mode (outputs poisoned before the cal
 poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
 fresh random inputs, and the tree kernels are compared bit for bit with the python specifications.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from kdtree_jax import config as config_lib
 from pallas_kernels import tree as T
 from kdtree_jax.model.moe import random_int4_experts
 from pallas_kernels import int4_moe as M
+from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_verify_attention as A
@@ -66,9 +69,14 @@ def random_experts(cfg):
                                for name, f in factors.items()})
 
 
+LARGE_BLOCKS = MT.default_config(8 * 4096, K26.num_experts)
+
+
+@pytest.mark.parametrize("kernel", [M.int4_moe, MT.int4_moe, functools.partial(MT.int4_moe, config=LARGE_BLOCKS)],
+                         ids=["pallas_triton", "triton", "triton_large_blocks"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
-def test_int4_moe_k26(k26_experts, tokens, dtype, tol):
+def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
     """top-8 routing with repeated experts and ids of other devices (out of range), as under expert parallelism."""
     rng = np.random.default_rng(tokens)
     ids = rng.integers(0, K26.num_experts, (tokens, K26.num_experts_per_tok))
@@ -76,7 +84,7 @@ def test_int4_moe_k26(k26_experts, tokens, dtype, tol):
     ids[rng.random(ids.shape) < 0.2] = K26.num_experts + 5
     ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random(ids.shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((tokens, K26.hidden_size)), dtype)
-    out = M.int4_moe(x, k26_experts, ids, weights)
+    out = kernel(x, k26_experts, ids, weights)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out, M.int4_moe_reference(x, k26_experts, ids, weights)) < tol
 

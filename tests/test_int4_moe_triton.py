@@ -1,0 +1,69 @@
+"""int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
+variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
+16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+import jax.numpy as jnp
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pallas_kernels import int4_moe_triton as MT
+
+H200 = GPUTarget("cuda", 90, 32)
+K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
+
+
+def compile_for_h200(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig):
+    """Triton's compile of `kernel` for sm_90 with `pointers` {name: '*dtype'} 16-byte aligned (as jax-triton passes
+    its buffers) and `constants` {name: value} plus the config's tiles."""
+    constants = dict(constants, BM=config.block_m, BN=config.block_n, WORDS=config.words)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    signature = dict(pointers, **{name: "constexpr" for name in constants})
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs), target=H200,
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def gate_up(dtype: str, config):
+    pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "x_ptr": f"*{dtype}", "gate_q_ptr": "*i32",
+                "gate_s_ptr": "*bf16", "up_q_ptr": "*i32", "up_s_ptr": "*bf16", "h_ptr": f"*{dtype}"}
+    return compile_for_h200(MT._gate_up_kernel, pointers, dict(K26, INTER=2048, ROW_WORDS=896, H_COLS=2048), config)
+
+
+def down(dtype: str, config):
+    pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "block_weight_ptr": "*fp32",
+                "h_ptr": f"*{dtype}", "down_q_ptr": "*i32", "down_s_ptr": "*bf16", "y_ptr": f"*{dtype}"}
+    return compile_for_h200(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config)
+
+
+SMALL, LARGE = MT.default_config(8, 384), MT.default_config(8 * 4096, 384)
+
+
+@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small_blocks", "large_blocks"])
+@pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
+def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
+    """bf16: the weights are dequantized two at a time (bf16x2 sub and mul) and multiplied on the Hopper tensor cores
+    (wgmma), within the H200's 227 KB of shared memory."""
+    compiled = make("bf16", config)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def test_f32_kernels_compile_with_ieee_dots():
+    """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32."""
+    config = MT.TritonMoeConfig(block_m=16, block_n=64, words=16)
+    for make in (gate_up, down):
+        ptx = make("fp32", config).asm["ptx"]
+        assert "tf32" not in ptx and "fma.rn.f32" in ptx
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8)])
+def test_config_refuses_tiles_the_kernels_cannot_take(bad):
+    with pytest.raises(ValueError, match="TritonMoeConfig"):
+        MT.TritonMoeConfig(**bad)
+
+
+def test_interpret_mode_is_refused_with_the_alternatives_named():
+    x = jnp.zeros((1, 512), jnp.float32)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        MT.int4_moe(x, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
