@@ -25,12 +25,14 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import triton
 import triton.language as tl
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
 from pallas_kernels.triton_call import triton_call
+
 
 @dataclasses.dataclass(frozen=True)
 class TritonMoeConfig:
@@ -227,6 +229,8 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
         raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe (the reference) or "
                          "int4_moe.int4_moe(..., interpret=True)")
     ref.check_inputs(x, experts, topk_ids, topk_weights)
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")
     m, d = x.shape
     num_experts, inter = experts.num_experts, experts.intermediate_size
     cfg = config or default_config(topk_ids.size, num_experts)
@@ -234,7 +238,7 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
     num_blocks = routing.block_expert.shape[0]
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
-    inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written (padding rows give 0)
+    inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
     h = triton_call(
         routing.block_expert, routing.block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,

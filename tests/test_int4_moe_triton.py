@@ -8,6 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pallas_kernels import int4_moe_triton as MT
+from pallas_kernels.int4_moe import Int4Experts
 
 H200 = GPUTarget("cuda", 90, 32)
 K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
@@ -67,3 +68,12 @@ def test_interpret_mode_is_refused_with_the_alternatives_named():
     x = jnp.zeros((1, 512), jnp.float32)
     with pytest.raises(ValueError, match="no interpret mode"):
         MT.int4_moe(x, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
+
+
+def test_activations_other_than_bf16_or_f32_are_refused():
+    experts = Int4Experts(*(jnp.zeros(shape, dtype) for shape, dtype in (
+        ((1, 8, 32), jnp.int32), ((1, 8, 8), jnp.bfloat16), ((1, 8, 32), jnp.int32), ((1, 8, 8), jnp.bfloat16),
+        ((1, 256, 32), jnp.int32), ((1, 8, 256), jnp.bfloat16))))   # E=1, D=256, I=8 (padded to 256)
+    x = jnp.zeros((1, 256), jnp.float16)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        MT.int4_moe(x, experts, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)))
