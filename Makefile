@@ -16,8 +16,9 @@ demo: $(STAMP)
 	    --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=32 \
 	    --max_new_tokens=64 --compare --json
 
+# Two workers (pytest-xdist; CI has 2 cores), each test file whole on one worker so module fixtures are built once.
 test: $(STAMP)
-	PYTHONPATH=. $(PY) -m pytest tests -m "not slow"
+	PYTHONPATH=. $(PY) -m pytest tests -m "not slow" -n 2 --dist loadfile
 
 clean:
 	rm -rf .venv
