@@ -1,7 +1,8 @@
 """bench_kernels section `tree`: tree_build and tree_accept at S = 16 streams, D = 15, V = 163840, B = 16..512: the
 kernel, the jnp reference, and the CPU heap per request that the paper's code uses (timed by wall clock since it
-crosses the host). Every tree is checked bit-identical to the heapq specification and every accept walk to the python
-loop.
+crosses the host); on the GPU also the Triton candidates (pallas_kernels/tree_triton.py). Every tree is checked
+bit-identical to the heapq specification and every accept walk to the python loop (`identical_detail`,
+`accept_identical_detail` name each candidate).
 
     cases      budgets B over one shape (tree_shapes): draft logits [S,D,V] f32 N(0, 4^2), root tokens [S]
 """
@@ -19,6 +20,7 @@ from experiments.timing import ROTATE_BYTES, Job, time_jobs, wall_us
 from pallas_kernels import ops
 from pallas_kernels import tree_accept as taccept
 from pallas_kernels import tree_build as tbuild
+from pallas_kernels import tree_triton
 from pallas_kernels.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
                                  build_tree_heapq_from_topk, draft_topk, resolve_topk)
 
@@ -99,6 +101,8 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
               "reference_from_topk": jax.jit(functools.partial(build_tree_from_topk, budget=budget)),
               "kernel_from_logits": _ops_tree_build("kernel", budget, logit_sets[0]),
               "reference_from_logits": _ops_tree_build("reference", budget, logit_sets[0])}
+    if not interpret:   # the Triton candidate (jax-triton; no interpret mode)
+        builds["triton_from_topk"] = jax.jit(functools.partial(tree_triton.tree_build_from_topk, budget=budget))
     identical = {name: all(same_arrays(fn(*args), spec)
                            for args, spec in zip(topk_sets if name.endswith("topk") else logit_sets, specs))
                  for name, fn in builds.items()}
@@ -106,8 +110,10 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
     walks = [accept_tree_python(spec, target, depth) for spec, (_, target) in zip(specs, accept_sets)]
     accepts = {"accept_kernel": jax.jit(functools.partial(taccept.tree_accept, max_depth=depth, interpret=interpret)),
                "accept_reference": jax.jit(functools.partial(accept_tree, max_depth=depth))}
+    if not interpret:
+        accepts["accept_triton"] = jax.jit(functools.partial(tree_triton.tree_accept, max_depth=depth))
     accept_identical = {name: all(same_arrays(fn(*args), walk) for args, walk in zip(accept_sets, walks))
-                        for name, fn in accepts.items()}
+                        for name, fn in accepts.items()}   # every candidate; the headline is the ops kernel's
     jobs = [Job(name, fn, topk_sets if name.endswith("topk") else logit_sets) for name, fn in builds.items()]
     full_sort_fn = jax.jit(lambda logits: draft_topk(logits, k, chunk=0))
     topk_identical = all(same_arrays(topk_fn(logits), full_sort_fn(logits)) for logits, _ in logit_sets)
@@ -120,7 +126,8 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
     build_kernel = [us for name, us in t["kernel_from_topk"].get("kernels_us", {}).items() if "tree_build" in name]
     return dict(shape, budget=budget, topk=k, input_sets=len(logit_sets),
                 identical=identical["kernel_from_topk"] and identical["kernel_from_logits"],
-                identical_detail=identical, accept_identical=all(accept_identical.values()),
+                identical_detail=identical,
+                accept_identical=accept_identical["accept_kernel"] and accept_identical["accept_reference"],
                 accept_identical_detail=accept_identical,
                 mean_accepted=float(np.mean([w.num_accepted for w in walks])),
                 kernel_from_topk_us=kernel_us, build_kernel_us=build_kernel[0] if build_kernel else None,
@@ -129,6 +136,8 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
                 reference_from_logits_us=t["reference_from_logits"]["us"], topk_us=t["topk"]["us"],
                 topk_full_sort_us=t["topk_full_sort"]["us"], topk_identical_to_full_sort=topk_identical,
                 accept_kernel_us=t["accept_kernel"]["us"], accept_reference_us=t["accept_reference"]["us"],
+                triton_from_topk_us=t.get("triton_from_topk", {}).get("us"),
+                accept_triton_us=t.get("accept_triton", {}).get("us"),
                 peer_us=peer["total"], peer_stages_us=peer, peer_after_topk_us=peer_after_topk,
                 peer_over_kernel=peer_after_topk / kernel_us, meets_50x=peer_after_topk / kernel_us >= 50,
                 kernel_from_logits_wall_us=end_to_end_wall, peer_over_kernel_end_to_end=peer["total"] / end_to_end_wall,

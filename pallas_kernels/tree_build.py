@@ -49,14 +49,14 @@ class BuildConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Packing:
+class Packing:
     """Bit fields of a frontier slot's int32 word: rank | previous sibling | depth | valid (low to high)."""
     rank_bits: int
     prev_bits: int
     depth_bits: int
 
     @classmethod
-    def for_tree(cls, budget: int, slots: int, max_depth: int) -> "_Packing":
+    def for_tree(cls, budget: int, slots: int, max_depth: int) -> "Packing":
         packing = cls(max(1, budget.bit_length()), (slots - 1).bit_length(), (max_depth + 1).bit_length())
         if packing.rank_bits + packing.prev_bits + packing.depth_bits + 1 > 31:
             raise ValueError(f"budget={budget} with depth {max_depth} does not fit the kernel's 31-bit frontier "
@@ -86,7 +86,7 @@ def tree_build_reference(draft_logits, root, budget: int, topk: int | None = Non
 
 
 def _kernel(root_ref, lp_ref, ids_ref, tokens_ref, parent_ref, depth_ref, score_ref, first_ref, next_ref, *,
-            budget: int, packing: _Packing):
+            budget: int, packing: Packing):
     """One stream. lp_ref / ids_ref [D, K]; root_ref [S]; outputs [N] (N = padded slots)."""
     max_depth, k = lp_ref.shape
     slots = tokens_ref.shape[0]
@@ -155,19 +155,15 @@ def _kernel(root_ref, lp_ref, ids_ref, tokens_ref, parent_ref, depth_ref, score_
 def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: BuildConfig | None = None,
                          interpret: bool = False) -> TreeArrays:
     """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots)."""
-    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1 or top_ids.shape != top_logprobs.shape:
-        raise ValueError(f"top_logprobs {top_logprobs.shape} and top_ids {top_ids.shape} must both be [S, D, K] "
-                         f"with D >= 1")
+    check_topk_table(top_logprobs, top_ids, root)
     n_streams, max_depth, k = top_logprobs.shape
-    if root.shape != (n_streams,):
-        raise ValueError(f"root {root.shape} must be [S={n_streams}]")
     cfg = config or BuildConfig()
     slots = max(MIN_SLOTS, pl.next_power_of_2(budget + 1))
     table = pl.BlockSpec((None, max_depth, k), lambda s: (s, 0, 0))
     node = pl.BlockSpec((None, slots), lambda s: (s, 0))
     int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
     tokens, parent, depth, score, first_child, next_sibling = pallas_call(
-        functools.partial(_kernel, budget=budget, packing=_Packing.for_tree(budget, slots, max_depth)),
+        functools.partial(_kernel, budget=budget, packing=Packing.for_tree(budget, slots, max_depth)),
         out_shape=(int_out, int_out, int_out, jax.ShapeDtypeStruct((n_streams, slots), jnp.float32), int_out,
                    int_out),
         grid=(n_streams,),
@@ -177,6 +173,20 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: Bu
         interpret=interpret,
         name="tree_build",
     )(root.astype(jnp.int32), top_logprobs.astype(jnp.float32), top_ids.astype(jnp.int32))
+    return tree_arrays(tokens, parent, depth, score, first_child, next_sibling, budget, max_depth)
+
+
+def check_topk_table(top_logprobs, top_ids, root) -> None:
+    """The build kernels' inputs: top_logprobs and top_ids [S, D, K] with D >= 1, root [S]; else a ValueError."""
+    if top_logprobs.ndim != 3 or top_logprobs.shape[1] < 1 or top_ids.shape != top_logprobs.shape:
+        raise ValueError(f"top_logprobs {top_logprobs.shape} and top_ids {top_ids.shape} must both be [S, D, K] "
+                         f"with D >= 1")
+    if root.shape != (top_logprobs.shape[0],):
+        raise ValueError(f"root {root.shape} must be [S={top_logprobs.shape[0]}]")
+
+
+def tree_arrays(tokens, parent, depth, score, first_child, next_sibling, budget: int, max_depth: int) -> TreeArrays:
+    """The build kernels' node vectors [S, slots] -> TreeArrays of B + 1 slots (with `visible` and `num_nodes`)."""
     keep = budget + 1
     parent = parent[:, :keep]
     num_nodes = 1 + jnp.sum(parent >= 0, axis=1, dtype=jnp.int32)

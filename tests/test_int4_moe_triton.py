@@ -3,37 +3,30 @@ variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
 import jax.numpy as jnp
 import pytest
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels.int4_moe import Int4Experts
+from triton_h200 import compile_for_h200
 
-H200 = GPUTarget("cuda", 90, 32)
 K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 
 
-def compile_for_h200(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig):
-    """Triton's compile of `kernel` for sm_90 with `pointers` {name: '*dtype'} 16-byte aligned (as jax-triton passes
-    its buffers) and `constants` {name: value} plus the config's tiles."""
+def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig):
+    """`compile_for_h200` with the config's tiles and launch parameters."""
     constants = dict(constants, BM=config.block_m, BN=config.block_n, WORDS=config.words)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-    signature = dict(pointers, **{name: "constexpr" for name in constants})
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs), target=H200,
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return compile_for_h200(kernel, pointers, constants, config.num_warps, config.num_stages)
 
 
 def gate_up(dtype: str, config):
     pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "x_ptr": f"*{dtype}", "gate_q_ptr": "*i32",
                 "gate_s_ptr": "*bf16", "up_q_ptr": "*i32", "up_s_ptr": "*bf16", "h_ptr": f"*{dtype}"}
-    return compile_for_h200(MT._gate_up_kernel, pointers, dict(K26, INTER=2048, ROW_WORDS=896, H_COLS=2048), config)
+    return compile_tiled(MT._gate_up_kernel, pointers, dict(K26, INTER=2048, ROW_WORDS=896, H_COLS=2048), config)
 
 
 def down(dtype: str, config):
     pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "block_weight_ptr": "*fp32",
                 "h_ptr": f"*{dtype}", "down_q_ptr": "*i32", "down_s_ptr": "*bf16", "y_ptr": f"*{dtype}"}
-    return compile_for_h200(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config)
+    return compile_tiled(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config)
 
 
 SMALL, LARGE = MT.default_config(8, 384), MT.default_config(8 * 4096, 384)

@@ -20,6 +20,7 @@ from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
+from pallas_kernels import tree_triton as TT
 from pallas_kernels import tree_verify_attention as A
 from conftest import assert_topk_matches_reference, random_targets, rel_err
 from test_attention_kernel import BF16_TOL, make_inputs
@@ -92,8 +93,8 @@ def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
-    top-K, the build kernel from that top-K the heapq specification's arrays and the accept kernel the python walk's,
-    bit for bit."""
+    top-K, the build kernels (Pallas, and the Triton candidate) from that top-K the heapq specification's arrays and
+    the accept kernels the python walk's, bit for bit."""
     rng = np.random.default_rng(budget)
     logits, root = random_draft(rng, 16, 16, K26.vocab_size)
     k = T.resolve_topk(budget, K26.vocab_size)
@@ -101,9 +102,11 @@ def test_tree_build_and_accept_k26(budget):
     assert_topk_matches_reference(logits[8:], k, T.draft_topk(jnp.asarray(logits[8:]), k), exact_ids=True)
     want = T.build_tree_heapq(logits, root, budget)
     top = T.reference_topk(logits, k)
-    got = TB.tree_build_from_topk(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
-    assert_same(got, want, T.TreeArrays._fields)
+    for build in (TB.tree_build_from_topk, TT.tree_build_from_topk):
+        got = build(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
+        assert_same(got, want, T.TreeArrays._fields)
     target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
     tree = T.TreeArrays(*map(jnp.asarray, want))
-    assert_same(TA.tree_accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
-                T.AcceptResult._fields)
+    for accept in (TA.tree_accept, TT.tree_accept):
+        assert_same(accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
+                    T.AcceptResult._fields)

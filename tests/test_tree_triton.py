@@ -1,0 +1,44 @@
+"""The Triton tree kernels (pallas_kernels/tree_triton.py) on the CPU: compiled for the H200 (sm_90) by Triton itself
+at the decode loop's shapes, and their refusal of interpret mode. Bit-identity with the references is checked on the
+GPU (tests/test_kernels_gpu.py, experiments/kernels_tree.py)."""
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import tree_accept as TA
+from pallas_kernels import tree_build as TB
+from pallas_kernels import tree_triton as TT
+from pallas_kernels.tree import TreeArrays
+from triton_h200 import compile_for_h200
+
+
+@pytest.mark.parametrize("budget,max_depth,k", [(8, 15, 8), (64, 15, 64), (512, 16, 512)])
+def test_build_kernel_compiles_for_h200(budget, max_depth, k):
+    slots = max(TB.MIN_SLOTS, 1 << budget.bit_length())
+    packing = TB.Packing.for_tree(budget, slots, max_depth)
+    pointers = {"root_ptr": "*i32", "lp_ptr": "*fp32", "ids_ptr": "*i32", "tokens_ptr": "*i32", "parent_ptr": "*i32",
+                "depth_ptr": "*i32", "score_ptr": "*fp32", "first_ptr": "*i32", "next_ptr": "*i32"}
+    constants = dict(BUDGET=budget, MAX_DEPTH=max_depth, K=k, SLOTS=slots, RANK_BITS=packing.rank_bits,
+                     PREV_BITS=packing.prev_bits, DEPTH_BITS=packing.depth_bits, EMPTY=TB.EMPTY)
+    compiled = compile_for_h200(TT._build_kernel, pointers, constants, TB.BuildConfig().warps(slots), 1)
+    assert "st.global" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("keep,max_depth", [(9, 8), (33, 15), (513, 16)])
+def test_accept_kernel_compiles_for_h200(keep, max_depth):
+    pointers = {"parent_ptr": "*i32", "tokens_ptr": "*i32", "target_ptr": "*i32", "path_ptr": "*i32",
+                "stats_ptr": "*i32"}
+    constants = dict(KEEP=keep, SLOTS=max(TA.MIN_SLOTS, 1 << (keep - 1).bit_length()),
+                     DEPTHS=max(2, 1 << max_depth.bit_length()), MAX_DEPTH=max_depth)
+    compiled = compile_for_h200(TT._accept_kernel, pointers, constants, TA.NUM_WARPS, 1)
+    assert "st.global" in compiled.asm["ptx"]
+
+
+def test_interpret_mode_is_refused():
+    zeros = jnp.zeros((1, 3), jnp.int32)
+    tree = TreeArrays(zeros, zeros, zeros, zeros, zeros, jnp.zeros((1, 3, 3), bool), jnp.ones((1,), jnp.int32),
+                      jnp.zeros((1, 3)))
+    with pytest.raises(ValueError, match="no interpret mode"):
+        TT.tree_accept(tree, zeros, 2, interpret=True)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        TT.tree_build_from_topk(jnp.zeros((1, 2, 2)), zeros[:, :2, None].repeat(2, 2), zeros[:, 0], budget=2,
+                                interpret=True)
