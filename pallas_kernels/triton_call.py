@@ -21,7 +21,13 @@ def triton_call(*operands, kernel, out_shape, **kwargs):
     operands: arrays (pointers in the kernel, in order, followed by the outputs); out_shape: a ShapeDtypeStruct or a
     pytree of them; kwargs: grid, num_warps, num_stages and the kernel's constexpr parameters.
     """
-    import jax_triton   # noqa: PLC0415 (CUDA-only import, see the module docstring)
+    try:
+        import jax_triton   # noqa: PLC0415 (CUDA-only import, see the module docstring)
+    except ImportError as e:
+        raise ImportError(f"{getattr(kernel, '__name__', kernel)} is a Triton kernel called through jax-triton, which "
+                          f"did not import ({e}). Install jax-triton==0.3.1 (on the H200 image carry its wheel: "
+                          "BUILD_NOTES.md, 'One H200'), or run the pure-JAX references: "
+                          "pallas_kernels.ops.set_implementation('reference')") from e
 
     varying = varying_axes(operands)
     operands = [vary_over(x, varying) for x in operands]

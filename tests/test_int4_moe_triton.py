@@ -1,11 +1,13 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels.int4_moe import Int4Experts
+from pallas_kernels.triton_call import triton_call
 from triton_h200 import compile_for_h200
 
 K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
@@ -70,3 +72,10 @@ def test_activations_other_than_bf16_or_f32_are_refused():
     x = jnp.zeros((1, 256), jnp.float16)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         MT.int4_moe(x, experts, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="jax-triton imports where jaxlib has CUDA")
+def test_a_missing_jax_triton_is_named_with_the_fix():
+    """On the CPU jax-triton does not import (it needs a CUDA jaxlib): the call says what to install or choose."""
+    with pytest.raises(ImportError, match="jax-triton==0.3.1.*set_implementation"):
+        triton_call(jnp.zeros(4), kernel=MT._gate_up_kernel, out_shape=None, grid=(1,))
