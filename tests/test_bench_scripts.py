@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILE
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 STAGES = ("draft", "build", "verify", "accept", "commit")
 
 

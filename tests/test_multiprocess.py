@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+from conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config=tiny", "--init=random", "--policy=ddtree", "--budget=8", "--block_size=6", "--prompt=5,9,14,3,8",
         "--prompt=11,2", "--max_new_tokens=8", "--mesh=tp=2", "--tokenizer=none"]
@@ -30,7 +32,7 @@ def free_port() -> int:
 def test_two_processes_decode_what_one_process_decodes(tmp_path):
     base = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     one = tmp_path / "one.json"
-    stdout, _ = generate(one, env=dict(base, XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    stdout, _ = generate(one, env=dict(base, XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2"))
     assert one.exists(), stdout[-3000:]
     two = tmp_path / "two.json"
     coordinator = f"--coordinator=127.0.0.1:{free_port()}"

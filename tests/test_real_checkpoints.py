@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from kdtree_jax import config, model_dir
+from conftest import FAST_COMPILE
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 TARGET_DIR = os.path.join(ROOT, "tests", "fixtures", "kimi_k26_tiny")
 DRAFTER_DIR = os.path.join(ROOT, "tests", "fixtures", "dflash_tiny")
 DEVICES = 2
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def generate(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
