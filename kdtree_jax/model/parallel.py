@@ -7,9 +7,9 @@ kernel in a `jax.shard_map` over the shards the params already have, and without
 
 Both shard_maps check varying manual axes (check_vma, jax's default): the kernels state theirs
 (`pallas_kernels.pallas_call`, `pallas_kernels.triton_call`). One exception, `_check_vma()`: a kernel run in Pallas'
-interpret mode (the CPU tests) is evaluated by jax 0.11.2's HLO interpreter, which mixes the kernel's own constants (no varying axes) with the
-blocks of varying operands and fails its own check ("Primitive pad requires varying manual axes to match"); the
-compiled GPU kernels never take that path.
+interpret mode (the CPU tests) is evaluated by jax 0.11.2's HLO interpreter, which mixes the kernel's own constants
+(no varying axes) with the blocks of varying operands and fails its own check ("Primitive pad requires varying manual
+axes to match"); the compiled GPU kernels never take that path.
 """
 from __future__ import annotations
 
