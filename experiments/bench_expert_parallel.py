@@ -24,16 +24,16 @@ import numpy as np
 from absl import flags, logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from experiments.kernels_moe import moe_routing, moe_shapes, random_experts
+from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
 from experiments.timing import BF16, Job, rel_err, time_jobs
 from kdtree_jax import cli, plots, sharding
 from kdtree_jax.model import parallel
 from pallas_kernels import int4_moe as moe
-from pallas_kernels import int4_moe_triton as moe_triton
 
 flags.DEFINE_list("tokens", ["1", "8", "64", "256", "1024", "4096"], "token counts M")
-flags.DEFINE_list("kernels", ["pallas_triton", "triton"], "INT4 kernels timed: pallas_triton (int4_moe.int4_moe), "
-                  "triton (int4_moe_triton.int4_moe, jax-triton)")
+flags.DEFINE_multi_enum("kernels", ["pallas_triton", "triton"], sorted(INT4_KERNELS),
+                        "INT4 kernels timed: pallas_triton (int4_moe.int4_moe), triton (int4_moe_triton.int4_moe, "
+                        "jax-triton)")
 flags.DEFINE_integer("tp", 0, "expert-parallel devices (0: every local device)")
 flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
 flags.DEFINE_float("time_budget_s", 400.0, "start no new M after this many seconds")
@@ -45,9 +45,7 @@ TARGET_RATIO = 0.6     # the issue's bound on tp=2 / one GPU at M >= 64
 
 
 def _kernel(name: str):
-    if F.quick:
-        return moe.int4_moe_reference
-    return {"pallas_triton": moe.int4_moe, "triton": moe_triton.int4_moe}[name]
+    return moe.int4_moe_reference if F.quick else INT4_KERNELS[name]
 
 
 def main(_):
@@ -73,14 +71,13 @@ def main(_):
         per_device = e // tp
         local_pairs = [float(np.mean([np.sum(np.asarray(ids) // per_device == dv) for dv in range(tp)]))
                        for _, ids, _ in sets]
+        one_sets = [jax.device_put((x, experts_one, i, w), one) for x, i, w in sets]
+        replicated = NamedSharding(mesh, P())
+        tp_sets = [(jax.device_put(x, replicated), experts_tp, *jax.device_put((i, w), replicated)) for x, i, w in sets]
         for name in F.kernels:
             kernel = _kernel(name)
-            one_fn = jax.jit(lambda x, ex, i, w, kernel=kernel: kernel(x, ex, i, w))
-
+            one_fn = jax.jit(kernel)
             tp_fn = sharding.under_mesh(mesh, jax.jit(functools.partial(parallel.expert_parallel, kernel)))
-            one_sets = [jax.device_put((x, experts_one, i, w), one) for x, i, w in sets]
-            tp_sets = [(*jax.device_put((x,), NamedSharding(mesh, P())), experts_tp,
-                        *jax.device_put((i, w), NamedSharding(mesh, P()))) for x, i, w in sets]
             try:
                 err = rel_err(np.asarray(tp_fn(*tp_sets[0]), np.float32), np.asarray(one_fn(*one_sets[0]), np.float32))
                 t = time_jobs([Job("one", one_fn, one_sets), Job("tp", tp_fn, tp_sets)], F.reps)

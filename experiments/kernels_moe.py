@@ -23,6 +23,10 @@ from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
 
 
+# The INT4 kernels the scripts time by name: the GPU default (Triton) and the previous Pallas-Triton kernel.
+INT4_KERNELS = {"triton": moe_triton.int4_moe, "pallas_triton": moe.int4_moe}
+
+
 def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
     """(experts E, hidden D, inter I, top_k) and the token counts M; `quick`: small ones, for a CPU smoke run."""
     if quick:

@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from experiments.kernels_moe import moe_routing, moe_shapes, random_experts
+from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
 from kdtree_jax import cli
-from pallas_kernels import int4_moe as moe
-from pallas_kernels import int4_moe_triton as moe_triton
 
-flags.DEFINE_enum("kernel", "triton", ["pallas_triton", "triton"], "which int4_moe")
+flags.DEFINE_enum("kernel", "triton", sorted(INT4_KERNELS), "which int4_moe")
 flags.DEFINE_integer("tokens", 8, "tokens M")
 flags.DEFINE_integer("calls", 3, "calls of the kernel (the first compiles)")
 F = flags.FLAGS
@@ -26,7 +24,7 @@ def main(_):
     experts = random_experts(jax.random.key(3), shape["experts"], shape["hidden"], shape["inter"])
     ids, w = moe_routing(jax.random.key(4), F.tokens, shape["experts"], shape["top_k"])
     x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
-    kernel = jax.jit({"pallas_triton": moe.int4_moe, "triton": moe_triton.int4_moe}[F.kernel])
+    kernel = jax.jit(INT4_KERNELS[F.kernel])
     for _ in range(F.calls):
         jax.block_until_ready(kernel(x, experts, ids, w))
     print(f"ran {F.kernel} int4_moe at M={F.tokens} {F.calls} times")

@@ -33,7 +33,6 @@ def _register(name: str, kernel: Callable, reference: Callable) -> None:
     _registry[name] = (kernel, reference)
 
 
-_register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
 def _int4_moe_kernel(*args, interpret: bool, **kwargs):
     """The Triton kernel (jax-triton) on the GPU; elsewhere the Pallas kernel, which alone runs in interpret mode
     (the CPU tests) and traces without a CUDA jaxlib. Measured: experiments/notes/kernels.md, "int4_moe in Triton"."""
@@ -42,6 +41,7 @@ def _int4_moe_kernel(*args, interpret: bool, **kwargs):
     return _int4_moe_triton.int4_moe(*args, **kwargs)
 
 
+_register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
 _register("int4_moe", _int4_moe_kernel, _int4_moe.int4_moe_reference)
 _register("tree_build", _tree_build.tree_build, _tree_build.tree_build_reference)
 _register("tree_accept", _tree_accept.tree_accept, _tree_accept.tree_accept_reference)

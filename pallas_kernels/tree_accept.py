@@ -62,12 +62,8 @@ def _kernel(parent_ref, tokens_ref, target_ref, path_ref, stats_ref, *, max_dept
 @functools.partial(jax.jit, static_argnames=("max_depth", "interpret"))
 def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: bool = False) -> AcceptResult:
     """tree with B + 1 slots, target_tokens [S, B+1] int32 -> AcceptResult, identical to `tree_accept_reference`."""
-    n_streams, keep = tree.parent.shape
-    if target_tokens.shape != (n_streams, keep) or tree.tokens.shape != (n_streams, keep):
-        raise ValueError(f"target_tokens {target_tokens.shape} and tree.tokens {tree.tokens.shape} must be "
-                         f"[S, B+1] = {(n_streams, keep)}")
-    slots = max(MIN_SLOTS, pl.next_power_of_2(keep))
-    depths = max(2, pl.next_power_of_2(max_depth + 1))
+    n_streams, keep = check_accept_inputs(tree, target_tokens)
+    slots, depths = node_slots(keep), path_slots(max_depth)
 
     def pad(x, value):
         return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, slots - keep)), constant_values=value)
@@ -85,3 +81,22 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
         name="tree_accept",
     )(pad(tree.parent, -1), pad(tree.tokens, 0), pad(target_tokens, 0))
     return AcceptResult(path[:, :max_depth + 1], stats[:, 0], stats[:, 1])
+
+
+def check_accept_inputs(tree: TreeArrays, target_tokens) -> tuple[int, int]:
+    """(S, B + 1) of the accept kernels' inputs, or a ValueError when target_tokens and tree.tokens are not [S, B+1]."""
+    n_streams, keep = tree.parent.shape
+    if target_tokens.shape != (n_streams, keep) or tree.tokens.shape != (n_streams, keep):
+        raise ValueError(f"target_tokens {target_tokens.shape} and tree.tokens {tree.tokens.shape} must be "
+                         f"[S, B+1] = {(n_streams, keep)}")
+    return n_streams, keep
+
+
+def node_slots(keep: int) -> int:
+    """Node slots of the accept kernels for B + 1 = keep nodes: a power of two, at least MIN_SLOTS."""
+    return max(MIN_SLOTS, pl.next_power_of_2(keep))
+
+
+def path_slots(max_depth: int) -> int:
+    """Path entries the accept kernels hold for max_depth steps: a power of two >= max_depth + 1."""
+    return max(2, pl.next_power_of_2(max_depth + 1))

@@ -158,7 +158,7 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: Bu
     check_topk_table(top_logprobs, top_ids, root)
     n_streams, max_depth, k = top_logprobs.shape
     cfg = config or BuildConfig()
-    slots = max(MIN_SLOTS, pl.next_power_of_2(budget + 1))
+    slots = node_slots(budget)
     table = pl.BlockSpec((None, max_depth, k), lambda s: (s, 0, 0))
     node = pl.BlockSpec((None, slots), lambda s: (s, 0))
     int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
@@ -174,6 +174,11 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: Bu
         name="tree_build",
     )(root.astype(jnp.int32), top_logprobs.astype(jnp.float32), top_ids.astype(jnp.int32))
     return tree_arrays(tokens, parent, depth, score, first_child, next_sibling, budget, max_depth)
+
+
+def node_slots(budget: int) -> int:
+    """Node slots of the build kernels for B + 1 nodes: a power of two, at least MIN_SLOTS."""
+    return max(MIN_SLOTS, pl.next_power_of_2(budget + 1))
 
 
 def check_topk_table(top_logprobs, top_ids, root) -> None:

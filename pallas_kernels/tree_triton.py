@@ -63,17 +63,13 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
     `tree_accept.tree_accept_reference`. interpret: not available (a ValueError)."""
     if interpret:
         raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use tree_accept.tree_accept")
-    n_streams, keep = tree.parent.shape
-    if target_tokens.shape != (n_streams, keep) or tree.tokens.shape != (n_streams, keep):
-        raise ValueError(f"target_tokens {target_tokens.shape} and tree.tokens {tree.tokens.shape} must be "
-                         f"[S, B+1] = {(n_streams, keep)}")
+    n_streams, keep = accept_ref.check_accept_inputs(tree, target_tokens)
     path, stats = triton_call(
         tree.parent.astype(jnp.int32), tree.tokens.astype(jnp.int32), target_tokens.astype(jnp.int32),
         kernel=_accept_kernel, out_shape=(jax.ShapeDtypeStruct((n_streams, max_depth + 1), jnp.int32),
                                           jax.ShapeDtypeStruct((n_streams, 2), jnp.int32)),
         grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, KEEP=keep,
-        SLOTS=max(accept_ref.MIN_SLOTS, triton.next_power_of_2(keep)),
-        DEPTHS=max(2, triton.next_power_of_2(max_depth + 1)), MAX_DEPTH=max_depth)
+        SLOTS=accept_ref.node_slots(keep), DEPTHS=accept_ref.path_slots(max_depth), MAX_DEPTH=max_depth)
     return AcceptResult(path, stats[:, 0], stats[:, 1])
 
 
@@ -157,7 +153,7 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: bu
                          "tree_build.tree_build_from_topk")
     build_ref.check_topk_table(top_logprobs, top_ids, root)
     n_streams, max_depth, k = top_logprobs.shape
-    slots = max(build_ref.MIN_SLOTS, triton.next_power_of_2(budget + 1))
+    slots = build_ref.node_slots(budget)
     packing = build_ref.Packing.for_tree(budget, slots, max_depth)
     int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
     tokens, parent, depth, score, first_child, next_sibling = triton_call(

@@ -13,7 +13,7 @@ from triton_h200 import compile_for_h200
 
 @pytest.mark.parametrize("budget,max_depth,k", [(8, 15, 8), (64, 15, 64), (512, 16, 512)])
 def test_build_kernel_compiles_for_h200(budget, max_depth, k):
-    slots = max(TB.MIN_SLOTS, 1 << budget.bit_length())
+    slots = TB.node_slots(budget)
     packing = TB.Packing.for_tree(budget, slots, max_depth)
     pointers = {"root_ptr": "*i32", "lp_ptr": "*fp32", "ids_ptr": "*i32", "tokens_ptr": "*i32", "parent_ptr": "*i32",
                 "depth_ptr": "*i32", "score_ptr": "*fp32", "first_ptr": "*i32", "next_ptr": "*i32"}
@@ -27,8 +27,7 @@ def test_build_kernel_compiles_for_h200(budget, max_depth, k):
 def test_accept_kernel_compiles_for_h200(keep, max_depth):
     pointers = {"parent_ptr": "*i32", "tokens_ptr": "*i32", "target_ptr": "*i32", "path_ptr": "*i32",
                 "stats_ptr": "*i32"}
-    constants = dict(KEEP=keep, SLOTS=max(TA.MIN_SLOTS, 1 << (keep - 1).bit_length()),
-                     DEPTHS=max(2, 1 << max_depth.bit_length()), MAX_DEPTH=max_depth)
+    constants = dict(KEEP=keep, SLOTS=TA.node_slots(keep), DEPTHS=TA.path_slots(max_depth), MAX_DEPTH=max_depth)
     compiled = compile_for_h200(TT._accept_kernel, pointers, constants, TA.NUM_WARPS, 1)
     assert "st.global" in compiled.asm["ptx"]
 
