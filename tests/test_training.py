@@ -27,25 +27,19 @@ from kdtree_jax.training.train_state import BestParams, StateCheckpointer, Train
 
 SHIPPED_TOKENIZER = os.path.join(os.path.dirname(__file__), os.pardir, "checkpoints", "tokenizer.json")
 RATE = 1e-3  # router bias balancing rate
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # CPU test speed
 
 
 def _compile(jitted, *args):
-    return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)
+    """Compiled ahead of the call (the suite's cheap-compile XLA flags, tests/conftest.py, apply)."""
+    return jitted.lower(*args).compile()
 
 
-def _load_script(name, monkeypatch):
-    """experiments/<name>.py as a module, compiling with FAST_COMPILE."""
+def _load_script(name):
+    """experiments/<name>.py as a module."""
     spec = importlib.util.spec_from_file_location(
         name, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-
-    def fast_compile_ahead(fn, *args):
-        start = time.perf_counter()
-        return _compile(fn, *args), time.perf_counter() - start
-
-    monkeypatch.setattr(module, "compile_ahead", fast_compile_ahead)
     return module
 
 
@@ -285,7 +279,7 @@ def _corpus(root, files=40):
     assert any(data.is_held_out(f"mod{i}.py") for i in range(files))
 
 
-def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
+def test_training_scripts_write_checkpoints_that_restore(tmp_path):
     (tmp_path / "src").mkdir()
     _corpus(tmp_path / "src")
     cfg = _small_target(vocab_size=4096)
@@ -293,7 +287,7 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
                     results_dir=str(tmp_path / "results"), steps=2, batch=2, seq_len=16, eval_batches=1,
                     roots=(str(tmp_path / "src"),), tokenizer=SHIPPED_TOKENIZER, token_cache=None,
                     loop=LoopConfig(log_every=1))
-    train_target = _load_script("train_target", monkeypatch)
+    train_target = _load_script("train_target")
     results = train_target.train(cfg, run, RATE, time.monotonic())
     assert results["steps"] == 2 and results["tokens_seen"] == 2 * 2 * 16
     assert results["epochs"] == pytest.approx(2 * 2 * 16 / results["corpus"]["tokens_train"])
@@ -322,7 +316,7 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path, monkeypatch):
     # The drafter script on that checkpoint.
     drafter_run = dataclasses.replace(run, out=str(tmp_path / "drafter"), state_dir=str(tmp_path / "dstate"),
                                       seq_len=24)
-    train_drafter = _load_script("train_drafter", monkeypatch)
+    train_drafter = _load_script("train_drafter")
     drafter_results = train_drafter.train(drafter_run, run.out, 3, 7.0, time.monotonic(), drafter_config=_small_drafter)
     assert drafter_results["steps"] == 2 and drafter_results["blocks_seen"] == 2 * 2 * 3
     assert drafter_results["epochs"] == pytest.approx(2 * 2 * 24 / drafter_results["corpus"]["tokens_train"])
