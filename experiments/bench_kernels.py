@@ -36,7 +36,7 @@ flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whos
                   "alternative tilings; '' for none")
 flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case (those it admits: at "
                   "most prefix / (2 block_k), at most 4 waves of programs)")
-flags.DEFINE_list("moe_sweep_tokens", ["1", "4096"], "token counts M whose int4_moe case sweeps tilings")
+flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M whose int4_moe case sweeps tilings")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")

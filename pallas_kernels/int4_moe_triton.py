@@ -54,9 +54,13 @@ class TritonMoeConfig:
 
 
 def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
-    """Blocks of 16 tokens while a touched expert sees a handful of them; blocks of 128 once the GEMMs are dense."""
-    if num_pairs / num_experts < 16:
+    """Blocks of 16 tokens while a touched expert sees a handful of them, of 32 while it sees a few dozen (each
+    expert's weights still streamed about once), of 128 once the GEMMs are dense."""
+    per_expert = num_pairs / num_experts
+    if per_expert < 16:
         return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=3)
+    if per_expert < 48:
+        return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3)
     return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3)
 
 

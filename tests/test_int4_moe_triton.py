@@ -31,10 +31,10 @@ def down(dtype: str, config):
     return compile_tiled(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config)
 
 
-SMALL, LARGE = MT.default_config(8, 384), MT.default_config(8 * 4096, 384)
+SMALL, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 1024, 4096))
 
 
-@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small_blocks", "large_blocks"])
+@pytest.mark.parametrize("config", [SMALL, MEDIUM, LARGE], ids=["small_blocks", "medium_blocks", "large_blocks"])
 @pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
 def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     """bf16: the weights are dequantized two at a time (bf16x2 sub and mul) and multiplied on the Hopper tensor cores

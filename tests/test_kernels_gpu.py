@@ -70,11 +70,12 @@ def random_experts(cfg):
                                for name, f in factors.items()})
 
 
-LARGE_BLOCKS = MT.default_config(8 * 4096, K26.num_experts)
+MEDIUM_BLOCKS, LARGE_BLOCKS = (MT.default_config(8 * m, K26.num_experts) for m in (1024, 4096))
 
 
-@pytest.mark.parametrize("kernel", [M.int4_moe, MT.int4_moe, functools.partial(MT.int4_moe, config=LARGE_BLOCKS)],
-                         ids=["pallas_triton", "triton", "triton_large_blocks"])
+@pytest.mark.parametrize("kernel", [M.int4_moe, MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
+                                    functools.partial(MT.int4_moe, config=LARGE_BLOCKS)],
+                         ids=["pallas_triton", "triton", "triton_medium_blocks", "triton_large_blocks"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
 def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
