@@ -2,8 +2,9 @@
 
 Same op as `int4_moe.int4_moe` (signature, semantics, the repacked compressed-tensors layout `Int4Experts`, the
 reference `int4_moe_reference`, the routing of (token, slot) pairs into blocks of one expert, `route_pairs`, and the
-weighted sum of the pairs, `combine_pairs`); `ops.int4_moe` runs it on the GPU. Two kernels: gate and up for a block
-of pairs in one pass over x, writing silu(gate) * up; then down, scaled by each pair's routing weight.
+weighted sum of the pairs); `ops.int4_moe` runs it on the GPU. Three kernels: gate and up for a block of pairs in
+one pass over x, writing silu(gate) * up; down, scaled by each pair's routing weight; the sum of each token's pairs
+(`combine_pairs` as one kernel, in slot order: deterministic, like the reference).
 
 The step (bf16): a program holds block_n output rows; per step it loads `words` packed words of each row (of the 32
 words of a 256-input block) and turns them, two words at a time, into eight bf16 tiles [block_n, words], one per
@@ -58,7 +59,7 @@ def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
     expert's weights still streamed about once), of 128 once the GEMMs are dense."""
     per_expert = num_pairs / num_experts
     if per_expert < 16:
-        return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=3)
+        return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=4)
     if per_expert < 48:
         return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3)
     return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3)
@@ -105,15 +106,29 @@ _DEQUANT_BF16X2 = tl.constexpr("\n".join(["{", ".reg .b32 t, u, lo, hi, off;", "
 
 
 @triton.jit
-def _dequantize_bf16(words, scale_ptr, ROW_STRIDE: tl.constexpr):
-    """words int32 [BN, W] and scale_ptr [BN] (group of nibble 0; nibble i's is ROW_STRIDE * i further) -> the 8
-    nibble tiles (n - 8) * scale, bf16 [BN, W] each (`_DEQUANT_BF16X2`)."""
+def _group_columns(scales):
+    """scales [BN, 8] -> its 8 columns, [BN] each, in group order."""
+    c0, c1 = tl.split(tl.reshape(scales, (scales.shape[0], 2, 2, 2)))     # column 4 a + 2 b + c: c, then b, then a
+    b0c0, b1c0 = tl.split(c0)
+    b0c1, b1c1 = tl.split(c1)
+    g0, g4 = tl.split(b0c0)
+    g2, g6 = tl.split(b1c0)
+    g1, g5 = tl.split(b0c1)
+    g3, g7 = tl.split(b1c1)
+    return g0, g1, g2, g3, g4, g5, g6, g7
+
+
+@triton.jit
+def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
+    """words int32 [BN, W]; the scales of rows [BN] at scale_ptr (group of nibble 0; nibble i's is ROW_STRIDE * i
+    further) -> the 8 nibble tiles (n - 8) * scale, bf16 [BN, W] each (`_DEQUANT_BF16X2`). The scales come in one
+    [BN, 8] load, contiguous along the rows, which Triton's pipeliner copies ahead asynchronously with the weights
+    (eight [BN] loads of 2-byte elements it issues synchronously: warps stalled on them, kernels.md)."""
+    scales = tl.load(scale_ptr + rows[:, None] + ROW_STRIDE * tl.arange(0, 8)[None, :])
+    columns = _group_columns(scales)
     return tl.inline_asm_elementwise(
         _DEQUANT_BF16X2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-        [words, tl.load(scale_ptr)[:, None], tl.load(scale_ptr + ROW_STRIDE)[:, None],
-         tl.load(scale_ptr + 2 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 3 * ROW_STRIDE)[:, None],
-         tl.load(scale_ptr + 4 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 5 * ROW_STRIDE)[:, None],
-         tl.load(scale_ptr + 6 * ROW_STRIDE)[:, None], tl.load(scale_ptr + 7 * ROW_STRIDE)[:, None]],
+        [words] + [column[:, None] for column in columns],
         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
 
 
@@ -132,6 +147,15 @@ def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
 
 
 @triton.jit
+def _clamped_rows(rows, NUM_ROWS: tl.constexpr):
+    """A block's rows [BN] clamped to the matrix's NUM_ROWS; left as they are when BN divides NUM_ROWS, so that Triton
+    still sees them contiguous (vector loads of the scales)."""
+    if NUM_ROWS % rows.shape[0] == 0:
+        return rows
+    return tl.minimum(rows, NUM_ROWS - 1)
+
+
+@triton.jit
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -146,7 +170,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         tok_ok = tok < NUM_TOKENS
         tok = tl.minimum(tok, NUM_TOKENS - 1)
         rows = n * BN + tl.arange(0, BN)
-        rows_in = tl.minimum(rows, INTER - 1)
+        rows_in = _clamped_rows(rows, INTER)
         word = tl.arange(0, WORDS)
         group = tl.arange(0, 8)
         expert_words = e.to(tl.int64) * INTER * ROW_WORDS
@@ -160,12 +184,12 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
             w_gate = tl.load(gate_q + step * WORDS)
             w_up = tl.load(up_q + step * WORDS)
             if dtype == tl.bfloat16:
-                scale_at = expert_scales + block * 8 * INTER + rows_in                                   # [BN]
+                scale_at = expert_scales + block * 8 * INTER
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]       # [BM, W]; padding rows repeat a token
-                tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, INTER)
+                tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, rows_in, INTER)
                 acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g)
-                acc_u = _nibble_dots(_dequantize_bf16(w_up, up_s_ptr + scale_at, INTER), act_at, cols, HIDDEN, acc_u)
+                acc_u = _nibble_dots(_dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER), act_at, cols, HIDDEN, acc_u)
             else:
                 scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
                 cols = _block_columns(step, WORDS)
@@ -194,7 +218,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         h_cols: tl.constexpr = ROW_WORDS * 8
         pair_rows = b * BM + tl.arange(0, BM)
         rows = n * BN + tl.arange(0, BN)
-        rows_in = tl.minimum(rows, HIDDEN - 1)
+        rows_in = _clamped_rows(rows, HIDDEN)
         word = tl.arange(0, WORDS)
         group = tl.arange(0, 8)
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
@@ -206,7 +230,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
             if dtype == tl.bfloat16:
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
-                tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN + rows_in, HIDDEN)
+                tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
                 acc = _nibble_dots(tiles, act_at, cols, h_cols, acc)
             else:
                 scale_rows = block * 8 + group
@@ -219,6 +243,23 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         y = acc * weight[None, :]
         tl.store(y_ptr + pair_rows[None, :].to(tl.int64) * HIDDEN + rows[:, None], y.to(dtype),
                  mask=tok_ok[None, :] & (rows < HIDDEN)[:, None])
+
+
+@triton.jit
+def _combine_kernel(pair_row_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BD: tl.constexpr):
+    """Program (token m, columns d): out[m, d] = sum over m's K pairs, in slot order, of y[pair_row, d] (f32; a pair
+    whose row is -1, an expert of another device, adds nothing)."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    col_ok = cols < HIDDEN
+    acc = tl.zeros((BD,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pair_row_ptr + m * TOP_K + j)
+        acc += tl.load(y_ptr + row.to(tl.int64) * HIDDEN + cols, mask=col_ok & (row >= 0), other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+COMBINE_COLUMNS = 1024     # hidden columns per combine program
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -254,4 +295,7 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, triton.cdiv(d, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **launch)
-    return ref.combine_pairs(y, routing.pair_row.reshape(m, -1), routing.pair_ok.reshape(m, -1)).astype(x.dtype)
+    pair_row = jnp.where(routing.pair_ok, routing.pair_row, -1)
+    return triton_call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
+                       grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d,
+                       BD=COMBINE_COLUMNS, num_warps=4, num_stages=1)

@@ -53,6 +53,16 @@ def test_f32_kernels_compile_with_ieee_dots():
         assert "tf32" not in ptx and "fma.rn.f32" in ptx
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_combine_kernel_compiles_to_vector_loads(dtype):
+    """The sum of each token's pairs: 16-byte loads of y's rows (bf16: 8 columns per load), f32 adds."""
+    compiled = compile_for_h200(MT._combine_kernel, {"pair_row_ptr": "*i32", "y_ptr": f"*{dtype}",
+                                                     "out_ptr": f"*{dtype}"},
+                                dict(TOP_K=8, HIDDEN=7168, BD=MT.COMBINE_COLUMNS), num_warps=4, num_stages=1)
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4" in ptx and "add.f32" in ptx
+
+
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):
