@@ -1,9 +1,12 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
+import triton
 
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels.int4_moe import Int4Experts
@@ -85,7 +88,10 @@ def test_activations_other_than_bf16_or_f32_are_refused():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="jax-triton imports where jaxlib has CUDA")
-def test_a_missing_jax_triton_is_named_with_the_fix():
-    """On the CPU jax-triton does not import (it needs a CUDA jaxlib): the call says what to install or choose."""
+def test_a_missing_jax_triton_is_named_with_the_fix(monkeypatch):
+    """On the CPU jax-triton does not import (it needs a CUDA jaxlib): the call says what to install or choose. (Its
+    partial import sets TRITON_CACHE_DIR to '', which would leave the later compiles of this process without a cache
+    directory: monkeypatch restores the variable.)"""
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", triton.knobs.cache.dir))
     with pytest.raises(ImportError, match="jax-triton==0.3.1.*set_implementation"):
         triton_call(jnp.zeros(4), kernel=MT._gate_up_kernel, out_shape=None, grid=(1,))
