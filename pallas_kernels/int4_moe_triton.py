@@ -279,6 +279,8 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
     m, d = x.shape
     num_experts, inter = experts.num_experts, experts.intermediate_size
     cfg = config or default_config(topk_ids.size, num_experts)
+    if x.dtype == jnp.float32:      # 4-byte activation tiles: at most two stages fit the H200's shared memory
+        cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 2))
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, cfg.block_m)
     num_blocks = routing.block_expert.shape[0]
     rows = num_blocks * cfg.block_m

@@ -47,6 +47,9 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv: int):
         problems.append(f"rows={rows} must be a multiple of {BLOCK_Q} (pad the query rows)")
     if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c or k_rope.shape != (s, c_kv.shape[1], ROPE):
         problems.append(f"c_kv {c_kv.shape} / k_rope {k_rope.shape} must be [S, N, {c}] / [S, N, {ROPE}]")
+    elif block_kv % 64:
+        problems.append(f"block_kv={block_kv} must be a multiple of 64 (the K of P @ c_kv's wgmma; the H200 refuses "
+                        "32)")
     elif c_kv.shape[1] % block_kv:
         problems.append(f"cache rows N={c_kv.shape[1]} must be a multiple of block_kv={block_kv}")
     if prefix_len.shape != (s,):

@@ -33,9 +33,9 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
 
 @pytest.mark.parametrize("prefixes,rows,num_splits,block_kv,stages", [
     ([200, 37], 64, 2, 64, 2),
-    ([0, 256, 5], 128, 3, 32, 3),
-    ([70], 64, 8, 32, 2),
-    ([256, 100], 64, 1, 32, 2),
+    ([0, 256, 5], 128, 3, 64, 2),
+    ([70], 64, 8, 64, 2),
+    ([256, 100], 64, 1, 64, 2),
 ])
 def test_partials_merge_to_the_reference(prefixes, rows, num_splits, block_kv, stages):
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
@@ -64,3 +64,7 @@ def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match="block_kv"):
         PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
                                      interpret=INTERPRET)
+    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 128)
+    with pytest.raises(ValueError, match="block_kv=32 must be a multiple of 64"):   # wgmma's K on the H200
+        PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
+                                     block_kv=32, interpret=INTERPRET)
