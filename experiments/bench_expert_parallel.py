@@ -31,9 +31,8 @@ from kdtree_jax.model import parallel
 from pallas_kernels import int4_moe as moe
 
 flags.DEFINE_list("tokens", ["1", "8", "64", "256", "1024", "4096"], "token counts M")
-flags.DEFINE_multi_enum("kernels", ["pallas_triton", "triton"], sorted(INT4_KERNELS),
-                        "INT4 kernels timed: pallas_triton (int4_moe.int4_moe), triton (int4_moe_triton.int4_moe, "
-                        "jax-triton)")
+flags.DEFINE_multi_enum("kernels", ["triton"], sorted(INT4_KERNELS),
+                        "INT4 implementations timed: triton (int4_moe_triton.int4_moe, jax-triton), reference (XLA)")
 flags.DEFINE_integer("tp", 0, "expert-parallel devices (0: every local device)")
 flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
 flags.DEFINE_float("time_budget_s", 400.0, "start no new M after this many seconds")

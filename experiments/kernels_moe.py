@@ -1,7 +1,8 @@
 """bench_kernels section `moe`: int4_moe (the Triton kernel through jax-triton, INT4 experts dequantized in registers)
-against the previous Pallas-Triton kernel, the XLA paths over bf16 weights (ragged_dot, gather + einsum) and its jnp
-reference, at K2.6 expert shapes, with f32 checks and optional tilings. On the CPU (--quick) the Pallas kernel runs in
-interpret mode in its place.
+against the XLA paths over bf16 weights (ragged_dot, gather + einsum) and its jnp reference, at K2.6 expert shapes,
+with f32 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
+no interpret mode): a smoke run of the script, not of the kernel. The previous Pallas-Triton kernel was timed beside
+the Triton one up to results/kernels.json of the sixth session, then removed.
 
     cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
     cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction
@@ -23,8 +24,8 @@ from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
 
 
-# The INT4 kernels the scripts time by name: the GPU default (Triton) and the previous Pallas-Triton kernel.
-INT4_KERNELS = {"triton": moe_triton.int4_moe, "pallas_triton": moe.int4_moe}
+# The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
+INT4_KERNELS = {"triton": moe_triton.int4_moe, "reference": moe.int4_moe_reference}
 
 
 def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
@@ -128,7 +129,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             sweep_tokens: list[int], save) -> None:
     """Time every token count (kernel, the tilings of triton_sweep, the baselines) against the ceilings `ceil`; one row
     per M appended to `results`, printed, then `save()`; no new M past `deadline` (time.time()); then the f32 checks
-    into checks["int4_moe_f32_16_tokens"] (the kernel) and checks["int4_moe_pallas_triton_f32_16_tokens"]."""
+    into checks["int4_moe_f32_16_tokens"] (the kernel; GPU only)."""
     interpret = jax.default_backend() != "gpu"
     shape, token_counts = moe_shapes(quick)
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
@@ -143,8 +144,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             for s in range(4):
                 ids, w = moe_routing(jax.random.key(100 * m + s), m, e, k)
                 sets.append((jax.random.normal(jax.random.key(7 + s), (m, d), BF16), experts, ids, w))
-            if interpret:   # the CPU smoke run: the Pallas kernel is the one with an interpret mode
-                fns = {"kernel": jax.jit(lambda *a: moe.int4_moe(*a, interpret=True))}
+            if interpret:   # the CPU smoke run: the reference in the kernel's place
+                fns = {"kernel": jax.jit(moe.int4_moe_reference)}
             else:
                 fns = {"kernel": jax.jit(moe_triton.int4_moe)}
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
@@ -155,8 +156,6 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             ref = ref_fn(x0[:sub], experts, ids0[:sub], w0[:sub]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0])[:sub].astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in fns.items()]
-            if not interpret:   # the previous kernel, kept as a baseline
-                jobs.append(Job("pallas_triton_int4", jax.jit(moe.int4_moe), sets))
             if m <= 64:
                 jobs.append(Job("reference_int4", ref_fn, sets))
             if m <= 256 and not interpret:
@@ -171,11 +170,10 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
             best = min(fns, key=lambda n: t[n]["us"])
-            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "pallas_triton"))}
+            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
-            default = moe.default_config(m * k, e) if interpret else moe_triton.default_config(m * k, e)
-            entry = dict(tokens=m, **shape, kernel="pallas_triton (interpret)" if interpret else "triton (jax-triton)",
-                         config=str(default), touched_experts=touched,
+            entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
+                         config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
                          touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
@@ -193,14 +191,11 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
         _print_moe_row(entry)
         save()
     del gate_up_bf16, down_bf16
-    kernels = {"int4_moe_pallas_triton_f32_16_tokens": functools.partial(moe.int4_moe, interpret=interpret)}
     if not interpret:
-        kernels["int4_moe_f32_16_tokens"] = moe_triton.int4_moe
-    for name, kernel in kernels.items():
         try:
-            checks[name] = _moe_f32_check(kernel, experts, shape)
+            checks["int4_moe_f32_16_tokens"] = _moe_f32_check(moe_triton.int4_moe, experts, shape)
         except Exception as e:  # noqa: BLE001 - a failed check is a result
-            checks[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+            checks["int4_moe_f32_16_tokens"] = f"{type(e).__name__}: {str(e)[:2000]}"
 
 
 def _moe_f32_check(kernel, experts, shape) -> float:
@@ -209,7 +204,6 @@ def _moe_f32_check(kernel, experts, shape) -> float:
     ids = ids.at[0, 0].set(-1).at[1, 1].set(shape["experts"])          # other devices' experts contribute 0
     x = jax.random.normal(jax.random.key(12), (16, shape["hidden"]), jnp.float32)
     return rel_err(kernel(x, experts, ids, w), moe.int4_moe_reference(x, experts, ids, w))
-
 
 
 def _print_moe_row(r):

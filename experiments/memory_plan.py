@@ -26,7 +26,8 @@ from kdtree_jax import sharding
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
-from pallas_kernels.int4_moe import Int4Experts, default_config
+from pallas_kernels.int4_moe import Int4Experts
+from pallas_kernels.int4_moe_triton import default_config
 
 H200_HBM_BYTES = 143771 * 2 ** 20  # what nvidia-smi reports per H200 on the lent machines (KINDS.md)
 GIB = 2 ** 30

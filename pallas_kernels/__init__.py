@@ -1,10 +1,11 @@
-"""Pallas kernels (Triton lowering on the GPU, interpret mode on the CPU) with their pure-JAX references.
+"""GPU kernels (Pallas with the Triton lowering; Triton through jax-triton for int4_moe and the tree candidates; an
+experimental Mosaic GPU kernel) with their pure-JAX references.
 
 The model calls them through `pallas_kernels.ops`, which picks the kernel or the reference. Helpers shared by the
-kernels live here. The package depends on jax alone (tests/test_imports.py): the contracts the kernels implement live
-on this side too, `tree` (tree arrays, the heapq specification, the pure-JAX builder and accept walk) and
-`int4_layout` (the compressed-tensors INT4 layout), and the engine (`kdtree_jax`) imports them from here.
-`prefix_attention_mgpu` is an experimental Mosaic GPU kernel outside `ops` (see its docstring).
+kernels live here. The package depends on jax and triton, never on the engine (tests/test_imports.py): the contracts
+the kernels implement live on this side too, `tree` (tree arrays, the heapq specification, the pure-JAX builder and
+accept walk) and `int4_layout` (the compressed-tensors INT4 layout), and the engine (`kdtree_jax`) imports them from
+here. `prefix_attention_mgpu` is an experimental Mosaic GPU kernel outside `ops` (see its docstring).
 """
 import warnings
 

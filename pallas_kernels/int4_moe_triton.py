@@ -1,10 +1,10 @@
 """Routed-expert MLP with INT4 weights as Triton kernels called through jax-triton: the GPU's int4_moe.
 
-Same op as `int4_moe.int4_moe` (signature, semantics, the repacked compressed-tensors layout `Int4Experts`, the
-reference `int4_moe_reference`, the routing of (token, slot) pairs into blocks of one expert, `route_pairs`, and the
-weighted sum of the pairs); `ops.int4_moe` runs it on the GPU. Three kernels: gate and up for a block of pairs in
-one pass over x, writing silu(gate) * up; down, scaled by each pair's routing weight; the sum of each token's pairs
-(`combine_pairs` as one kernel, in slot order: deterministic, like the reference).
+The op of `int4_moe.py` (its semantics, the repacked compressed-tensors layout `Int4Experts`, the reference
+`int4_moe_reference` and the routing of (token, slot) pairs into blocks of one expert, `route_pairs`); `ops.int4_moe`
+runs it on the GPU. Three kernels: gate and up for a block of pairs in one pass over x, writing silu(gate) * up; down,
+scaled by each pair's routing weight; the sum of each token's pairs (`_combine_kernel`, in slot order: deterministic,
+like the reference).
 
 The step (bf16): a program holds block_n output rows; per step it loads `words` packed words of each row (of the 32
 words of a 256-input block) and turns them, two words at a time, into eight bf16 tiles [block_n, words], one per
@@ -268,11 +268,11 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
-    interpret: not available for Triton kernels (a ValueError: use the reference or the Pallas kernel on the CPU).
+    interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
     """
     if interpret:
-        raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe (the reference) or "
-                         "int4_moe.int4_moe(..., interpret=True)")
+        raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe or "
+                         "int4_moe.int4_moe_reference (the reference)")
     ref.check_inputs(x, experts, topk_ids, topk_weights)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")

@@ -1,11 +1,12 @@
-"""Dispatch of each kernel to its Pallas implementation or its pure-JAX reference.
+"""Dispatch of each kernel to its GPU implementation (Pallas, or Triton through jax-triton) or its pure-JAX reference.
 
     set_implementation("auto" | "kernel" | "reference", interpret=None)
     with implementation("kernel", interpret=True): ...   # tests: the kernels in interpret mode on the CPU
 
 "auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
 kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
-traced: a jitted caller keeps the implementation it was traced with.
+traced: a jitted caller keeps the implementation it was traced with. int4_moe's GPU kernel is Triton, which has no
+interpret mode: in interpret mode (and off the GPU) int4_moe runs its reference.
 
 A kernel is added with one `_register` line and a thin public function calling `_call`.
 """
@@ -34,10 +35,11 @@ def _register(name: str, kernel: Callable, reference: Callable) -> None:
 
 
 def _int4_moe_kernel(*args, interpret: bool, **kwargs):
-    """The Triton kernel (jax-triton) on the GPU; elsewhere the Pallas kernel, which alone runs in interpret mode
-    (the CPU tests) and traces without a CUDA jaxlib. Measured: experiments/notes/kernels.md, "int4_moe in Triton"."""
+    """The Triton kernel (jax-triton) on the GPU. It has no interpret mode and jax-triton needs a CUDA jaxlib, so in
+    interpret mode or on another backend the reference runs (int4_moe_triton's CPU tests compile it for sm_90
+    instead). Measured: experiments/notes/kernels.md, "int4_moe in Triton"."""
     if interpret or jax.default_backend() != "gpu":
-        return _int4_moe.int4_moe(*args, interpret=interpret, **kwargs)
+        return _int4_moe.int4_moe_reference(*args, **kwargs)
     return _int4_moe_triton.int4_moe(*args, **kwargs)
 
 
@@ -92,7 +94,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
 
 def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
     """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py (the op, its layout,
-    reference and the Pallas kernel) and pallas_kernels/int4_moe_triton.py (the GPU kernel)."""
+    reference and routing) and pallas_kernels/int4_moe_triton.py (the GPU kernel)."""
     return _call("int4_moe", x, experts, topk_ids, topk_weights)
 
 

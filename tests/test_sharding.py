@@ -159,9 +159,11 @@ def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text)
 @on_devices
 def test_compiled_kernels_trace_inside_shard_map_with_vma_checks():
     """The GPU path's contract, checked on the CPU by tracing (no lowering): with the compiled (not interpreted)
-    kernels, the shard_maps keep check_vma on, and tree-verify attention and int4_moe state how their outputs vary
-    over the mesh. Before `pallas_kernels.pallas_call`, this raised 'manual_axis_type on jax.ShapeDtypeStruct must
-    not be None', as the first 2 x H200 run did."""
+    Pallas kernels, the shard_maps keep check_vma on, and tree-verify attention states how its outputs vary over the
+    mesh. Before `pallas_kernels.pallas_call`, this raised 'manual_axis_type on jax.ShapeDtypeStruct must not be
+    None', as the first 2 x H200 run did. (int4_moe's Triton kernel does not trace without a CUDA jaxlib; off the GPU
+    the reference runs in its place. Its wrapper, `pallas_kernels.triton_call`, states the varying axes the same way;
+    it ran inside the expert-parallel shard_map on 2 x H200: experiments/notes/sharding.md.)"""
     model = Transformer(CFG.replace(expert_quant="int4", num_layers=2), nnx.Rngs(4))
     graphdef, params = nnx.split(model)
     mesh = sharding.parse_mesh("data=2,tp=4")
@@ -170,7 +172,7 @@ def test_compiled_kernels_trace_inside_shard_map_with_vma_checks():
     with ops.implementation("kernel", interpret=False), jax.set_mesh(mesh):
         traced = jax.jit(lambda p, t: causal_logits(nnx.merge(graphdef, p), t)).trace(params, tokens)
     text = str(traced.jaxpr)
-    assert "tree_verify_attention" in text and "int4_moe_gate_up" in text and "int4_moe_down" in text
+    assert "tree_verify_attention" in text
 
 
 def _assert_only_own_shards(params, mesh, reference):

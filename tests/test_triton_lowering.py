@@ -1,4 +1,5 @@
-"""Every Pallas kernel lowers to a valid Triton module for an H200, on the CPU, before any GPU time is spent.
+"""Every Pallas-Triton kernel (tree-verify attention, tree build, tree accept) lowers to a valid Triton module for an
+H200, on the CPU, before any GPU time is spent.
 
 The calls are traced at Kimi K2.6 shapes (abstract arrays: nothing is allocated) and lowered for "cuda" under an
 abstract mesh whose device is an NVIDIA H200; each Triton module the Pallas lowering builds is checked with the MLIR
@@ -13,7 +14,6 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from kdtree_jax import config as config_lib
 from pallas_kernels.tree import TreeArrays
-from pallas_kernels import int4_moe as M
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_verify_attention as A
@@ -60,27 +60,6 @@ def test_tree_verify_attention_lowers(verified, streams, nodes, heads, prefix):
             spec((streams, nodes, nodes), jnp.bool_))
     text = lower_for_h200(lambda *a: A.tree_verify_attention(*a, scale=K26.softmax_scale), *args)
     assert len(verified) == 1 and text.count("__gpu$xla.gpu.triton") == 1
-
-
-K26_EXPERTS = M.Int4Experts(
-    spec((K26.num_experts, K26.moe_intermediate_size, K26.hidden_size // 8), I32),
-    spec((K26.num_experts, K26.hidden_size // M.GROUP, K26.moe_intermediate_size), BF16),
-    spec((K26.num_experts, K26.moe_intermediate_size, K26.hidden_size // 8), I32),
-    spec((K26.num_experts, K26.hidden_size // M.GROUP, K26.moe_intermediate_size), BF16),
-    spec((K26.num_experts, K26.hidden_size, K26.moe_intermediate_size // 8), I32),
-    spec((K26.num_experts, K26.moe_intermediate_size // M.GROUP, K26.hidden_size), BF16))
-
-
-@pytest.mark.parametrize("tokens,config", [
-    (1, None), (64, None), (4096, None),
-    (8, M.MoeConfig(block_m=1, block_n=64, num_stages=4, use_mma=False)),
-    (64, M.MoeConfig(block_m=4, block_n=64, num_stages=4, use_mma=False))])
-def test_int4_moe_lowers(verified, tokens, config):
-    """Default tilings (small and large blocks) and the CUDA-core variant: gate_up and down kernels."""
-    k = K26.num_experts_per_tok
-    args = (spec((tokens, K26.hidden_size), BF16), K26_EXPERTS, spec((tokens, k), I32), spec((tokens, k), F32))
-    lower_for_h200(lambda x, e, i, w: M.int4_moe(x, e, i, w, config=config), *args)
-    assert len(verified) == 2
 
 
 @pytest.mark.parametrize("budget", [16, 512])

@@ -1,7 +1,7 @@
-"""int4_moe: Pallas kernel (interpret mode) == pure-JAX reference == float64 numpy from the compressed-tensors layout.
-
-Interpret mode fills every kernel output with NaN before the kernel runs, so a finite result means every element that
-reaches the output was written. Fresh random inputs per test (seeded by the test's parameters, never zeros).
+"""int4_moe on the CPU: the repacked layout, the pure-JAX reference against a float64 numpy loop over the
+compressed-tensors layout, and the routing of pairs into blocks that the GPU kernel consumes (emulated block by block
+in numpy). The Triton kernel itself is compiled for sm_90 here (test_int4_moe_triton.py) and run on the H200
+(test_kernels_gpu.py). Fresh random inputs per test (seeded by the test's parameters, never zeros).
 """
 import numpy as np
 import jax.numpy as jnp
@@ -9,13 +9,10 @@ import pytest
 
 from pallas_kernels import int4_layout
 from pallas_kernels import ops
-from pallas_kernels.int4_moe import Int4Experts, MoeConfig, int4_moe, int4_moe_reference
+from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference, route_pairs
 from conftest import rel_err
 
-# One shape family for most tests, so that the interpret-mode kernels compile once per token count.
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 64, 96, 4
-
-
 
 
 def compressed_tensors_experts(rng, experts, hidden, inter):
@@ -63,53 +60,48 @@ def test_repack_round_trip():
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_kernel_matches_reference(tokens):
+def test_reference_matches_float64_numpy(tokens):
     rng = np.random.default_rng(tokens)
     ct = compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER)
-    experts = Int4Experts.from_compressed_tensors(*ct)
     x = jnp.asarray(rng.standard_normal((tokens, HIDDEN)), jnp.float32)
     ids, weights = routing(rng, tokens, TOP_K, EXPERTS)
-    out = int4_moe(x, experts, ids, weights, interpret=True)
-    ref = int4_moe_reference(x, experts, ids, weights)
-    assert out.shape == ref.shape == x.shape
-    assert np.isfinite(np.asarray(out)).all()
-    assert rel_err(out, ref) < 1e-5
+    ref = int4_moe_reference(x, Int4Experts.from_compressed_tensors(*ct), ids, weights)
+    assert ref.shape == x.shape and ref.dtype == x.dtype
     assert rel_err(ref, numpy_moe(x, ct, ids, weights)) < 1e-5
 
 
-def test_large_blocks_bf16():
-    """Blocks of 64 pairs (the dense-GEMM tiling) with 256-wide input blocks, bf16 activations."""
-    rng = np.random.default_rng(9)
-    ct = compressed_tensors_experts(rng, experts=4, hidden=256, inter=256)
-    experts = Int4Experts.from_compressed_tensors(*ct)
-    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
-    ids, weights = routing(rng, 24, top_k=2, experts=4)
-    config = MoeConfig(block_m=64, block_n=128, num_warps=8)
-    out = int4_moe(x, experts, ids, weights, config=config, interpret=True)
-    ref = int4_moe_reference(x, experts, ids, weights)
-    assert out.dtype == jnp.bfloat16
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, ref) < 1e-2
-
-
-@pytest.mark.parametrize("block_m", [1, 4])
-def test_cuda_core_variant_matches_reference(block_m):
-    """use_mma=False: each group's product as multiplies and a sum, blocks of 1 or 4 pairs."""
-    rng = np.random.default_rng(20 + block_m)
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (7, 16), (64, 16), (64, 32), (200, 128)])
+def test_routed_blocks_computed_one_by_one_give_the_op(tokens, block_m):
+    """What the kernels do with `route_pairs`, in numpy: each block is one expert's MLP on its rows' tokens, scaled by
+    their weights, written at its rows; each token sums its pairs' rows (`pair_row`, where `pair_ok`). Every pair on
+    this device lands in exactly one row; padding rows and blocks past the last carry token M and weight 0."""
+    rng = np.random.default_rng(tokens + block_m)
     ct = compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER)
-    experts = Int4Experts.from_compressed_tensors(*ct)
-    x = jnp.asarray(rng.standard_normal((7, HIDDEN)), jnp.float32)
-    ids, weights = routing(rng, 7, TOP_K, EXPERTS)
-    config = MoeConfig(block_m=block_m, block_n=32, use_mma=False)
-    out = int4_moe(x, experts, ids, weights, config=config, interpret=True)
-    assert rel_err(out, numpy_moe(x, ct, ids, weights)) < 1e-5
-
-
-def test_config_errors():
-    for bad in (dict(block_m=8), dict(block_m=32, use_mma=False), dict(block_m=3, use_mma=False),
-                dict(block_n=8)):
-        with pytest.raises(ValueError, match="MoeConfig"):
-            MoeConfig(**bad)
+    gate, up, down = (np.asarray(int4_layout.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32), np.float64)
+                      for k in range(3))
+    x = np.asarray(rng.standard_normal((tokens, HIDDEN)))
+    ids, weights = routing(rng, tokens, TOP_K, EXPERTS)
+    r = route_pairs(ids, weights, EXPERTS, block_m)
+    block_expert, block_token, block_weight = map(np.asarray, (r.block_expert, r.block_token, r.block_weight))
+    pair_row, pair_ok = np.asarray(r.pair_row), np.asarray(r.pair_ok)
+    ids_np = np.asarray(ids).reshape(-1)
+    np.testing.assert_array_equal(pair_ok, (ids_np >= 0) & (ids_np < EXPERTS))
+    rows = block_token.reshape(-1)
+    assert sorted(pair_row[pair_ok]) == sorted(np.flatnonzero(rows < tokens))       # one row per local pair
+    np.testing.assert_array_equal(rows[pair_row[pair_ok]], np.flatnonzero(pair_ok) // TOP_K)
+    np.testing.assert_array_equal(np.repeat(block_expert, block_m)[pair_row[pair_ok]], ids_np[pair_ok])
+    assert not block_weight.reshape(-1)[rows == tokens].any()
+    y = np.zeros((rows.size, HIDDEN))
+    for b, e in enumerate(block_expert):
+        for j in range(block_m):
+            t = block_token[b, j]
+            if e < EXPERTS and t < tokens:
+                g, u = gate[e] @ x[t], up[e] @ x[t]
+                y[b * block_m + j] = block_weight[b, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    out = np.zeros_like(x)
+    for p in np.flatnonzero(pair_ok):
+        out[p // TOP_K] += y[pair_row[p]]
+    np.testing.assert_allclose(out, numpy_moe(x, ct, ids, weights), rtol=1e-9, atol=1e-9)
 
 
 def test_no_valid_expert_gives_zeros():
@@ -118,20 +110,20 @@ def test_no_valid_expert_gives_zeros():
     x = jnp.asarray(rng.standard_normal((7, HIDDEN)), jnp.float32)
     ids = jnp.asarray(rng.choice([-5, -1, EXPERTS, EXPERTS + 9], (7, TOP_K)), jnp.int32)
     weights = jnp.asarray(rng.random((7, TOP_K)), jnp.float32)
-    out = np.asarray(int4_moe(x, experts, ids, weights, interpret=True))
+    out = np.asarray(int4_moe_reference(x, experts, ids, weights))
     np.testing.assert_array_equal(out, np.zeros_like(out))
 
 
-def test_ops_dispatch_and_bad_shapes():
+def test_ops_off_the_gpu_and_bad_shapes():
     rng = np.random.default_rng(2)
     experts = Int4Experts.from_compressed_tensors(*compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER))
     x = jnp.asarray(rng.standard_normal((7, HIDDEN)), jnp.float32)
     ids, weights = routing(rng, 7, TOP_K, EXPERTS)
-    ref = int4_moe_reference(x, experts, ids, weights)
-    with ops.implementation("kernel", interpret=True):
-        assert rel_err(ops.int4_moe(x, experts, ids, weights), ref) < 1e-5
+    ref = np.asarray(int4_moe_reference(x, experts, ids, weights))
+    with ops.implementation("kernel", interpret=True):   # the Triton kernel has no interpret mode: the reference
+        np.testing.assert_array_equal(np.asarray(ops.int4_moe(x, experts, ids, weights)), ref)
     with pytest.raises(ValueError, match="topk_weights"):
-        int4_moe(x, experts, ids, weights[:, :1], interpret=True)
+        ops.int4_moe(x, experts, ids, weights[:, :1])
     with pytest.raises(ValueError, match="down_scale"):
         ct = compressed_tensors_experts(rng, experts=2, hidden=32, inter=64)
         Int4Experts.from_compressed_tensors(*ct[:5], ct[5][:, :, :1])
