@@ -1,15 +1,15 @@
-"""The prefix part of tree-verify attention on Hopper with Mosaic GPU (wgmma, TMA, warp specialisation).
+"""Tree-verify attention with its prefix on Hopper in Mosaic GPU (wgmma, TMA, warp specialisation).
 
-EXPERIMENTAL: checked against the reference in Mosaic GPU's interpret mode on the CPU only; not yet compiled on a GPU
-and not called by the model (BUILD_NOTES, "Next H200 runs").
+EXPERIMENTAL, not called by the model: the prefix kernel compiled and ran on the H200 (sixth session, 1.4-2.4x the
+Triton kernel on the prefix alone: experiments/notes/kernels.md, "The Mosaic GPU prefix kernel on the H200");
+`tree_verify_attention` (prefix partials + the tree block + the merge) is checked in interpret mode on the CPU only.
 
 For stream s and query row r (a (node, head) pair), over the committed cache rows j < prefix_len[s]:
 
   logits[j] = scale * (q_lat[r] . c_kv[j] + q_rope[r] . k_rope[j]);  out[r] = softmax(logits) @ c_kv
 
-returned as split-K partials: out normalised within its split (bf16), the running max and sum (f32). `merge_partials`
-merges them; the tree block (ancestor mask) would be one more partial, from the Triton kernel, whose unnormalised
-accumulator divided by its sum takes this form.
+returned as split-K partials: out normalised within its split (bf16), the running max and sum (f32). The tree block
+(ancestor mask) is one more partial (`tree_block_partial`, XLA) and `merge_partials` joins them.
 
 One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
 c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import tree_verify_attention as triton_attention
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
 BLOCK_KV = 64    # default cache rows per ring slot (the cache's row count must be a multiple of block_kv)
@@ -230,3 +232,51 @@ def merge_partials(out, row_max, row_sum):
     total = jnp.sum(weight, axis=0)
     merged = jnp.sum(weight[..., None] * out.astype(jnp.float32), axis=0)
     return merged * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
+
+
+def tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
+    """The tree block as one more partial (XLA): the T rows at prefix_len[s] + u that query t sees where
+    visible[s, t, u]. q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], visible [S, T, T]
+    -> (out [S, T * H, C] f32 normalised, max [S, T * H], sum [S, T * H]) in the (t, h) row order of the prefix
+    partials; the rows must lie in the cache (prefix_len + T <= N, as the decoder guarantees)."""
+    s, t, h, _ = q_lat.shape
+    rows_at = lambda cache, p: lax.dynamic_slice_in_dim(cache, p, t, axis=0)     # noqa: E731
+    c_tree = jax.vmap(rows_at)(c_kv, prefix_len)                                   # [S, T, C]
+    k_tree = jax.vmap(rows_at)(k_rope, prefix_len)                                 # [S, T, R]
+    hi = lax.Precision.HIGHEST
+    logits = (jnp.einsum("sthc,suc->sthu", q_lat, c_tree, precision=hi, preferred_element_type=jnp.float32)
+              + jnp.einsum("sthr,sur->sthu", q_rope, k_tree, precision=hi, preferred_element_type=jnp.float32))
+    logits = jnp.where(visible[:, :, None, :], logits * scale, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1)
+    prob = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
+    row_sum = jnp.sum(prob, axis=-1)
+    out = jnp.einsum("sthu,suc->sthc", prob, c_tree.astype(jnp.float32), precision=hi)
+    out = out * jnp.where(row_sum > 0, 1.0 / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)[..., None]
+    return out.reshape(s, t * h, -1), row_max.reshape(s, t * h), row_sum.reshape(s, t * h)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
+                          num_splits: int | None = None, interpret: bool = False):
+    """Tree-verify attention with the prefix in Mosaic GPU: the semantics and shapes of
+    `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
+    [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
+    rows are padded to 64-row tiles; the prefix runs in `prefix_attention_partials` (num_splits: default the Triton
+    kernel's count for these shapes), the tree block in `tree_block_partial`, and `merge_partials` joins them (both in
+    XLA: the fused combine is not written yet). N must be a multiple of 64."""
+    triton_attention.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    s, t, h, c = q_lat.shape
+    if c_kv.shape[1] % BLOCK_KV:
+        raise ValueError(f"prefix_attention_mgpu.tree_verify_attention: cache rows N={c_kv.shape[1]} must be a "
+                         f"multiple of {BLOCK_KV} (allocate the cache so, or use ops.tree_verify_attention)")
+    rows = t * h
+    pad = ((0, 0), (0, -rows % BLOCK_Q), (0, 0))
+    if num_splits is None:
+        num_splits = triton_attention.default_config(s, rows, c_kv.shape[1]).num_splits
+    prefix = prefix_attention_partials(jnp.pad(q_lat.reshape(s, rows, c), pad),
+                                       jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope, prefix_len,
+                                       scale=scale, num_splits=num_splits, interpret=interpret)
+    tree = tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
+    out, row_max, row_sum = (jnp.concatenate([p[:, :, :rows].astype(jnp.float32), q[None]])
+                             for p, q in zip(prefix, tree))
+    return merge_partials(out, row_max, row_sum).reshape(s, t, h, c).astype(q_lat.dtype)

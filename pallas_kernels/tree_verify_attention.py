@@ -105,7 +105,7 @@ def max_splits(capacity: int, block_k: int) -> int:
     return max(1, capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
 
 
-def _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+def check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
     if q_lat.ndim != 4 or q_rope.ndim != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
         raise ValueError(f"q_lat {q_lat.shape} and q_rope {q_rope.shape} must be [S, T, H, C] and [S, T, H, R]")
     s, t, _, c = q_lat.shape
@@ -140,7 +140,7 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
     q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32,
     visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype.
     """
-    _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     hi = lax.Precision.HIGHEST
     logits = (jnp.einsum("sthc,snc->sthn", q_lat, c_kv, precision=hi, preferred_element_type=jnp.float32)
               + jnp.einsum("sthr,snr->sthn", q_rope, k_rope, precision=hi, preferred_element_type=jnp.float32))
@@ -247,7 +247,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32 in [0, N - T],
     visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype (f32 accumulation).
     """
-    _check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     r = q_rope.shape[3]
     rows = t * h

@@ -1,5 +1,6 @@
 """The GPU kernels compiled on the GPU at Kimi K2.6 shapes == their references (skipped elsewhere): tree-verify
-attention, tree build and accept (Pallas and Triton), int4_moe (Triton).
+attention (Pallas-Triton; the experimental Mosaic GPU one), tree build and accept (Pallas and Triton), int4_moe
+(Triton).
 
 Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py` (int4_moe
 needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Pallas kernels in interpret mode (outputs poisoned
@@ -23,6 +24,7 @@ from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_accept as TA
 from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_triton as TT
+from pallas_kernels import prefix_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
 from conftest import assert_topk_matches_reference, random_targets, rel_err
 from test_attention_kernel import BF16_TOL, make_inputs
@@ -33,13 +35,15 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled
 K26 = config_lib.kimi_k2_6()
 
 
-@pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 16)])
-def test_attention_bf16_k26(heads, nodes):
+@pytest.mark.parametrize("kernel", [A.tree_verify_attention, PA.tree_verify_attention], ids=["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)])
+def test_attention_bf16_k26(kernel, heads, nodes):
     """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache; per stream against the
-    reference rounded to bf16, to test_attention_kernel.BF16_TOL."""
+    reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Pallas-Triton kernel and the experimental
+    Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row tiles)."""
     rng = np.random.default_rng(heads * 1000 + nodes)
     inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
-    out = A.tree_verify_attention(*inputs, scale=K26.softmax_scale)
+    out = kernel(*inputs, scale=K26.softmax_scale)
     ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     errors = [rel_err(out[s], ref[s]) for s in range(3)]

@@ -1,9 +1,11 @@
 """pallas_kernels/prefix_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the CPU
 (which also checks that every barrier phase is observed), compiled on a GPU.
 
-The reference runs with no tree node visible, so only the committed prefix is attended; query rows are (node, head)
-pairs flattened, as the kernel sees them. Fresh random bf16 inputs per case; ragged prefixes including 0, one shorter
-than a block, more splits than blocks, and more blocks per split than ring slots.
+The prefix partials are checked against the reference with no tree node visible (only the committed prefix is
+attended; query rows are (node, head) pairs flattened, as the kernel sees them): ragged prefixes including 0, one
+shorter than a block, more splits than blocks, and more blocks per split than ring slots. The whole op
+(`tree_verify_attention`: partials + tree block + merge) is checked under random ancestor masks. Fresh random bf16
+inputs per case.
 """
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 from conftest import rel_err
 from pallas_kernels import prefix_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
+from pallas_kernels.tree import random_tree_visible
 
 SCALE = 0.06
 INTERPRET = jax.default_backend() != "gpu"
@@ -68,3 +71,28 @@ def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match="block_kv=32 must be a multiple of 64"):   # wgmma's K on the H200
         PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
                                      block_kv=32, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3)])
+def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
+    """The whole op: prefix partials (the kernel) + the tree block under random ancestor masks + the merge, with T x H
+    rows padded to 64-row tiles (40 and 144 rows) and an empty prefix (only the tree block is attended)."""
+    rng = np.random.default_rng(sum(prefixes) + nodes)
+    s = len(prefixes)
+    bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    args = (bf16(s, nodes, heads, 2 * PA.HALF), bf16(s, nodes, heads, PA.ROPE), bf16(s, 256, 2 * PA.HALF),
+            bf16(s, 256, PA.ROPE), jnp.asarray(prefixes, jnp.int32),
+            jnp.asarray(random_tree_visible(rng, s, nodes)))
+    got = PA.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
+    want = A.tree_verify_attention_reference(*args, scale=SCALE)
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel_err(got, want) < 1e-2
+
+
+def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
+    rng = np.random.default_rng(3)
+    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 8, 100)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        PA.tree_verify_attention(q_lat[:, None], q_rope[:, None], c_kv, k_rope, jnp.asarray([10], jnp.int32),
+                                 jnp.ones((1, 1, 1), bool), scale=SCALE, interpret=INTERPRET)
