@@ -7,7 +7,7 @@ Timings are device times from profiler traces and ceilings are measured in the s
 
 Sections (--sections), one module each: ceilings (timing.measure_ceilings), attention (kernels_attention.py:
 tree_verify_attention), moe (kernels_moe.py: int4_moe), tree (kernels_tree.py: tree_build and tree_accept), mgpu
-(kernels_attention_mgpu.py, not in the default list: the experimental Mosaic GPU prefix kernel beside the Triton
+(kernels_attention_mgpu.py, not in the default list: the experimental Mosaic GPU tree-verify attention beside the Triton
 kernel). This script runs them, writes the JSON after every case and plots the results beside it.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""bench_kernels section `mgpu` (not in the default list): the experimental Mosaic GPU prefix attention
-(pallas_kernels/prefix_attention_mgpu.py) beside the Triton tree_verify_attention, on the `attention` section's cases
-whose T x H query rows fill 64-row tiles, with no tree node visible.
+"""bench_kernels section `mgpu` (not in the default list; GPU only): the experimental Mosaic GPU tree-verify attention
+(pallas_kernels/prefix_attention_mgpu.py: the whole op, and its prefix kernel alone) beside the Triton
+tree_verify_attention and the XLA reference, on the `attention` section's cases. On the CPU (--quick) the whole op
+can hang in Mosaic GPU's interpret mode (experiments/notes/kernels.md, "The Mosaic GPU prefix kernel on the H200").
 """
 from __future__ import annotations
 
@@ -17,35 +18,43 @@ from pallas_kernels import tree_verify_attention as attn
 
 
 def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, quick: bool, save) -> None:
-    """The experimental Mosaic GPU prefix kernel beside the Triton kernel, both at the Triton kernel's split count, on
-    the attention cases whose T x H query rows fill 64-row tiles, with no tree node visible (so both attend the prefix
-    only; the Triton kernel also walks the empty tree block). One input set (no rotation past the L2: a ratio, not a
-    roofline); errors against the reference. One row per case appended to `results`, printed, then `save()`; no new
-    case past `deadline` (time.time())."""
+    """Two Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case, at the Triton
+    kernel's split count: `mgpu` the whole op (`prefix_attention_mgpu.tree_verify_attention`: the prefix kernel, the
+    tree block under the case's ancestor mask and the merge) and `mgpu_prefix` the prefix kernel and merge alone (no
+    tree block; its error is against the reference with no tree node visible). The cache is padded to whole 64-row
+    blocks (rows never attended) for all. One input set (no rotation past the L2: ratios, and roofline fractions of
+    the whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
+    `save()`; no new case past `deadline` (time.time())."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(1)
     for ci, case in enumerate(attention_cases(quick)):
         s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
         rows = t * h
-        if rows % mgpu_attn.BLOCK_Q:
-            continue
         if time.time() > deadline:
             results.append(dict(case, skipped="time budget"))
             continue
-        q_lat, q_rope, c_kv, k_rope, prefix_len, _ = attention_inputs(jax.random.key(5000 + ci), case, rng)
-        visible = jnp.zeros((s, t, t), bool)
+        q_lat, q_rope, c_kv, k_rope, prefix_len, visible = attention_inputs(jax.random.key(5000 + ci), case, rng)
         pad = ((0, 0), (0, -(p + t) % mgpu_attn.BLOCK_KV), (0, 0))   # cache rows to whole blocks (never attended)
-        splits = attn.default_config(s, rows, p + t).num_splits
-        args = {"triton": (q_lat, q_rope, c_kv, k_rope, prefix_len, visible),
-                "mgpu": (q_lat.reshape(s, rows, -1), q_rope.reshape(s, rows, -1), jnp.pad(c_kv, pad),
-                         jnp.pad(k_rope, pad), prefix_len)}
+        c_kv, k_rope = jnp.pad(c_kv, pad), jnp.pad(k_rope, pad)
+        splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
+        q_pad = ((0, 0), (0, -rows % mgpu_attn.BLOCK_Q), (0, 0))
+        full = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+        no_tree = (q_lat, q_rope, c_kv, k_rope, prefix_len, jnp.zeros_like(visible))
+        args = {"triton": full, "mgpu": full, "reference": full,
+                "mgpu_prefix": (jnp.pad(q_lat.reshape(s, rows, -1), q_pad), jnp.pad(q_rope.reshape(s, rows, -1), q_pad),
+                                c_kv, k_rope, prefix_len)}
         fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
-               "mgpu": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
-                   *a, scale=K26_SCALE, num_splits=splits, interpret=interpret)))}
-        ref = attn.tree_verify_attention_reference(*args["triton"], scale=K26_SCALE).reshape(s, rows, -1)
+               "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, num_splits=splits,
+                                                                          interpret=interpret)),
+               "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
+                   *a, scale=K26_SCALE, num_splits=splits, interpret=interpret))[:, :rows]),
+               "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
+        refs = {name: attn.tree_verify_attention_reference(*a, scale=K26_SCALE).reshape(s, rows, -1)
+                for name, a in (("full", full), ("no_tree", no_tree))}
         entry, jobs = dict(case, splits=splits, errors={}, failed={}), []
         for name, fn in fns.items():
             try:
+                ref = refs["no_tree" if name == "mgpu_prefix" else "full"]
                 entry["errors"][name] = rel_err(fn(*args[name]).reshape(s, rows, -1), ref)
                 jobs.append(Job(name, fn, [args[name]]))
             except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a result
@@ -55,16 +64,18 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
         floor = roofline(flops, bytes_, ceil)
         entry.update({f"{name}_us": times[name]["us"] for name in times},
                      **{f"{name}_roofline_fraction": floor / times[name]["us"] for name in times}, timings=times)
-        if "triton_us" in entry and "mgpu_us" in entry:
-            entry["mgpu_speedup"] = entry["triton_us"] / entry["mgpu_us"]
+        for peer in ("triton", "reference"):
+            if f"{peer}_us" in entry and "mgpu_us" in entry:
+                entry[f"mgpu_speedup_vs_{peer}"] = entry[f"{peer}_us"] / entry["mgpu_us"]
         results.append(entry)
         _print_mgpu_row(entry)
         save()
 
 
 def _print_mgpu_row(r):
+    us = lambda name: r.get(f"{name}_us", float("nan"))  # noqa: E731
     print(f"mgpu attention S={r['streams']} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} splits "
-          f"{r['splits']:3d} | triton {r.get('triton_us', float('nan')):8.1f} us | mgpu "
-          f"{r.get('mgpu_us', float('nan')):8.1f} us | x {r.get('mgpu_speedup', float('nan')):5.2f} | errors "
-          f"{r['errors']} | failed {sorted(r['failed'])}", flush=True)
-
+          f"{r['splits']:3d} | triton {us('triton'):8.1f} us | mgpu {us('mgpu'):8.1f} (prefix alone "
+          f"{us('mgpu_prefix'):8.1f}) | ref {us('reference'):8.1f} | x triton "
+          f"{r.get('mgpu_speedup_vs_triton', float('nan')):5.2f}, x ref {r.get('mgpu_speedup_vs_reference', float('nan')):5.2f}"
+          f" | errors {r['errors']} | failed {sorted(r['failed'])}", flush=True)
