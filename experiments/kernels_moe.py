@@ -1,5 +1,6 @@
 """bench_kernels section `moe`: int4_moe (the Triton kernel through jax-triton, INT4 experts dequantized in registers)
-against the XLA paths over bf16 weights (ragged_dot, gather + einsum) and its jnp reference, at K2.6 expert shapes,
+against the XLA paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values
+(each implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes,
 with f32 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
 no interpret mode): a smoke run of the script, not of the kernel. The previous Pallas-Triton kernel was timed beside
 the Triton one up to results/kernels.json of the sixth session, then removed.
@@ -82,19 +83,78 @@ def _bf16_weights(experts: moe.Int4Experts):
     return lax.map(one, tuple(experts))
 
 
-def ragged_dot_moe(x, gate_up, down, ids, weights):
-    """XLA baseline: sort pairs by expert, two lax.ragged_dot over bf16 weights, unsort and sum."""
+def grouped_moe(x, gate_up, down, ids, weights, *, dot, num_experts: int):
+    """A MoE through a grouped matmul: sort the pairs by expert, dot(rows [P, K], weights [E, K, N], group sizes [E])
+    -> [P, N] f32 for gate_up [E, D, 2I] then down [E, I, D], unsort and sum. The XLA and tokamax baselines."""
     m, k = ids.shape
-    e = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat)
     xs = x[order // k]
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    gu = lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=jnp.float32)
-    g, u = jnp.split(gu, 2, axis=1)
-    y = lax.ragged_dot((jax.nn.silu(g) * u).astype(x.dtype), down, sizes, preferred_element_type=jnp.float32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    g, u = jnp.split(dot(xs, gate_up, sizes), 2, axis=1)
+    y = dot((jax.nn.silu(g) * u).astype(x.dtype), down, sizes)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((m, x.shape[1]), jnp.float32).at[order // k].add(y).astype(x.dtype)
+
+
+def ragged_dot_moe(x, gate_up, down, ids, weights):
+    """XLA baseline: `grouped_moe` with lax.ragged_dot over bf16 weights."""
+    dot = functools.partial(lax.ragged_dot, preferred_element_type=jnp.float32)
+    return grouped_moe(x, gate_up, down, ids, weights, dot=dot, num_experts=gate_up.shape[0])
+
+
+TOKAMAX_IMPLEMENTATIONS = ("mosaic", "triton", "xla")
+
+
+def load_tokamax() -> tuple[object, str | None]:
+    """The tokamax peer, an optional import: (the tokamax and qwix modules, None), or (None, why not)."""
+    try:
+        import qwix          # noqa: PLC0415 - optional peer
+        import tokamax       # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001 - any import failure is the recorded reason
+        return None, (f"tokamax did not import ({type(e).__name__}: {str(e)[:300]}); carry tokamax==0.0.17, qwix and "
+                      "their wheels (BUILD_NOTES.md, 'One H200')")
+    return (tokamax, qwix), None
+
+
+@jax.jit
+def _int4_weights(experts: moe.Int4Experts):
+    """The experts' integer values and scales for a grouped matmul, one expert at a time: gate_up (values int4
+    [E, D, 2I], scales [E, D/32, 2I]), down (values int4 [E, I, D], scales [E, I/32, D]); values * scales is exactly
+    the dequantized weight."""
+    d, i = experts.hidden_size, experts.intermediate_size
+
+    def values(packed, scale, in_dim):   # the repacked nibbles as integers q - 8, [out, in] -> [in, out]
+        return moe.dequantize_kernel_layout(packed[None], jnp.ones_like(scale[None]), in_dim)[0].T.astype(jnp.int4)
+
+    def one(args):
+        gp, gs, up, us, dp, ds = args
+        gate_up = jnp.concatenate([values(gp, gs, d), values(up, us, d)], axis=1)
+        gate_up_scale = jnp.concatenate([gs, us], axis=1)[:d // moe.GROUP]
+        return gate_up, gate_up_scale, values(dp, ds, i), ds[:i // moe.GROUP]
+    return lax.map(one, tuple(experts))
+
+
+def tokamax_moe(x, gate_up_q, gate_up_scale, down_q, down_scale, ids, weights, *, modules, implementation: str):
+    """tokamax peer: `grouped_moe` with tokamax.ragged_dot on QArrays (qwix) of the experts' own INT4 values and
+    group-32 scales (`_int4_weights`: no re-quantization)."""
+    tokamax, qwix = modules
+    out_dtype = jnp.bfloat16 if implementation == "mosaic" else jnp.float32   # its Hopper kernel refuses f32 out
+
+    def qarray(values, scale):
+        return qwix.QArray(qvalue=values, scale=scale, zero_point=None, qtype=jnp.int4)
+
+    def dot(rows, rhs, sizes):
+        return tokamax.ragged_dot(rows, rhs, group_sizes=sizes, preferred_element_type=out_dtype,
+                                  implementation=implementation).astype(jnp.float32)
+    return grouped_moe(x, qarray(gate_up_q, gate_up_scale), qarray(down_q, down_scale), ids, weights, dot=dot,
+                       num_experts=gate_up_q.shape[0])
+
+
+def _tokamax_fns(modules) -> dict:
+    """{job name: jitted fn(x, gate_up_q, gate_up_scale, down_q, down_scale, ids, weights)} per implementation."""
+    return {f"tokamax_{impl}": jax.jit(functools.partial(tokamax_moe, modules=modules, implementation=impl))
+            for impl in TOKAMAX_IMPLEMENTATIONS}
 
 
 def gather_einsum_moe(x, gate_up, down, ids, weights):
@@ -134,7 +194,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
     shape, token_counts = moe_shapes(quick)
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
     experts = random_experts(jax.random.key(3), e, d, shape["inter"])
-    gate_up_bf16 = down_bf16 = None
+    gate_up_bf16 = down_bf16 = int4_weights = None
+    tokamax_modules, tokamax_missing = (None, None) if interpret else load_tokamax()
     for m in token_counts:
         if time.time() > deadline:
             results.append(dict(tokens=m, skipped="time budget"))
@@ -165,12 +226,23 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 jobs.append(Job("xla_ragged_dot_bf16", jax.jit(ragged_dot_moe), bf16_sets))
                 if m <= 64:
                     jobs.append(Job("xla_gather_einsum_bf16", jax.jit(gather_einsum_moe), bf16_sets))
+            peers_failed = {"tokamax": tokamax_missing} if (tokamax_missing and m <= 256) else {}
+            if m <= 256 and tokamax_modules is not None:
+                if int4_weights is None:
+                    int4_weights = _int4_weights(experts)
+                int4_sets = [(x, *int4_weights, ids, w) for x, _, ids, w in sets]
+                peers = _tokamax_fns(tokamax_modules)
+                peer_errors, failed_peers = try_candidates(
+                    peers, lambda fn: fn(*int4_sets[0])[:sub].astype(jnp.float32), ref)
+                errors.update(peer_errors)
+                peers_failed.update(failed_peers)
+                jobs += [Job(name, fn, int4_sets) for name, fn in peers.items()]
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
             best = min(fns, key=lambda n: t[n]["us"])
-            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference"))}
+            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "tokamax_"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
             entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
                          config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
@@ -184,13 +256,15 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          rel_err_bf16_first_tokens=errors["kernel"], checked_tokens=sub,
                          best_config=best, best_us=t[best]["us"],
                          sweep={n: dict(us=t[n]["us"], rel_err=errors[n]) for n in fns if n != "kernel"},
-                         sweep_failed=failed, timing_method=t["kernel"]["method"], timings=t)
+                         sweep_failed=failed, peers_failed=peers_failed,
+                         peers_rel_err={n: errors[n] for n in errors if n.startswith("tokamax_")},
+                         timing_method=t["kernel"]["method"], timings=t)
         except Exception as ex:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(tokens=m, error=f"{type(ex).__name__}: {str(ex)[:2000]}")
         results.append(entry)
         _print_moe_row(entry)
         save()
-    del gate_up_bf16, down_bf16
+    del gate_up_bf16, down_bf16, int4_weights
     if not interpret:
         try:
             checks["int4_moe_f32_16_tokens"] = _moe_f32_check(moe_triton.int4_moe, experts, shape)
@@ -215,4 +289,6 @@ def _print_moe_row(r):
           f"{r['touched_GBps']:6.0f} GB/s ({r['bandwidth_fraction']:5.1%}) {r['TFLOPs']:6.1f} TF/s "
           f"({r['matmul_fraction']:5.1%}) | best {r['best_us']:9.1f} | {base} | err "
           f"{r['rel_err_bf16_first_tokens']:.1e}", flush=True)
+    for name, why in r.get("peers_failed", {}).items():
+        print(f"    {name} did not run: {why[:300]}", flush=True)
 
