@@ -144,7 +144,7 @@ def verify_activations(cfg: config_lib.ModelConfig, tp: int, streams: int, budge
     phases = {
         "attention": m * h * (cfg.qk_head_dim + 2 * cfg.kv_lora_rank + cfg.v_head_dim) * act + m * d * act,
         "routed experts (INT4 kernel)": (m * cfg.num_experts * 2 * f32 + rows * (cfg.moe_intermediate_size + d) * act
-                                         + pairs * d * (act + f32) + m * d * act),
+                                         + m * d * act),
         "dense MLP": 2 * m * (cfg.intermediate_size // tp) * act + m * d * act,
         "verify logits": m * (cfg.vocab_size // tp) * f32,
         "draft logits (gathered for the tree build)": streams * (block_size - 1) * cfg.vocab_size * f32,

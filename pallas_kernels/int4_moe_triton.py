@@ -147,10 +147,11 @@ def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
 
 
 @triton.jit
-def _clamped_rows(rows, NUM_ROWS: tl.constexpr):
-    """A block's rows [BN] clamped to the matrix's NUM_ROWS; left as they are when BN divides NUM_ROWS, so that Triton
-    still sees them contiguous (vector loads of the scales)."""
-    if NUM_ROWS % rows.shape[0] == 0:
+def _clamped_rows(rows, NUM_ROWS: tl.constexpr, GRID_ROWS: tl.constexpr):
+    """A block's rows [BN] clamped to the matrix's NUM_ROWS, the grid covering GRID_ROWS >= NUM_ROWS rows; left as
+    they are when the grid covers exactly the matrix in whole blocks, so that Triton still sees them contiguous (vector
+    loads of the scales). (Unclamped rows past NUM_ROWS would read the next expert's weights, and 0 * NaN is NaN.)"""
+    if NUM_ROWS == GRID_ROWS and NUM_ROWS % int(rows.shape[0]) == 0:
         return rows
     return tl.minimum(rows, NUM_ROWS - 1)
 
@@ -170,7 +171,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         tok_ok = tok < NUM_TOKENS
         tok = tl.minimum(tok, NUM_TOKENS - 1)
         rows = n * BN + tl.arange(0, BN)
-        rows_in = _clamped_rows(rows, INTER)
+        rows_in = _clamped_rows(rows, INTER, H_COLS)
         word = tl.arange(0, WORDS)
         group = tl.arange(0, 8)
         expert_words = e.to(tl.int64) * INTER * ROW_WORDS
@@ -218,7 +219,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         h_cols: tl.constexpr = ROW_WORDS * 8
         pair_rows = b * BM + tl.arange(0, BM)
         rows = n * BN + tl.arange(0, BN)
-        rows_in = _clamped_rows(rows, HIDDEN)
+        rows_in = _clamped_rows(rows, HIDDEN, HIDDEN)
         word = tl.arange(0, WORDS)
         group = tl.arange(0, 8)
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
@@ -262,42 +263,56 @@ def _combine_kernel(pair_row_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: t
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
 
 
+def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
+    """The tiling a call runs with: f32 activations (tests, references) take at most two stages, whose 4-byte tiles
+    overflow the H200's shared memory at three with the large tiling (237 KB asked)."""
+    if dtype == jnp.float32:
+        return dataclasses.replace(config, num_stages=min(config.num_stages, 2))
+    return config
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
              interpret: bool = False):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
+    config: the tiling (default `default_config`; f32 runs with `launch_config`'s stages).
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
     """
     if interpret:
         raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe or "
                          "int4_moe.int4_moe_reference (the reference)")
+    return run_kernels(triton_call, x, experts, topk_ids, topk_weights, config)
+
+
+def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None):
+    """int4_moe's host side: check, route, and launch the three kernels through `call(*operands, kernel=,
+    out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; the tests pass Triton's
+    interpreter on the CPU)."""
     ref.check_inputs(x, experts, topk_ids, topk_weights)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")
     m, d = x.shape
     num_experts, inter = experts.num_experts, experts.intermediate_size
-    cfg = config or default_config(topk_ids.size, num_experts)
-    if x.dtype == jnp.float32:      # 4-byte activation tiles: at most two stages fit the H200's shared memory
-        cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 2))
+    cfg = launch_config(config or default_config(topk_ids.size, num_experts), x.dtype)
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, cfg.block_m)
     num_blocks = routing.block_expert.shape[0]
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
-    h = triton_call(
+    h = call(
         routing.block_expert, routing.block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
         experts.up_scale, kernel=_gate_up_kernel, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
-    y = triton_call(
+    y = call(
         routing.block_expert, routing.block_token, routing.block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, triton.cdiv(d, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **launch)
     pair_row = jnp.where(routing.pair_ok, routing.pair_row, -1)
-    return triton_call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
-                       grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d,
-                       BD=COMBINE_COLUMNS, num_warps=4, num_stages=1)
+    return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
+                grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
+                num_warps=4, num_stages=1)

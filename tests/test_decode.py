@@ -162,7 +162,8 @@ def test_sizes_beyond_memory_are_refused_before_compiling(draft_decoder):
 
 
 def test_invariant_with_pallas_kernels_in_interpret_mode(setup):
-    """Every kernel inside the loop (tree build, tree accept, tree-verify attention, int4_moe), in interpret mode, on
+    """Every kernel inside the loop (tree build, tree accept, tree-verify attention; int4_moe's Triton kernel has no
+    interpret mode, so its reference runs), in interpret mode, on
     a target with INT4 experts and an oracle drafter (multi-token rounds, branching past demoted tokens): ddtree and
     ar give the pure-JAX references' greedy tokens, and ddtree their acceptance round by round. (ops reads the
     implementation when a loop is traced: each implementation gets its own Decoder.)"""

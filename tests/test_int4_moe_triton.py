@@ -1,7 +1,6 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
-import dataclasses
 import os
 
 import jax
@@ -51,9 +50,10 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
 
 @pytest.mark.parametrize("config", [SMALL, MEDIUM, LARGE], ids=["small_blocks", "medium_blocks", "large_blocks"])
 def test_f32_kernels_compile_with_ieee_dots(config):
-    """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32, at
-    most two stages (as int4_moe launches them) within the H200's shared memory."""
-    config = dataclasses.replace(config, num_stages=min(config.num_stages, 2))
+    """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32, with
+    the stages int4_moe launches them with (`launch_config`) within the H200's shared memory."""
+    config = MT.launch_config(config, jnp.float32)
+    assert config.num_stages <= 2
     for make in (gate_up, down):
         compiled = make("fp32", config)
         assert "tf32" not in compiled.asm["ptx"] and "fma.rn.f32" in compiled.asm["ptx"]

@@ -79,6 +79,21 @@ def random_experts(cfg):
 MEDIUM_BLOCKS, LARGE_BLOCKS = (MT.default_config(8 * m, K26.num_experts) for m in (1024, 4096))
 
 
+def test_int4_moe_code_target_shapes():
+    """I = 128 (the code target's experts): the gate_up grid covers 256 rows of h, past I; those rows must not read
+    the next expert's weights (an unrouted expert's scales are NaN)."""
+    cfg = config_lib.code_target()
+    experts = random_experts(cfg)
+    experts = experts._replace(gate_scale=experts.gate_scale.at[-1].set(jnp.nan))
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(rng.integers(0, cfg.num_experts - 1, (16, cfg.num_experts_per_tok)), jnp.int32)
+    weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((16, cfg.hidden_size)), jnp.bfloat16)
+    out = MT.int4_moe(x, experts, ids, weights)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, M.int4_moe_reference(x, experts, ids, weights)) < 1e-2
+
+
 @pytest.mark.parametrize("kernel", [MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
                                     functools.partial(MT.int4_moe, config=LARGE_BLOCKS)],
                          ids=["triton", "triton_medium_blocks", "triton_large_blocks"])

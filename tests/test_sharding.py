@@ -134,8 +134,9 @@ def test_decode_equals_single_device_token_for_token(models):
 @on_devices
 @pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4"])
 def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text):
-    """Every kernel the model calls, in Pallas' interpret mode, under a mesh: tree-verify attention per head group and
-    int4_moe per expert group inside their shard_maps, tree build and accept in the loop. ar, chain and ddtree (ragged
+    """Every Pallas kernel the model calls, in Pallas' interpret mode, under a mesh: tree-verify attention per head
+    group inside its shard_map, tree build and accept in the loop (int4_moe per expert group runs its reference:
+    its Triton kernel has no interpret mode). ar, chain and ddtree (ragged
     batch, INT4 experts, an oracle drafter so that rounds accept several nodes and branch) give one device's greedy
     tokens (pure-JAX references). Failed before `pallas_kernels.pallas_call` stated the kernels' varying axes."""
     cfg = CFG.replace(expert_quant="int4", num_layers=2)

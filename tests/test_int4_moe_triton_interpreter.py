@@ -1,0 +1,58 @@
+"""The Triton int4_moe kernels run on the CPU in Triton's interpreter (f32 activations: the bf16 path's inline PTX
+does not interpret), through the same host code as on the GPU (`int4_moe_triton.run_kernels`), against the float64
+reference; outputs start as NaN, so finite results prove every element was written. Shapes include I not a multiple
+of 256 (rows past I in the last block must not read the next expert: an unrouted expert's scales are poisoned with
+NaN), D not a multiple of the row block, ids of other devices (out of range) and repeated experts. Triton must be in
+interpreter mode from its first import, so the test re-runs this file in a child process with TRITON_INTERPRET=1."""
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-p", "no:cacheprovider",
+                           "-k", "not test_in_the_interpreter"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+
+
+@in_child
+@pytest.mark.parametrize("experts,hidden,inter,ids,block_m", [
+    (3, 256, 128, [[0, 7], [1, 0], [0, -1], [1, 1]], 16),      # I = 128: the gate_up grid covers 256 rows
+    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16),       # D, I off the 64-row block
+    (4, 256, 256, [[3, 1], [1, 1], [9, 0], [3, 2], [0, 3]], 32),
+])
+def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m):
+    from conftest import rel_err
+    from pallas_kernels import int4_moe_triton as MT
+    from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
+    from test_int4_moe import compressed_tensors_experts, numpy_moe
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(experts * hidden + inter)
+    ct = compressed_tensors_experts(rng, experts, hidden, inter)
+    weights = Int4Experts.from_compressed_tensors(*ct)
+    unrouted = experts - 1 if experts - 1 not in np.asarray(ids) else None
+    if unrouted is not None:        # its scales NaN: reading them anywhere would reach the output
+        weights = weights._replace(gate_scale=weights.gate_scale.at[unrouted].set(jnp.nan))
+    x = jnp.asarray(rng.standard_normal((len(ids), hidden)), jnp.float32)
+    ids = jnp.asarray(ids, jnp.int32)
+    topk_weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
+    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32)
+    out = MT.run_kernels(interpreter_call, x, weights, ids, topk_weights, config)
+    assert np.isfinite(np.asarray(out)).all()
+    if unrouted is None:
+        assert rel_err(out, int4_moe_reference(x, weights, ids, topk_weights)) < 1e-5
+    assert rel_err(out, numpy_moe(x, ct, ids, topk_weights)) < 1e-5
