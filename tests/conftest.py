@@ -3,6 +3,8 @@ time per test; the suite checks results, not CPU speed. Set before jax starts it
 them through the environment."""
 import itertools
 import os
+import subprocess
+import sys
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
@@ -15,6 +17,20 @@ from flax import nnx
 from kdtree_jax import config as config_lib
 from kdtree_jax.drafter import DrafterCache
 from pallas_kernels.tree import reference_topk
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_child(test_file: str, env: dict, parent_test: str) -> None:
+    """Run test_file's tests except `parent_test` in a child pytest with `env` added (a setting that must hold from
+    the process start); assert that all of them passed and none was skipped."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(test_file), "-p", "no:cacheprovider",
+                           "-k", f"not {parent_test}"], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 
 def causal_logits(model, tokens, absorbed: bool = True):

@@ -5,27 +5,20 @@ of 256 (rows past I in the last block must not read the next expert: an unrouted
 NaN), D not a multiple of the row block, ids of other devices (out of range) and repeated experts. Triton must be in
 interpreter mode from its first import, so the test re-runs this file in a child process with TRITON_INTERPRET=1."""
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_in_child
+
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
 
 
 @pytest.mark.skipif(IN_CHILD, reason="this is the child")
 def test_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-p", "no:cacheprovider",
-                           "-k", "not test_in_the_interpreter"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
 
 
 @in_child

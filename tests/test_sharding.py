@@ -7,7 +7,6 @@ below run only there (skipped in the parent, which reports the child's output on
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import OracleDrafter, causal_logits, rel_err
+from conftest import OracleDrafter, causal_logits, rel_err, run_in_child
 from kdtree_jax import checkpoint, config, hf_import, sharding
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter
@@ -37,13 +36,7 @@ on_devices = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child
 @pytest.mark.skipif(IN_CHILD, reason="this is the child")
 def test_on_8_cpu_devices():
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env = dict(os.environ, XLA_FLAGS=flags, KDTREE_SHARDING_CHILD="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-p", "no:cacheprovider",
-                           "-k", "not test_on_8_cpu_devices"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+    run_in_child(__file__, dict(XLA_FLAGS=flags, KDTREE_SHARDING_CHILD="1"), "test_on_8_cpu_devices")
 
 
 @pytest.fixture(scope="module")
