@@ -29,6 +29,11 @@ def dot_nt(a, b):
                            preferred_element_type=jnp.float32)
 
 
+def inverse_or_zero(total):
+    """1 / total where total > 0, else 0: the normaliser of a softmax row (0 for a row with nothing to attend)."""
+    return jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+
 def pallas_call(kernel, *, out_shape, **kwargs):
     """`pl.pallas_call` that also runs inside `jax.shard_map` (check_vma=True, the default there).
 

@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import inverse_or_zero
 from pallas_kernels import tree_verify_attention as triton_attention
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
@@ -157,7 +158,7 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+            inv = inverse_or_zero(total)
             q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
 
             @pl.when(wg == 0)
@@ -231,7 +232,7 @@ def merge_partials(out, row_max, row_sum):
     weight = jnp.where(row_sum > 0, jnp.exp(row_max - jnp.where(jnp.isfinite(top), top, 0.0)[None]) * row_sum, 0.0)
     total = jnp.sum(weight, axis=0)
     merged = jnp.sum(weight[..., None] * out.astype(jnp.float32), axis=0)
-    return merged * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
+    return merged * inverse_or_zero(total)[..., None]
 
 
 def tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
@@ -251,7 +252,7 @@ def tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scal
     prob = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
     row_sum = jnp.sum(prob, axis=-1)
     out = jnp.einsum("sthu,suc->sthc", prob, c_tree.astype(jnp.float32), precision=hi)
-    out = out * jnp.where(row_sum > 0, 1.0 / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)[..., None]
+    out = out * inverse_or_zero(row_sum)[..., None]
     return out.reshape(s, t * h, -1), row_max.reshape(s, t * h), row_sum.reshape(s, t * h)
 
 

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import MIN_DOT_DIM, dot_nt, pallas_call
+from pallas_kernels import MIN_DOT_DIM, dot_nt, inverse_or_zero, pallas_call
 
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
 # zeroed explicitly, so a row with nothing allowed keeps sum 0 and returns 0.
@@ -217,7 +217,7 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
 
     if cfg.num_splits == 1:
         (out_ref,) = out_refs
-        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        inv = inverse_or_zero(l)
         mask = row_ok[:, None]
         if lat[1] != lat[0]:
             mask = mask & (jnp.arange(lat[1]) < lat[0])[None, :]
@@ -236,7 +236,7 @@ def _combine(acc, m, l):
     w = jnp.exp(m - m_all[None])
     total = jnp.sum(w * l, axis=0)
     out = jnp.sum(w[..., None] * acc, axis=0)
-    return out * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
+    return out * inverse_or_zero(total)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
