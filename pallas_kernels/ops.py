@@ -26,25 +26,19 @@ from pallas_kernels import tree_verify_attention as _attention
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 _settings = {"implementation": "auto", "interpret": None}
-_registry: dict[str, tuple[Callable, Callable]] = {}
+_registry: dict[str, tuple[Callable, Callable, bool]] = {}
 
 
-def _register(name: str, kernel: Callable, reference: Callable) -> None:
-    """kernel(*args, interpret=bool, **kwargs) and reference(*args, **kwargs) compute the same function."""
-    _registry[name] = (kernel, reference)
-
-
-def _int4_moe_kernel(*args, interpret: bool, **kwargs):
-    """The Triton kernel (jax-triton) on the GPU. It has no interpret mode and jax-triton needs a CUDA jaxlib, so in
-    interpret mode or on another backend the reference runs (int4_moe_triton's CPU tests compile it for sm_90
-    instead). Measured: experiments/notes/kernels.md, "int4_moe in Triton"."""
-    if interpret or jax.default_backend() != "gpu":
-        return _int4_moe.int4_moe_reference(*args, **kwargs)
-    return _int4_moe_triton.int4_moe(*args, **kwargs)
+def _register(name: str, kernel: Callable, reference: Callable, *, interpretable: bool = True) -> None:
+    """kernel(*args, interpret=bool, **kwargs) and reference(*args, **kwargs) compute the same function. A kernel
+    that is not `interpretable` (Triton through jax-triton: no interpret mode, and jax-triton needs a CUDA jaxlib) runs
+    only on the GPU backend; in interpret mode or on another backend its reference runs."""
+    _registry[name] = (kernel, reference, interpretable)
 
 
 _register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
-_register("int4_moe", _int4_moe_kernel, _int4_moe.int4_moe_reference)
+# Measured: experiments/notes/kernels.md, "int4_moe in Triton"; its CPU tests compile it for sm_90 and interpret it.
+_register("int4_moe", _int4_moe_triton.int4_moe, _int4_moe.int4_moe_reference, interpretable=False)
 _register("tree_build", _tree_build.tree_build, _tree_build.tree_build_reference)
 _register("tree_accept", _tree_accept.tree_accept, _tree_accept.tree_accept_reference)
 
@@ -80,8 +74,8 @@ def interprets() -> bool:
 
 
 def _call(name: str, *args, **kwargs):
-    kernel, reference = _registry[name]
-    if not uses_kernel():
+    kernel, reference, interpretable = _registry[name]
+    if not uses_kernel() or (not interpretable and (interprets() or jax.default_backend() != "gpu")):
         return reference(*args, **kwargs)
     return kernel(*args, interpret=interprets(), **kwargs)
 
