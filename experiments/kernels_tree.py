@@ -1,6 +1,7 @@
 """bench_kernels section `tree`: tree_build and tree_accept at S = 16 streams, D = 15, V = 163840, B = 16..512: the
 kernel, the jnp reference, and the CPU heap per request that the paper's code uses (timed by wall clock since it
-crosses the host); on the GPU also the Triton candidates (pallas_kernels/tree_triton.py). Every tree is checked
+crosses the host); on the GPU also the Triton candidates (pallas_kernels/tree_triton.py), launched through XLA's
+Triton custom call (`triton_*`) and by jax-triton (`triton_jax_triton_*`). Every tree is checked
 bit-identical to the heapq specification and every accept walk to the python loop (`identical_detail`,
 `accept_identical_detail` name each candidate).
 
@@ -21,11 +22,13 @@ from pallas_kernels import ops
 from pallas_kernels import tree_accept as taccept
 from pallas_kernels import tree_build as tbuild
 from pallas_kernels import tree_triton
+from pallas_kernels.triton_call import jax_triton_missing
 from pallas_kernels.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
                                  build_tree_heapq_from_topk, draft_topk, resolve_topk)
 
 TREE_BLOCK = 16             # L: the root plus D = L - 1 drafted depths
 DRAFT_LOGIT_SCALE = 4.0     # random draft logits N(0, 4^2): a few tokens carry most of each depth's mass
+TRITON_NAMES = {"xla": "triton", "jax_triton": "triton_jax_triton"}   # the Triton candidates' names per launcher
 ACCEPT_FOLLOW = 0.8         # chance that the target's token at a node is one of the node's children's
 
 
@@ -101,8 +104,10 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
               "reference_from_topk": jax.jit(functools.partial(build_tree_from_topk, budget=budget)),
               "kernel_from_logits": _ops_tree_build("kernel", budget, logit_sets[0]),
               "reference_from_logits": _ops_tree_build("reference", budget, logit_sets[0])}
-    if not interpret:   # the Triton candidate (jax-triton; no interpret mode)
-        builds["triton_from_topk"] = jax.jit(functools.partial(tree_triton.tree_build_from_topk, budget=budget))
+    launchers = () if interpret else ("xla",) + (("jax_triton",) if jax_triton_missing() is None else ())
+    for launcher in launchers:   # the Triton candidate (no interpret mode), by each launcher that runs
+        builds[TRITON_NAMES[launcher] + "_from_topk"] = jax.jit(functools.partial(
+            tree_triton.tree_build_from_topk, budget=budget, launcher=launcher))
     identical = {name: all(same_arrays(fn(*args), spec)
                            for args, spec in zip(topk_sets if name.endswith("topk") else logit_sets, specs))
                  for name, fn in builds.items()}
@@ -110,8 +115,9 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
     walks = [accept_tree_python(spec, target, depth) for spec, (_, target) in zip(specs, accept_sets)]
     accepts = {"accept_kernel": jax.jit(functools.partial(taccept.tree_accept, max_depth=depth, interpret=interpret)),
                "accept_reference": jax.jit(functools.partial(accept_tree, max_depth=depth))}
-    if not interpret:
-        accepts["accept_triton"] = jax.jit(functools.partial(tree_triton.tree_accept, max_depth=depth))
+    for launcher in launchers:
+        accepts["accept_" + TRITON_NAMES[launcher]] = jax.jit(functools.partial(
+            tree_triton.tree_accept, max_depth=depth, launcher=launcher))
     accept_identical = {name: all(same_arrays(fn(*args), walk) for args, walk in zip(accept_sets, walks))
                         for name, fn in accepts.items()}   # every candidate; the headline is the ops kernel's
     jobs = [Job(name, fn, topk_sets if name.endswith("topk") else logit_sets) for name, fn in builds.items()]
@@ -138,6 +144,8 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
                 accept_kernel_us=t["accept_kernel"]["us"], accept_reference_us=t["accept_reference"]["us"],
                 triton_from_topk_us=t.get("triton_from_topk", {}).get("us"),
                 accept_triton_us=t.get("accept_triton", {}).get("us"),
+                triton_jax_triton_from_topk_us=t.get("triton_jax_triton_from_topk", {}).get("us"),
+                accept_triton_jax_triton_us=t.get("accept_triton_jax_triton", {}).get("us"),
                 peer_us=peer["total"], peer_stages_us=peer, peer_after_topk_us=peer_after_topk,
                 peer_over_kernel=peer_after_topk / kernel_us, meets_50x=peer_after_topk / kernel_us >= 50,
                 kernel_from_logits_wall_us=end_to_end_wall, peer_over_kernel_end_to_end=peer["total"] / end_to_end_wall,
@@ -183,6 +191,8 @@ def _print_tree_row(r):
           f"{r['peer_stages_us']['topk']:.1f} + d2h {r['peer_stages_us']['d2h']:.1f} + heap "
           f"{r['peer_stages_us']['heap']:.1f} + h2d {r['peer_stages_us']['h2d']:.1f} | peer/kernel "
           f"{r['peer_over_kernel']:6.1f}x (end to end {r['peer_over_kernel_end_to_end']:5.1f}x) | accept "
-          f"{r['accept_kernel_us']:.1f} (ref {r['accept_reference_us']:.1f}) | identical {r['identical']} "
+          f"{r['accept_kernel_us']:.1f} (ref {r['accept_reference_us']:.1f}) | triton build / accept "
+          f"{r['triton_from_topk_us']} / {r['accept_triton_us']} (jax-triton {r['triton_jax_triton_from_topk_us']} / "
+          f"{r['accept_triton_jax_triton_us']}) | identical {r['identical']} "
           f"accept {r['accept_identical']}", flush=True)
 

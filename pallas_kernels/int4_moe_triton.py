@@ -1,4 +1,4 @@
-"""Routed-expert MLP with INT4 weights as Triton kernels called through jax-triton: the GPU's int4_moe.
+"""Routed-expert MLP with INT4 weights as Triton kernels (launched by `triton_call`): the GPU's int4_moe.
 
 The op of `int4_moe.py` (its semantics, the repacked compressed-tensors layout `Int4Experts`, the reference
 `int4_moe_reference` and the routing of (token, slot) pairs into blocks of one expert, `route_pairs`); `ops.int4_moe`
@@ -16,8 +16,8 @@ f32 activations (tests, references) take an exact path: all 8 nibbles unpacked t
 2^23 + n: an OR and a subtraction), scaled, and multiplied in one IEEE dot with x's columns permuted to match
 (`_block_columns`).
 
-jax-triton imports only where jaxlib has CUDA support, so it is imported at the first call (`triton_call`); Triton
-itself compiles on any machine, which the CPU tests use to build the kernels for sm_90 (tests/test_int4_moe_triton.py).
+Triton compiles on any machine, which the CPU tests use to build the kernels for sm_90 (tests/test_int4_moe_triton.py)
+and to lower the op for an H200 through XLA's Triton custom call (tests/test_triton_call.py).
 Tilings and measurements: experiments/notes/kernels.md, "int4_moe in Triton".
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import DEFAULT_LAUNCHER, triton_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,19 +271,20 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     return config
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
-             interpret: bool = False):
+             interpret: bool = False, launcher: str = DEFAULT_LAUNCHER):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
     config: the tiling (default `default_config`; f32 runs with `launch_config`'s stages).
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
+    launcher: how the kernels are launched (`triton_call.LAUNCHERS`).
     """
     if interpret:
         raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe or "
                          "int4_moe.int4_moe_reference (the reference)")
-    return run_kernels(triton_call, x, experts, topk_ids, topk_weights, config)
+    return run_kernels(functools.partial(triton_call, launcher=launcher), x, experts, topk_ids, topk_weights, config)
 
 
 def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None):

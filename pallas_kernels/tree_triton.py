@@ -20,7 +20,7 @@ import triton.language as tl
 from pallas_kernels import tree_accept as accept_ref
 from pallas_kernels import tree_build as build_ref
 from pallas_kernels.tree import AcceptResult, TreeArrays
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import DEFAULT_LAUNCHER, triton_call
 
 
 @triton.jit
@@ -57,10 +57,11 @@ def _accept_kernel(parent_ptr, tokens_ptr, target_ptr, path_ptr, stats_ptr, KEEP
     tl.store(stats_ptr + s * 2 + 1, _take_int(target, iota, node))
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "interpret"))
-def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: bool = False) -> AcceptResult:
+@functools.partial(jax.jit, static_argnames=("max_depth", "interpret", "launcher"))
+def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: bool = False,
+                launcher: str = DEFAULT_LAUNCHER) -> AcceptResult:
     """tree with B + 1 slots, target_tokens [S, B+1] int32 -> AcceptResult, identical to
-    `tree_accept.tree_accept_reference`. interpret: not available (a ValueError)."""
+    `tree_accept.tree_accept_reference`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
     if interpret:
         raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use tree_accept.tree_accept")
     n_streams, keep = accept_ref.check_accept_inputs(tree, target_tokens)
@@ -68,7 +69,7 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
         tree.parent.astype(jnp.int32), tree.tokens.astype(jnp.int32), target_tokens.astype(jnp.int32),
         kernel=_accept_kernel, out_shape=(jax.ShapeDtypeStruct((n_streams, max_depth + 1), jnp.int32),
                                           jax.ShapeDtypeStruct((n_streams, 2), jnp.int32)),
-        grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, KEEP=keep,
+        grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, launcher=launcher, KEEP=keep,
         SLOTS=accept_ref.node_slots(keep), DEPTHS=accept_ref.path_slots(max_depth), MAX_DEPTH=max_depth)
     return AcceptResult(path, stats[:, 0], stats[:, 1])
 
@@ -143,11 +144,11 @@ def _build_kernel(root_ptr, lp_ptr, ids_ptr, tokens_ptr, parent_ptr, depth_ptr, 
     tl.store(next_ptr + out, nxt)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("budget", "config", "interpret", "launcher"))
 def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: build_ref.BuildConfig | None = None,
-                         interpret: bool = False) -> TreeArrays:
+                         interpret: bool = False, launcher: str = DEFAULT_LAUNCHER) -> TreeArrays:
     """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots), identical
-    to `tree_build.tree_build_from_topk`. interpret: not available (a ValueError)."""
+    to `tree_build.tree_build_from_topk`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
     if interpret:
         raise ValueError("tree_triton.tree_build_from_topk has no interpret mode: on the CPU use "
                          "tree_build.tree_build_from_topk")
@@ -159,7 +160,8 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: bu
     tokens, parent, depth, score, first_child, next_sibling = triton_call(
         root.astype(jnp.int32), top_logprobs.astype(jnp.float32), top_ids.astype(jnp.int32), kernel=_build_kernel,
         out_shape=(int_out, int_out, int_out, jax.ShapeDtypeStruct((n_streams, slots), jnp.float32), int_out, int_out),
-        grid=(n_streams,), num_warps=(config or build_ref.BuildConfig()).warps(slots), num_stages=1, BUDGET=budget,
+        grid=(n_streams,), num_warps=(config or build_ref.BuildConfig()).warps(slots), num_stages=1, launcher=launcher,
+        BUDGET=budget,
         MAX_DEPTH=max_depth, K=k, SLOTS=slots, RANK_BITS=packing.rank_bits, PREV_BITS=packing.prev_bits,
         DEPTH_BITS=packing.depth_bits, EMPTY=build_ref.EMPTY)
     return build_ref.tree_arrays(tokens, parent, depth, score, first_child, next_sibling, budget, max_depth)

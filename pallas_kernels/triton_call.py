@@ -1,35 +1,160 @@
-"""`triton_call`: a Triton kernel called from JAX through jax-triton, usable inside `jax.shard_map` (check_vma).
+"""`triton_call`: a Triton kernel (`@triton.jit`, pointers and constexprs only) called from JAX on the GPU.
 
-jax-triton's primitive types its outputs without varying manual axes. Inside a shard_map that type says "the same on
-every device", which is false for a kernel fed per-device operands, and a later psum over such a value would
-multiply it by the axis size instead of adding the devices' values. So, like `pallas_kernels.pallas_call`, the
-operands are cast to the union of the axes any of them varies over and the outputs are stated to vary over it (a
-type cast, no data moves). Outside shard_map nothing varies and this is `jax_triton.triton_call`.
+Two launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"):
+- "xla" (the default): Triton 3.6 turns the kernel into Triton IR (TTIR) at lowering time; the IR goes into the
+  program as XLA's own Triton custom call (`__gpu$xla.gpu.triton`), which XLA compiles into its executable and
+  launches like its own kernels. No jax-triton; no host work per call.
+- "jax_triton": `jax_triton.triton_call` (jax-triton 0.3.1), which launches from a host callback that looks its
+  kernel up per call: 20-45 us of idle GPU between calls on the H200.
 
-jax-triton imports only where jaxlib has CUDA support, so it is imported at the first call, not with this module.
+Both are usable inside `jax.shard_map` (check_vma). Neither primitive types its outputs with varying manual axes; a
+kernel fed per-device operands gives per-device outputs, and a later psum over a value typed "the same on every
+device" would multiply it by the axis size. So, like `pallas_kernels.pallas_call`, the operands are cast to the union
+of the axes any of them varies over and the outputs are stated to vary over it (a type cast, no data moves).
+
+Kernel arguments: every operand, then every output, as 16-byte-aligned pointers (XLA's buffers are), then the
+constexprs by keyword. Outputs start uninitialised: a kernel writes every element.
 """
 from __future__ import annotations
 
+import functools
+import io
+
 import jax
+import numpy as np
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax.extend import core as jex_core
 
 from pallas_kernels import varying_axes, vary_over
 
+LAUNCHERS = ("xla", "jax_triton")
+DEFAULT_LAUNCHER = "xla"
+XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"
+TRITON_POINTER_TYPES = {np.dtype(jax.numpy.bfloat16): "*bf16", np.dtype(np.float16): "*fp16",
+                        np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32", np.dtype(np.uint32): "*u32",
+                        np.dtype(np.int8): "*i8", np.dtype(np.uint8): "*u8"}
+DEFAULT_COMPUTE_CAPABILITY = 90     # the H200's, for lowering on a machine without a GPU (tests)
 
-def triton_call(*operands, kernel, out_shape, **kwargs):
-    """`jax_triton.triton_call(*operands, kernel=kernel, out_shape=out_shape, **kwargs)` with varying axes stated.
 
-    operands: arrays (pointers in the kernel, in order, followed by the outputs); out_shape: a ShapeDtypeStruct or a
-    pytree of them; kwargs: grid, num_warps, num_stages and the kernel's constexpr parameters.
+def triton_call(*operands, kernel, out_shape, grid, num_warps: int, num_stages: int, launcher: str = DEFAULT_LAUNCHER,
+                **constexprs):
+    """kernel(*operands, *outputs, **constexprs) on a grid of programs.
+
+    operands: arrays; out_shape: a ShapeDtypeStruct or a tuple of them; grid: up to three ints; launcher: one of
+    LAUNCHERS. Returns the output array(s), shaped like out_shape.
     """
-    try:
-        import jax_triton   # noqa: PLC0415 (CUDA-only import, see the module docstring)
-    except ImportError as e:
-        raise ImportError(f"{getattr(kernel, '__name__', kernel)} is a Triton kernel called through jax-triton, which "
-                          f"did not import ({e}). Install jax-triton==0.3.1 (on the H200 image carry its wheel: "
-                          "BUILD_NOTES.md, 'One H200'), or run the pure-JAX references: "
-                          "pallas_kernels.ops.set_implementation('reference')") from e
-
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")
     varying = varying_axes(operands)
     operands = [vary_over(x, varying) for x in operands]
-    outs = jax_triton.triton_call(*operands, kernel=kernel, out_shape=out_shape, **kwargs)
+    if launcher == "jax_triton":
+        outs = _jax_triton(*operands, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                           num_stages=num_stages, **constexprs)
+    else:
+        single = isinstance(out_shape, jax.ShapeDtypeStruct)
+        out_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in ([out_shape] if single else out_shape))
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        outs = xla_triton_call_p.bind(*operands, kernel=kernel, out_avals=out_avals, grid=grid, num_warps=num_warps,
+                                      num_stages=num_stages, constexprs=tuple(sorted(constexprs.items())))
+        outs = outs[0] if single else tuple(outs)
     return jax.tree.map(lambda y: vary_over(y, varying), outs)
+
+
+def jax_triton_missing() -> str | None:
+    """None where jax-triton imports (the "jax_triton" launcher can run), else why it does not."""
+    try:
+        import jax_triton  # noqa: F401, PLC0415 (imports only where jaxlib has CUDA support)
+    except ImportError as e:
+        return f"jax-triton did not import ({e})"
+    return None
+
+
+def _jax_triton(*operands, kernel, **kwargs):
+    try:
+        import jax_triton   # noqa: PLC0415 (imports only where jaxlib has CUDA support)
+    except ImportError as e:
+        raise ImportError(f"{getattr(kernel, '__name__', kernel)} was asked to launch through jax-triton, which did "
+                          f"not import ({e}). Install jax-triton==0.3.1 (on the H200 image carry its wheel: "
+                          f"BUILD_NOTES.md, 'One H200'), or use launcher='xla'") from e
+    return jax_triton.triton_call(*operands, kernel=kernel, **kwargs)
+
+
+xla_triton_call_p = jex_core.Primitive("xla_triton_call")
+xla_triton_call_p.multiple_results = True
+xla_triton_call_p.def_abstract_eval(lambda *avals, out_avals, **_: out_avals)
+
+
+def pointer_types(avals) -> tuple[str, ...]:
+    """Triton's pointer type ('*bf16', ...) of each array."""
+    types = []
+    for aval in avals:
+        if np.dtype(aval.dtype) not in TRITON_POINTER_TYPES:
+            raise TypeError(f"a Triton kernel operand or output has dtype {aval.dtype}; triton_call passes "
+                            f"{sorted(str(d) for d in TRITON_POINTER_TYPES)}: cast it first")
+        types.append(TRITON_POINTER_TYPES[np.dtype(aval.dtype)])
+    return tuple(types)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_ttir(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, compute_capability: int) -> str:
+    """The kernel as Triton IR text after Triton's own TTIR passes (inlining, canonicalisation), its pointers
+    16-byte aligned. Runs on any machine: nothing here needs a GPU."""
+    from triton._C import libtriton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
+    from triton.backends.compiler import GPUTarget   # noqa: PLC0415
+    from triton.backends.nvidia.compiler import CUDABackend   # noqa: PLC0415
+    from triton.compiler import ASTSource   # noqa: PLC0415
+
+    names = kernel.arg_names
+    if len(pointers) + len(constexprs) != len(names):
+        raise TypeError(f"{kernel.__name__} takes {len(names)} arguments {names}; it was given {len(pointers)} "
+                        f"arrays and constexprs {[k for k, _ in constexprs]}")
+    target = GPUTarget("cuda", compute_capability, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({"num_warps": num_warps})
+    signature = dict(zip(names, pointers)) | {name: "constexpr" for name, _ in constexprs}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs),
+                       attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})
+    context = libtriton.ir.context()
+    libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                            context)
+    return str(backend.make_ttir(module, {}, options, compute_capability))
+
+
+def _compute_capability() -> int:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
+    if not gpus:
+        return DEFAULT_COMPUTE_CAPABILITY
+    return int(float(gpus[0].compute_capability) * 10)
+
+
+def _ttir_bytecode(text: str) -> bytes:
+    """Triton IR text parsed in jaxlib's Triton dialect (XLA's Triton) and written as MLIR bytecode."""
+    context = mlir.JaxIrContext()
+    context.append_dialect_registry(mlir.upstream_dialects)
+    tt_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
+        module = ir.Module.parse(text)
+        buffer = io.BytesIO()
+        module.operation.write_bytecode(buffer)
+    return buffer.getvalue()
+
+
+def _xla_triton_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num_stages, constexprs):
+    pointers = pointer_types([*ctx.avals_in, *ctx.avals_out])
+    text = kernel_ttir(kernel, pointers, constexprs, num_warps, _compute_capability())
+    backend_config = dict(name=ir.StringAttr.get(kernel.__name__), ir=ir.StringAttr.get(_ttir_bytecode(text)),
+                          num_stages=mlir.i32_attr(num_stages), num_warps=mlir.i32_attr(num_warps),
+                          grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
+                          debug=ir.BoolAttr.get(False))
+    row_major = lambda avals: [list(reversed(range(a.ndim))) for a in avals]   # noqa: E731
+    return mlir.custom_call(XLA_TRITON_TARGET, result_types=[mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals],
+                            operands=list(operands), backend_config=backend_config, api_version=4,
+                            operand_layouts=row_major(ctx.avals_in), result_layouts=row_major(out_avals)).results
+
+
+mlir.register_lowering(xla_triton_call_p, _xla_triton_lowering, platform="cuda")

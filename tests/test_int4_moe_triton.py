@@ -93,9 +93,11 @@ def test_activations_other_than_bf16_or_f32_are_refused():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="jax-triton imports where jaxlib has CUDA")
 def test_a_missing_jax_triton_is_named_with_the_fix(monkeypatch):
-    """On the CPU jax-triton does not import (it needs a CUDA jaxlib): the call says what to install or choose. (Its
+    """On the CPU jax-triton does not import (it needs a CUDA jaxlib): a call asking for it says what to install or
+    choose. (Its
     partial import sets TRITON_CACHE_DIR to '', which would leave the later compiles of this process without a cache
     directory: monkeypatch restores the variable.)"""
     monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", triton.knobs.cache.dir))
-    with pytest.raises(ImportError, match="jax-triton==0.3.1.*set_implementation"):
-        triton_call(jnp.zeros(4), kernel=MT._gate_up_kernel, out_shape=None, grid=(1,))
+    with pytest.raises(ImportError, match="jax-triton==0.3.1.*launcher='xla'"):
+        triton_call(jnp.zeros(4), kernel=MT._gate_up_kernel, out_shape=None, grid=(1,), num_warps=4, num_stages=1,
+                    launcher="jax_triton")

@@ -95,8 +95,9 @@ def test_int4_moe_code_target_shapes():
 
 
 @pytest.mark.parametrize("kernel", [MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
-                                    functools.partial(MT.int4_moe, config=LARGE_BLOCKS)],
-                         ids=["triton", "triton_medium_blocks", "triton_large_blocks"])
+                                    functools.partial(MT.int4_moe, config=LARGE_BLOCKS),
+                                    functools.partial(MT.int4_moe, launcher="jax_triton")],
+                         ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_jax_triton"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
 def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
@@ -115,7 +116,7 @@ def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
-    top-K, the build kernels (Pallas, and the Triton candidate) from that top-K the heapq specification's arrays and
+    top-K, the build kernels (Pallas, and the Triton candidate through both launchers) from that top-K the heapq specification's arrays and
     the accept kernels the python walk's, bit for bit."""
     rng = np.random.default_rng(budget)
     logits, root = random_draft(rng, 16, 16, K26.vocab_size)
@@ -124,11 +125,12 @@ def test_tree_build_and_accept_k26(budget):
     assert_topk_matches_reference(logits[8:], k, T.draft_topk(jnp.asarray(logits[8:]), k), exact_ids=True)
     want = T.build_tree_heapq(logits, root, budget)
     top = T.reference_topk(logits, k)
-    for build in (TB.tree_build_from_topk, TT.tree_build_from_topk):
+    for build in (TB.tree_build_from_topk, TT.tree_build_from_topk,
+                  functools.partial(TT.tree_build_from_topk, launcher="jax_triton")):
         got = build(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
         assert_same(got, want, T.TreeArrays._fields)
     target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
     tree = T.TreeArrays(*map(jnp.asarray, want))
-    for accept in (TA.tree_accept, TT.tree_accept):
+    for accept in (TA.tree_accept, TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton")):
         assert_same(accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
                     T.AcceptResult._fields)

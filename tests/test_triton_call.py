@@ -1,0 +1,92 @@
+"""`pallas_kernels.triton_call` on the CPU: every Triton kernel lowers, for an H200, to XLA's own Triton custom call
+(Triton IR that jaxlib's Triton dialect parses), alone and inside the expert-parallel shard_map with check_vma; bad
+calls are refused with errors that name the fix.
+
+The lowering is what the GPU compiles (XLA turns the custom call's Triton IR into its executable); the GPU runs are in
+tests/test_kernels_gpu.py and experiments/kernels_moe.py / kernels_tree.py.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
+
+from pallas_kernels import int4_moe as M
+from pallas_kernels import int4_moe_triton as MT
+from pallas_kernels import tree_triton as TT
+from pallas_kernels.tree import TreeArrays
+from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_ttir, triton_call
+
+BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
+E, D, I, TOP_K = 384, 7168, 2048, 8     # Kimi K2.6's routed experts
+
+
+def h200_mesh(devices: int) -> AbstractMesh:
+    return AbstractMesh((devices,), ("tp",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                               platform="cuda"))
+
+
+def lowered_text(fn, *args, devices: int = 1) -> str:
+    """StableHLO text of jit(fn)(*args) (ShapeDtypeStructs) lowered for CUDA under an abstract mesh of H200s."""
+    with jax.sharding.use_abstract_mesh(h200_mesh(devices)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def k26_experts(sharding=None) -> M.Int4Experts:
+    shapes = [((E, I, D // 8), I32), ((E, D // 32, I), BF16)] * 2 + [((E, D, I // 8), I32), ((E, I // 32, D), BF16)]
+    return M.Int4Experts(*(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes))
+
+
+@pytest.mark.parametrize("tokens", [1, 4096])
+def test_int4_moe_lowers_to_three_xla_triton_calls(tokens):
+    text = lowered_text(MT.int4_moe, spec((tokens, D), BF16), k26_experts(), spec((tokens, TOP_K), I32),
+                        spec((tokens, TOP_K), F32))
+    assert text.count(XLA_TRITON_TARGET) == 3
+    for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
+        assert f'name = "{name}"' in text
+
+
+def test_int4_moe_lowers_inside_the_expert_parallel_shard_map():
+    """Two H200s, 192 experts each: the shard_map keeps check_vma on and the psum is over per-device outputs."""
+    def ep(x, experts, ids, weights):
+        def local(x, experts, ids, weights):
+            return jax.lax.psum(MT.int4_moe(x, experts, ids - jax.lax.axis_index("tp") * (E // 2), weights), "tp")
+        return jax.shard_map(local, in_specs=(P(), P("tp"), P(), P()), out_specs=P(), check_vma=True)(
+            x, experts, ids, weights)
+
+    experts = k26_experts(jax.sharding.NamedSharding(h200_mesh(2), P("tp")))
+    text = lowered_text(ep, spec((8, D), BF16), experts, spec((8, TOP_K), I32), spec((8, TOP_K), F32), devices=2)
+    assert text.count(XLA_TRITON_TARGET) == 3 and "all_reduce" in text
+
+
+def test_tree_kernels_lower_to_one_xla_triton_call_each():
+    streams, depth, k, budget = 16, 15, 8, 512
+    build = lowered_text(lambda lp, ids, root: TT.tree_build_from_topk(lp, ids, root, budget=budget),
+                         spec((streams, depth, k), F32), spec((streams, depth, k), I32), spec((streams,), I32))
+    n = budget + 1
+    tree = TreeArrays(*(spec((streams, n), I32) for _ in range(5)), spec((streams, n, n), jnp.bool_),
+                      spec((streams,), I32), spec((streams, n), F32))
+    accept = lowered_text(lambda t, g: TT.tree_accept(t, g, depth), tree, spec((streams, n), I32))
+    assert build.count(XLA_TRITON_TARGET) == 1 and accept.count(XLA_TRITON_TARGET) == 1
+
+
+def test_the_triton_ir_has_the_kernel_as_its_only_entry():
+    """Triton's own TTIR passes inline the helpers: one public function, named as the custom call says."""
+    text = kernel_ttir(MT._combine_kernel, ("*i32", "*bf16", "*bf16"), (("BD", 1024), ("HIDDEN", D), ("TOP_K", 8)),
+                       4, 90)
+    assert text.count("tt.func") == 1 and "tt.func public @_combine_kernel" in text
+
+
+def test_bad_calls_name_the_fix():
+    x = jnp.zeros((8,), F32)
+    out = jax.ShapeDtypeStruct((8,), F32)
+    kw = dict(kernel=MT._combine_kernel, grid=(1,), num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="launcher 'pallas' is not one of"):
+        triton_call(x, x, out_shape=out, launcher="pallas", TOP_K=8, HIDDEN=8, BD=8, **kw)
+    with pytest.raises(TypeError, match="dtype bool.*cast it first"):
+        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **kw), spec((8,), jnp.bool_))
+    with pytest.raises(TypeError, match=r"_combine_kernel takes 6 arguments.*given 3 arrays"):
+        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, **kw), spec((8,), F32))
