@@ -1,5 +1,5 @@
-"""bench_kernels section `moe`: int4_moe (the Triton kernels, INT4 experts dequantized in registers, launched through
-XLA's Triton custom call; beside them the same kernels launched by jax-triton, `launch:jax_triton`) against the XLA paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values
+"""bench_kernels section `moe`: int4_moe (the Triton kernels, INT4 experts dequantized in registers, launched by
+jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`) against the XLA paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values
 (each implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes,
 with f32 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
 no interpret mode): a smoke run of the script, not of the kernel. The previous Pallas-Triton kernel was timed beside
@@ -23,10 +23,9 @@ from jax import lax
 from experiments.timing import BF16, Job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
-from pallas_kernels.triton_call import jax_triton_missing
 
 
-LAUNCH_PEER = "launch:jax_triton"    # the default kernels and tiling, launched by jax-triton
+LAUNCH_PEER = "launch:xla"    # the default kernels and tiling, launched through XLA's Triton custom call
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
 INT4_KERNELS = {"triton": moe_triton.int4_moe, "reference": moe.int4_moe_reference}
@@ -199,7 +198,6 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
     experts = random_experts(jax.random.key(3), e, d, shape["inter"])
     gate_up_bf16 = down_bf16 = int4_weights = None
     tokamax_modules, tokamax_missing = (None, None) if interpret else load_tokamax()
-    launch_peer_missing = None if interpret else jax_triton_missing()
     for m in token_counts:
         if time.time() > deadline:
             results.append(dict(tokens=m, skipped="time budget"))
@@ -215,8 +213,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 fns = {"kernel": jax.jit(moe_triton.int4_moe)}
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
                     fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
-                if launch_peer_missing is None:   # the same kernels launched by jax-triton (a baseline, not a tiling)
-                    fns[LAUNCH_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, launcher="jax_triton"))
+                fns[LAUNCH_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, launcher="xla"))   # not a tiling
             ref_fn = jax.jit(moe.int4_moe_reference)
             x0, _, ids0, w0 = sets[0]
             sub = min(m, 32)
@@ -233,8 +230,6 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 if m <= 64:
                     jobs.append(Job("xla_gather_einsum_bf16", jax.jit(gather_einsum_moe), bf16_sets))
             peers_failed = {"tokamax": tokamax_missing} if (tokamax_missing and m <= 256) else {}
-            if launch_peer_missing:
-                peers_failed[LAUNCH_PEER] = launch_peer_missing
             if m <= 256 and tokamax_modules is not None:
                 if int4_weights is None:
                     int4_weights = _int4_weights(experts)
@@ -252,7 +247,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             best = min((n for n in fns if n != LAUNCH_PEER), key=lambda n: t[n]["us"])
             baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "tokamax_", "launch:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
-            entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (XLA launch)",
+            entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
                          config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,

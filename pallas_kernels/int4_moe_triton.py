@@ -32,7 +32,7 @@ import triton.language as tl
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from pallas_kernels.triton_call import DEFAULT_LAUNCHER, triton_call
+from pallas_kernels.triton_call import triton_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +261,9 @@ def _combine_kernel(pair_row_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: t
 
 
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
+# Through XLA's Triton custom call the gate_up and down kernels ran 2-3x slower on the H200 than Triton 3.6 compiles
+# them (kernels.md, "Launching Triton kernels"): jax-triton launches them.
+LAUNCHER = "jax_triton"
 
 
 def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
@@ -273,7 +276,7 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
-             interpret: bool = False, launcher: str = DEFAULT_LAUNCHER):
+             interpret: bool = False, launcher: str = LAUNCHER):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).

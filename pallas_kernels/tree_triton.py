@@ -20,7 +20,12 @@ import triton.language as tl
 from pallas_kernels import tree_accept as accept_ref
 from pallas_kernels import tree_build as build_ref
 from pallas_kernels.tree import AcceptResult, TreeArrays
-from pallas_kernels.triton_call import DEFAULT_LAUNCHER, triton_call
+from pallas_kernels.triton_call import triton_call
+
+
+# jax-triton's per-call host work left the GPU idle 20-45 us around each call; XLA's Triton custom call matches the
+# Pallas kernels (kernels.md, "Launching Triton kernels").
+LAUNCHER = "xla"
 
 
 @triton.jit
@@ -30,9 +35,10 @@ def _take_int(vec, iota, i):
 
 
 @triton.jit
-def _accept_kernel(parent_ptr, tokens_ptr, target_ptr, path_ptr, stats_ptr, KEEP: tl.constexpr, SLOTS: tl.constexpr,
-                   DEPTHS: tl.constexpr, MAX_DEPTH: tl.constexpr):
-    """Stream s: parent / tokens / target [KEEP] -> path [MAX_DEPTH + 1], stats [2] = (num_accepted, next_token)."""
+def _accept_kernel(parent_ptr, tokens_ptr, target_ptr, path_ptr, accepted_ptr, next_token_ptr, KEEP: tl.constexpr,
+                   SLOTS: tl.constexpr, DEPTHS: tl.constexpr, MAX_DEPTH: tl.constexpr):
+    """Stream s: parent / tokens / target [KEEP] -> path [MAX_DEPTH + 1], num_accepted, next_token (AcceptResult's
+    arrays, written in place: the call is this one kernel)."""
     s = tl.program_id(0)
     iota = tl.arange(0, SLOTS)
     in_tree = iota < KEEP
@@ -53,25 +59,26 @@ def _accept_kernel(parent_ptr, tokens_ptr, target_ptr, path_ptr, stats_ptr, KEEP
         node = tl.where(found, child, node)
         alive = found.to(tl.int32)
     tl.store(path_ptr + s * (MAX_DEPTH + 1) + depth_iota, path, mask=depth_iota <= MAX_DEPTH)
-    tl.store(stats_ptr + s * 2, accepted)
-    tl.store(stats_ptr + s * 2 + 1, _take_int(target, iota, node))
+    tl.store(accepted_ptr + s, accepted)
+    tl.store(next_token_ptr + s, _take_int(target, iota, node))
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "interpret", "launcher"))
 def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: bool = False,
-                launcher: str = DEFAULT_LAUNCHER) -> AcceptResult:
+                launcher: str = LAUNCHER) -> AcceptResult:
     """tree with B + 1 slots, target_tokens [S, B+1] int32 -> AcceptResult, identical to
     `tree_accept.tree_accept_reference`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
     if interpret:
         raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use tree_accept.tree_accept")
     n_streams, keep = accept_ref.check_accept_inputs(tree, target_tokens)
-    path, stats = triton_call(
+    per_stream = jax.ShapeDtypeStruct((n_streams,), jnp.int32)
+    path, num_accepted, next_token = triton_call(
         tree.parent.astype(jnp.int32), tree.tokens.astype(jnp.int32), target_tokens.astype(jnp.int32),
-        kernel=_accept_kernel, out_shape=(jax.ShapeDtypeStruct((n_streams, max_depth + 1), jnp.int32),
-                                          jax.ShapeDtypeStruct((n_streams, 2), jnp.int32)),
+        kernel=_accept_kernel, out_shape=(jax.ShapeDtypeStruct((n_streams, max_depth + 1), jnp.int32), per_stream,
+                                          per_stream),
         grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, launcher=launcher, KEEP=keep,
         SLOTS=accept_ref.node_slots(keep), DEPTHS=accept_ref.path_slots(max_depth), MAX_DEPTH=max_depth)
-    return AcceptResult(path, stats[:, 0], stats[:, 1])
+    return AcceptResult(path, num_accepted, next_token)
 
 
 @triton.jit
@@ -146,7 +153,7 @@ def _build_kernel(root_ptr, lp_ptr, ids_ptr, tokens_ptr, parent_ptr, depth_ptr, 
 
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret", "launcher"))
 def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: build_ref.BuildConfig | None = None,
-                         interpret: bool = False, launcher: str = DEFAULT_LAUNCHER) -> TreeArrays:
+                         interpret: bool = False, launcher: str = LAUNCHER) -> TreeArrays:
     """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots), identical
     to `tree_build.tree_build_from_topk`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
     if interpret:

@@ -1,11 +1,13 @@
 """`triton_call`: a Triton kernel (`@triton.jit`, pointers and constexprs only) called from JAX on the GPU.
 
-Two launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"):
-- "xla" (the default): Triton 3.6 turns the kernel into Triton IR (TTIR) at lowering time; the IR goes into the
+Two launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"); each
+kernel module picks its default by that measurement:
+- "xla": Triton 3.6 turns the kernel into Triton IR (TTIR) at lowering time; the IR goes into the
   program as XLA's own Triton custom call (`__gpu$xla.gpu.triton`), which XLA compiles into its executable and
-  launches like its own kernels. No jax-triton; no host work per call.
+  launches like its own kernels. No jax-triton; no host work per call; but XLA's own Triton pipeline compiles the IR,
+  and it made the int4_moe kernels 2-3x slower on the H200.
 - "jax_triton": `jax_triton.triton_call` (jax-triton 0.3.1), which launches from a host callback that looks its
-  kernel up per call: 20-45 us of idle GPU between calls on the H200.
+  kernel up per call: 20-45 us of idle GPU between calls on the H200; Triton 3.6 itself compiles the kernel.
 
 Both are usable inside `jax.shard_map` (check_vma). Neither primitive types its outputs with varying manual axes; a
 kernel fed per-device operands gives per-device outputs, and a later psum over a value typed "the same on every
@@ -30,7 +32,6 @@ from jax.extend import core as jex_core
 from pallas_kernels import varying_axes, vary_over
 
 LAUNCHERS = ("xla", "jax_triton")
-DEFAULT_LAUNCHER = "xla"
 XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"
 TRITON_POINTER_TYPES = {np.dtype(jax.numpy.bfloat16): "*bf16", np.dtype(np.float16): "*fp16",
                         np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32", np.dtype(np.uint32): "*u32",
@@ -38,8 +39,7 @@ TRITON_POINTER_TYPES = {np.dtype(jax.numpy.bfloat16): "*bf16", np.dtype(np.float
 DEFAULT_COMPUTE_CAPABILITY = 90     # the H200's, for lowering on a machine without a GPU (tests)
 
 
-def triton_call(*operands, kernel, out_shape, grid, num_warps: int, num_stages: int, launcher: str = DEFAULT_LAUNCHER,
-                **constexprs):
+def triton_call(*operands, kernel, out_shape, grid, num_warps: int, num_stages: int, launcher: str, **constexprs):
     """kernel(*operands, *outputs, **constexprs) on a grid of programs.
 
     operands: arrays; out_shape: a ShapeDtypeStruct or a tuple of them; grid: up to three ints; launcher: one of

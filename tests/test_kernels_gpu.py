@@ -96,8 +96,8 @@ def test_int4_moe_code_target_shapes():
 
 @pytest.mark.parametrize("kernel", [MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
                                     functools.partial(MT.int4_moe, config=LARGE_BLOCKS),
-                                    functools.partial(MT.int4_moe, launcher="jax_triton")],
-                         ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_jax_triton"])
+                                    functools.partial(MT.int4_moe, launcher="xla")],
+                         ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_xla_launch"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
 def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):

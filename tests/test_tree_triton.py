@@ -26,7 +26,7 @@ def test_build_kernel_compiles_for_h200(budget, max_depth, k):
 @pytest.mark.parametrize("keep,max_depth", [(9, 8), (33, 15), (513, 16)])
 def test_accept_kernel_compiles_for_h200(keep, max_depth):
     pointers = {"parent_ptr": "*i32", "tokens_ptr": "*i32", "target_ptr": "*i32", "path_ptr": "*i32",
-                "stats_ptr": "*i32"}
+                "accepted_ptr": "*i32", "next_token_ptr": "*i32"}
     constants = dict(KEEP=keep, SLOTS=TA.node_slots(keep), DEPTHS=TA.path_slots(max_depth), MAX_DEPTH=max_depth)
     compiled = compile_for_h200(TT._accept_kernel, pointers, constants, TA.NUM_WARPS, 1)
     assert "st.global" in compiled.asm["ptx"]

@@ -5,6 +5,8 @@ calls are refused with errors that name the fix.
 The lowering is what the GPU compiles (XLA turns the custom call's Triton IR into its executable); the GPU runs are in
 tests/test_kernels_gpu.py and experiments/kernels_moe.py / kernels_tree.py.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -42,7 +44,8 @@ def k26_experts(sharding=None) -> M.Int4Experts:
 
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_int4_moe_lowers_to_three_xla_triton_calls(tokens):
-    text = lowered_text(MT.int4_moe, spec((tokens, D), BF16), k26_experts(), spec((tokens, TOP_K), I32),
+    """int4_moe's kernels through XLA's launcher (a measured peer of its jax-triton default)."""
+    text = lowered_text(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(), spec((tokens, TOP_K), I32),
                         spec((tokens, TOP_K), F32))
     assert text.count(XLA_TRITON_TARGET) == 3
     for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
@@ -53,7 +56,8 @@ def test_int4_moe_lowers_inside_the_expert_parallel_shard_map():
     """Two H200s, 192 experts each: the shard_map keeps check_vma on and the psum is over per-device outputs."""
     def ep(x, experts, ids, weights):
         def local(x, experts, ids, weights):
-            return jax.lax.psum(MT.int4_moe(x, experts, ids - jax.lax.axis_index("tp") * (E // 2), weights), "tp")
+            first = jax.lax.axis_index("tp") * (E // 2)
+            return jax.lax.psum(MT.int4_moe(x, experts, ids - first, weights, launcher="xla"), "tp")
         return jax.shard_map(local, in_specs=(P(), P("tp"), P(), P()), out_specs=P(), check_vma=True)(
             x, experts, ids, weights)
 
@@ -86,6 +90,7 @@ def test_bad_calls_name_the_fix():
     kw = dict(kernel=MT._combine_kernel, grid=(1,), num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="launcher 'pallas' is not one of"):
         triton_call(x, x, out_shape=out, launcher="pallas", TOP_K=8, HIDDEN=8, BD=8, **kw)
+    kw["launcher"] = "xla"
     with pytest.raises(TypeError, match="dtype bool.*cast it first"):
         lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **kw), spec((8,), jnp.bool_))
     with pytest.raises(TypeError, match=r"_combine_kernel takes 6 arguments.*given 3 arrays"):
