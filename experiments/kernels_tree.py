@@ -1,7 +1,9 @@
 """bench_kernels section `tree`: tree_build and tree_accept at S = 16 streams, D = 15, V = 163840, B = 16..512: the
-kernel, the jnp reference, and the CPU heap per request that the paper's code uses (timed by wall clock since it
-crosses the host); on the GPU also the Triton candidates (pallas_kernels/tree_triton.py), launched through XLA's
-Triton custom call (`triton_*`) and by jax-triton (`triton_jax_triton_*`). Every tree is checked
+Triton kernels (pallas_kernels/tree_triton.py, launched through XLA's Triton custom call as `ops` does), the jnp
+reference, and the CPU heap per request that the paper's code uses (timed by wall clock since it crosses the host);
+on the GPU also the same kernels launched by jax-triton (`jax_triton_*`). On the CPU (--quick) the references stand
+in for the kernels: a smoke run of the script. The Pallas-Triton kernels were timed beside them up to
+results/kernels.json of the seventh session, then removed. Every tree is checked
 bit-identical to the heapq specification and every accept walk to the python loop (`identical_detail`,
 `accept_identical_detail` name each candidate).
 
@@ -19,8 +21,6 @@ import numpy as np
 
 from experiments.timing import ROTATE_BYTES, Job, time_jobs, wall_us
 from pallas_kernels import ops
-from pallas_kernels import tree_accept as taccept
-from pallas_kernels import tree_build as tbuild
 from pallas_kernels import tree_triton
 from pallas_kernels.triton_call import jax_triton_missing
 from pallas_kernels.tree import (TreeArrays, accept_tree, accept_tree_python, build_tree_from_topk,
@@ -28,7 +28,6 @@ from pallas_kernels.tree import (TreeArrays, accept_tree, accept_tree_python, bu
 
 TREE_BLOCK = 16             # L: the root plus D = L - 1 drafted depths
 DRAFT_LOGIT_SCALE = 4.0     # random draft logits N(0, 4^2): a few tokens carry most of each depth's mass
-TRITON_NAMES = {"xla": "triton", "jax_triton": "triton_jax_triton"}   # the Triton candidates' names per launcher
 ACCEPT_FOLLOW = 0.8         # chance that the target's token at a node is one of the node's children's
 
 
@@ -99,25 +98,28 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
     topk_fn = jax.jit(lambda logits: draft_topk(logits, k))
     topk_sets = [(*topk_fn(logits), root) for logits, root in logit_sets]
     peer, specs = time_heap_peer(topk_fn, logit_sets, budget, reps)
-    builds = {"kernel_from_topk": jax.jit(functools.partial(tbuild.tree_build_from_topk, budget=budget,
-                                                            interpret=interpret)),
+    # The kernels: Triton through XLA's launcher (ops' choice); on the CPU smoke run the references stand in (a
+    # Triton kernel has no interpret mode); on the GPU also the same kernels launched by jax-triton.
+    peers = not interpret and jax_triton_missing() is None
+    kernel_build = build_tree_from_topk if interpret else tree_triton.tree_build_from_topk
+    builds = {"kernel_from_topk": jax.jit(functools.partial(kernel_build, budget=budget)),
               "reference_from_topk": jax.jit(functools.partial(build_tree_from_topk, budget=budget)),
               "kernel_from_logits": _ops_tree_build("kernel", budget, logit_sets[0]),
               "reference_from_logits": _ops_tree_build("reference", budget, logit_sets[0])}
-    launchers = () if interpret else ("xla",) + (("jax_triton",) if jax_triton_missing() is None else ())
-    for launcher in launchers:   # the Triton candidate (no interpret mode), by each launcher that runs
-        builds[TRITON_NAMES[launcher] + "_from_topk"] = jax.jit(functools.partial(
-            tree_triton.tree_build_from_topk, budget=budget, launcher=launcher))
+    if peers:
+        builds["jax_triton_from_topk"] = jax.jit(functools.partial(tree_triton.tree_build_from_topk, budget=budget,
+                                                                   launcher="jax_triton"))
     identical = {name: all(same_arrays(fn(*args), spec)
                            for args, spec in zip(topk_sets if name.endswith("topk") else logit_sets, specs))
                  for name, fn in builds.items()}
     accept_sets = [(TreeArrays(*map(jnp.asarray, spec)), jnp.asarray(walk_targets(rng, spec, vocab))) for spec in specs]
     walks = [accept_tree_python(spec, target, depth) for spec, (_, target) in zip(specs, accept_sets)]
-    accepts = {"accept_kernel": jax.jit(functools.partial(taccept.tree_accept, max_depth=depth, interpret=interpret)),
+    kernel_accept = accept_tree if interpret else tree_triton.tree_accept
+    accepts = {"accept_kernel": jax.jit(functools.partial(kernel_accept, max_depth=depth)),
                "accept_reference": jax.jit(functools.partial(accept_tree, max_depth=depth))}
-    for launcher in launchers:
-        accepts["accept_" + TRITON_NAMES[launcher]] = jax.jit(functools.partial(
-            tree_triton.tree_accept, max_depth=depth, launcher=launcher))
+    if peers:
+        accepts["accept_jax_triton"] = jax.jit(functools.partial(tree_triton.tree_accept, max_depth=depth,
+                                                                 launcher="jax_triton"))
     accept_identical = {name: all(same_arrays(fn(*args), walk) for args, walk in zip(accept_sets, walks))
                         for name, fn in accepts.items()}   # every candidate; the headline is the ops kernel's
     jobs = [Job(name, fn, topk_sets if name.endswith("topk") else logit_sets) for name, fn in builds.items()]
@@ -129,7 +131,7 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
     t = time_jobs(jobs, reps)
     kernel_us, end_to_end_wall = t["kernel_from_topk"]["us"], wall_us(builds["kernel_from_logits"], logit_sets, reps)
     peer_after_topk = peer["d2h"] + peer["heap"] + peer["h2d"]
-    build_kernel = [us for name, us in t["kernel_from_topk"].get("kernels_us", {}).items() if "tree_build" in name]
+    build_kernel = [us for name, us in t["kernel_from_topk"].get("kernels_us", {}).items() if "_build_kernel" in name]
     return dict(shape, budget=budget, topk=k, input_sets=len(logit_sets),
                 identical=identical["kernel_from_topk"] and identical["kernel_from_logits"],
                 identical_detail=identical,
@@ -142,10 +144,8 @@ def tree_case(shape: dict, budget: int, logit_sets, rng: np.random.Generator, in
                 reference_from_logits_us=t["reference_from_logits"]["us"], topk_us=t["topk"]["us"],
                 topk_full_sort_us=t["topk_full_sort"]["us"], topk_identical_to_full_sort=topk_identical,
                 accept_kernel_us=t["accept_kernel"]["us"], accept_reference_us=t["accept_reference"]["us"],
-                triton_from_topk_us=t.get("triton_from_topk", {}).get("us"),
-                accept_triton_us=t.get("accept_triton", {}).get("us"),
-                triton_jax_triton_from_topk_us=t.get("triton_jax_triton_from_topk", {}).get("us"),
-                accept_triton_jax_triton_us=t.get("accept_triton_jax_triton", {}).get("us"),
+                jax_triton_from_topk_us=t.get("jax_triton_from_topk", {}).get("us"),
+                accept_jax_triton_us=t.get("accept_jax_triton", {}).get("us"),
                 peer_us=peer["total"], peer_stages_us=peer, peer_after_topk_us=peer_after_topk,
                 peer_over_kernel=peer_after_topk / kernel_us, meets_50x=peer_after_topk / kernel_us >= 50,
                 kernel_from_logits_wall_us=end_to_end_wall, peer_over_kernel_end_to_end=peer["total"] / end_to_end_wall,
@@ -191,8 +191,7 @@ def _print_tree_row(r):
           f"{r['peer_stages_us']['topk']:.1f} + d2h {r['peer_stages_us']['d2h']:.1f} + heap "
           f"{r['peer_stages_us']['heap']:.1f} + h2d {r['peer_stages_us']['h2d']:.1f} | peer/kernel "
           f"{r['peer_over_kernel']:6.1f}x (end to end {r['peer_over_kernel_end_to_end']:5.1f}x) | accept "
-          f"{r['accept_kernel_us']:.1f} (ref {r['accept_reference_us']:.1f}) | triton build / accept "
-          f"{r['triton_from_topk_us']} / {r['accept_triton_us']} (jax-triton {r['triton_jax_triton_from_topk_us']} / "
-          f"{r['accept_triton_jax_triton_us']}) | identical {r['identical']} "
+          f"{r['accept_kernel_us']:.1f} (ref {r['accept_reference_us']:.1f}) | launched by jax-triton: build "
+          f"{r['jax_triton_from_topk_us']} accept {r['accept_jax_triton_us']} | identical {r['identical']} "
           f"accept {r['accept_identical']}", flush=True)
 

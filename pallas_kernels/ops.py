@@ -1,12 +1,13 @@
-"""Dispatch of each kernel to its GPU implementation (Pallas, or Triton through jax-triton) or its pure-JAX reference.
+"""Dispatch of each kernel to its GPU implementation (Pallas, or Triton through `triton_call`) or its pure-JAX reference.
 
     set_implementation("auto" | "kernel" | "reference", interpret=None)
     with implementation("kernel", interpret=True): ...   # tests: the kernels in interpret mode on the CPU
 
 "auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
 kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
-traced: a jitted caller keeps the implementation it was traced with. int4_moe's GPU kernel is Triton, which has no
-interpret mode: in interpret mode (and off the GPU) int4_moe runs its reference.
+traced: a jitted caller keeps the implementation it was traced with. The Triton kernels (int4_moe, tree_build,
+tree_accept) have no interpret mode: in interpret mode (and off the GPU) those ops run their references; their CPU
+tests run them in Triton's interpreter.
 
 A kernel is added with one `_register` line and a thin public function calling `_call`.
 """
@@ -21,6 +22,7 @@ from pallas_kernels import int4_moe as _int4_moe
 from pallas_kernels import int4_moe_triton as _int4_moe_triton
 from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
+from pallas_kernels import tree_triton as _tree_triton
 from pallas_kernels import tree_verify_attention as _attention
 
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
@@ -31,7 +33,7 @@ _registry: dict[str, tuple[Callable, Callable, bool]] = {}
 
 def _register(name: str, kernel: Callable, reference: Callable, *, interpretable: bool = True) -> None:
     """kernel(*args, interpret=bool, **kwargs) and reference(*args, **kwargs) compute the same function. A kernel
-    that is not `interpretable` (Triton through jax-triton: no interpret mode, and jax-triton needs a CUDA jaxlib) runs
+    that is not `interpretable` (Triton: no interpret mode; jax-triton needs a CUDA jaxlib) runs
     only on the GPU backend; in interpret mode or on another backend its reference runs."""
     _registry[name] = (kernel, reference, interpretable)
 
@@ -39,8 +41,9 @@ def _register(name: str, kernel: Callable, reference: Callable, *, interpretable
 _register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
 # Measured: experiments/notes/kernels.md, "int4_moe in Triton"; its CPU tests compile it for sm_90 and interpret it.
 _register("int4_moe", _int4_moe_triton.int4_moe, _int4_moe.int4_moe_reference, interpretable=False)
-_register("tree_build", _tree_build.tree_build, _tree_build.tree_build_reference)
-_register("tree_accept", _tree_accept.tree_accept, _tree_accept.tree_accept_reference)
+# Measured against the Pallas-Triton kernels they replace: kernels.md, "Launching Triton kernels".
+_register("tree_build", _tree_triton.tree_build, _tree_build.tree_build_reference, interpretable=False)
+_register("tree_accept", _tree_triton.tree_accept, _tree_accept.tree_accept_reference, interpretable=False)
 
 
 def set_implementation(implementation: str = "auto", interpret: bool | None = None) -> None:
@@ -62,13 +65,13 @@ def implementation(name: str, interpret: bool | None = None):
 
 
 def uses_kernel() -> bool:
-    """Whether an op traced now runs the Pallas kernel."""
+    """Whether an op traced now runs its kernel."""
     choice = _settings["implementation"]
     return choice == "kernel" or (choice == "auto" and jax.default_backend() == "gpu")
 
 
 def interprets() -> bool:
-    """Whether an op traced now runs its Pallas kernel in interpret mode (on the CPU, in tests)."""
+    """Whether an op traced now runs its kernel in interpret mode (on the CPU, in tests)."""
     interpret = _settings["interpret"]
     return uses_kernel() and (jax.default_backend() != "gpu" if interpret is None else interpret)
 
@@ -93,12 +96,14 @@ def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
 
 
 def tree_build(draft_logits, root, budget: int, topk: int | None = None):
-    """draft_logits [S, D, V], root [S] -> TreeArrays with B + 1 slots. See pallas_kernels/tree_build.py."""
+    """draft_logits [S, D, V], root [S] -> TreeArrays with B + 1 slots. See pallas_kernels/tree_build.py (the op)
+    and pallas_kernels/tree_triton.py (the GPU kernel)."""
     return _call("tree_build", draft_logits, root, budget, topk)
 
 
 def tree_accept(tree, target_tokens, max_depth: int):
-    """TreeArrays, target_tokens [S, B+1] -> AcceptResult. See pallas_kernels/tree_accept.py."""
+    """TreeArrays, target_tokens [S, B+1] -> AcceptResult. See pallas_kernels/tree_accept.py (the op) and
+    pallas_kernels/tree_triton.py (the GPU kernel)."""
     return _call("tree_accept", tree, target_tokens, max_depth)
 
 

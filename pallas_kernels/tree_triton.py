@@ -1,12 +1,13 @@
-"""Tree build and tree accept as Triton kernels called through jax-triton: candidates to replace the Pallas-Triton
-kernels of `tree_build.py` and `tree_accept.py` (the backend jax 0.11.2 deprecates).
+"""Tree build and tree accept as Triton kernels (launched by `triton_call`): the GPU's tree_build and tree_accept.
 
-Same algorithms, same arrays, same references as those two files, written in Triton directly: one program per
-stream holds its tree and frontier as vectors over the node slots (a power of two), each step is a few masked
-reductions (`tree_build.py` and `tree_accept.py` describe the steps), and a dynamic index into a vector is a masked
-reduction. Not yet the default: `ops` keeps the Pallas kernels until these are measured on the H200 (they compile for
-sm_90 on the CPU, tests/test_tree_triton.py; the GPU checks are in tests/test_kernels_gpu.py and
-experiments/kernels_tree.py).
+The ops of `tree_build.py` and `tree_accept.py` (their references, input checks and layouts; those files describe
+the steps), written in Triton: one program per stream holds its tree and frontier as vectors over the node slots (a
+power of two), each step is a few masked reductions, and a dynamic index into a vector is a masked reduction.
+
+On the CPU they compile for sm_90 (tests/test_tree_triton.py), lower through XLA's Triton custom call
+(tests/test_triton_call.py) and run in Triton's interpreter against the specifications
+(tests/test_tree_triton_interpreter.py); on the H200: tests/test_kernels_gpu.py and experiments/kernels_tree.py.
+Measurements: experiments/notes/kernels.md, "Launching Triton kernels".
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from pallas_kernels import tree_accept as accept_ref
 from pallas_kernels import tree_build as build_ref
-from pallas_kernels.tree import AcceptResult, TreeArrays
+from pallas_kernels.tree import AcceptResult, TreeArrays, draft_topk, resolve_topk
 from pallas_kernels.triton_call import triton_call
 
 
@@ -69,14 +70,21 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
     """tree with B + 1 slots, target_tokens [S, B+1] int32 -> AcceptResult, identical to
     `tree_accept.tree_accept_reference`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
     if interpret:
-        raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use tree_accept.tree_accept")
+        raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use "
+                         "tree_accept.tree_accept_reference (or ops.tree_accept)")
+    return run_accept(functools.partial(triton_call, launcher=launcher), tree, target_tokens, max_depth)
+
+
+def run_accept(call, tree: TreeArrays, target_tokens, max_depth: int) -> AcceptResult:
+    """tree_accept's host side through `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=,
+    **constexprs)` (`triton_call` on the GPU; the tests pass Triton's interpreter on the CPU)."""
     n_streams, keep = accept_ref.check_accept_inputs(tree, target_tokens)
     per_stream = jax.ShapeDtypeStruct((n_streams,), jnp.int32)
-    path, num_accepted, next_token = triton_call(
-        tree.parent.astype(jnp.int32), tree.tokens.astype(jnp.int32), target_tokens.astype(jnp.int32),
+    path, num_accepted, next_token = call(
+        tree.parent.astype(jnp.int32), tree.tokens.astype(jnp.int32), jnp.asarray(target_tokens, jnp.int32),
         kernel=_accept_kernel, out_shape=(jax.ShapeDtypeStruct((n_streams, max_depth + 1), jnp.int32), per_stream,
                                           per_stream),
-        grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, launcher=launcher, KEEP=keep,
+        grid=(n_streams,), num_warps=accept_ref.NUM_WARPS, num_stages=1, KEEP=keep,
         SLOTS=accept_ref.node_slots(keep), DEPTHS=accept_ref.path_slots(max_depth), MAX_DEPTH=max_depth)
     return AcceptResult(path, num_accepted, next_token)
 
@@ -151,24 +159,41 @@ def _build_kernel(root_ptr, lp_ptr, ids_ptr, tokens_ptr, parent_ptr, depth_ptr, 
     tl.store(next_ptr + out, nxt)
 
 
+def tree_build(draft_logits, root, budget: int, topk: int | None = None, *,
+               config: build_ref.BuildConfig | None = None, interpret: bool = False,
+               launcher: str = LAUNCHER) -> TreeArrays:
+    """draft_logits [S, D, V], root [S] int -> TreeArrays, identical to `tree_build.tree_build_reference`: the
+    top-K per depth (`draft_topk`, XLA), then the build kernel."""
+    k = resolve_topk(budget, draft_logits.shape[-1], topk)
+    top_logprobs, top_ids = draft_topk(draft_logits, k)
+    return tree_build_from_topk(top_logprobs, top_ids, jnp.asarray(root), budget=budget, config=config,
+                                interpret=interpret, launcher=launcher)
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "config", "interpret", "launcher"))
 def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: build_ref.BuildConfig | None = None,
                          interpret: bool = False, launcher: str = LAUNCHER) -> TreeArrays:
-    """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots), identical
-    to `tree_build.tree_build_from_topk`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
+    """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots), the
+    specification's arrays for that top-K. interpret: not available (a ValueError); launcher:
+    `triton_call.LAUNCHERS`."""
     if interpret:
         raise ValueError("tree_triton.tree_build_from_topk has no interpret mode: on the CPU use "
-                         "tree_build.tree_build_from_topk")
+                         "tree_build.tree_build_reference (or ops.tree_build)")
+    return run_build(functools.partial(triton_call, launcher=launcher), top_logprobs, top_ids, root, budget, config)
+
+
+def run_build(call, top_logprobs, top_ids, root, budget: int, config: build_ref.BuildConfig | None) -> TreeArrays:
+    """tree_build_from_topk's host side through `call` (as `run_accept`'s)."""
     build_ref.check_topk_table(top_logprobs, top_ids, root)
     n_streams, max_depth, k = top_logprobs.shape
     slots = build_ref.node_slots(budget)
     packing = build_ref.Packing.for_tree(budget, slots, max_depth)
     int_out = jax.ShapeDtypeStruct((n_streams, slots), jnp.int32)
-    tokens, parent, depth, score, first_child, next_sibling = triton_call(
-        root.astype(jnp.int32), top_logprobs.astype(jnp.float32), top_ids.astype(jnp.int32), kernel=_build_kernel,
+    tokens, parent, depth, score, first_child, next_sibling = call(
+        jnp.asarray(root, jnp.int32), jnp.asarray(top_logprobs, jnp.float32), jnp.asarray(top_ids, jnp.int32),
+        kernel=_build_kernel,
         out_shape=(int_out, int_out, int_out, jax.ShapeDtypeStruct((n_streams, slots), jnp.float32), int_out, int_out),
-        grid=(n_streams,), num_warps=(config or build_ref.BuildConfig()).warps(slots), num_stages=1, launcher=launcher,
-        BUDGET=budget,
+        grid=(n_streams,), num_warps=(config or build_ref.BuildConfig()).warps(slots), num_stages=1, BUDGET=budget,
         MAX_DEPTH=max_depth, K=k, SLOTS=slots, RANK_BITS=packing.rank_bits, PREV_BITS=packing.prev_bits,
         DEPTH_BITS=packing.depth_bits, EMPTY=build_ref.EMPTY)
     return build_ref.tree_arrays(tokens, parent, depth, score, first_child, next_sibling, budget, max_depth)

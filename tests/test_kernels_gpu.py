@@ -1,10 +1,10 @@
 """The GPU kernels compiled on the GPU at Kimi K2.6 shapes == their references (skipped elsewhere): tree-verify
-attention (Pallas-Triton; the experimental Mosaic GPU one), tree build and accept (Pallas and Triton), int4_moe
-(Triton).
+attention (Pallas-Triton; the experimental Mosaic GPU one), tree build and accept (Triton, through both launchers),
+int4_moe (Triton).
 
 Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py` (int4_moe
-needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Pallas kernels in interpret mode (outputs poisoned
-before the call) and compiles the Triton ones for sm_90; here a compiled kernel cannot be
+needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Pallas kernels in interpret mode and the Triton
+ones in Triton's interpreter (outputs poisoned before the call), and compiles the Triton ones for sm_90; here a compiled kernel cannot be
 poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
 fresh random inputs, and the tree kernels are compared bit for bit with the python specifications.
 """
@@ -21,14 +21,12 @@ from pallas_kernels import tree as T
 from kdtree_jax.model.moe import random_int4_experts
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
-from pallas_kernels import tree_accept as TA
-from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_triton as TT
 from pallas_kernels import prefix_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
 from conftest import assert_topk_matches_reference, random_targets, rel_err
 from test_attention_kernel import BF16_TOL, make_inputs
-from test_tree_kernels import assert_same, random_draft
+from test_tree_triton_interpreter import assert_same, random_draft
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need the GPU")
 
@@ -116,7 +114,7 @@ def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
-    top-K, the build kernels (Pallas, and the Triton candidate through both launchers) from that top-K the heapq specification's arrays and
+    top-K, the Triton build kernel (through both launchers) from that top-K the heapq specification's arrays and
     the accept kernels the python walk's, bit for bit."""
     rng = np.random.default_rng(budget)
     logits, root = random_draft(rng, 16, 16, K26.vocab_size)
@@ -125,12 +123,11 @@ def test_tree_build_and_accept_k26(budget):
     assert_topk_matches_reference(logits[8:], k, T.draft_topk(jnp.asarray(logits[8:]), k), exact_ids=True)
     want = T.build_tree_heapq(logits, root, budget)
     top = T.reference_topk(logits, k)
-    for build in (TB.tree_build_from_topk, TT.tree_build_from_topk,
-                  functools.partial(TT.tree_build_from_topk, launcher="jax_triton")):
+    for build in (TT.tree_build_from_topk, functools.partial(TT.tree_build_from_topk, launcher="jax_triton")):
         got = build(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
         assert_same(got, want, T.TreeArrays._fields)
     target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
     tree = T.TreeArrays(*map(jnp.asarray, want))
-    for accept in (TA.tree_accept, TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton")):
+    for accept in (TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton")):
         assert_same(accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
                     T.AcceptResult._fields)

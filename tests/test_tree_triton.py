@@ -1,6 +1,7 @@
 """The Triton tree kernels (pallas_kernels/tree_triton.py) on the CPU: compiled for the H200 (sm_90) by Triton itself
-at the decode loop's shapes, and their refusal of interpret mode. Bit-identity with the references is checked on the
-GPU (tests/test_kernels_gpu.py, experiments/kernels_tree.py)."""
+at the decode loop's shapes, their launch limits and their refusal of interpret mode. Bit-identity with the
+specifications: in Triton's interpreter (tests/test_tree_triton_interpreter.py) and on the GPU
+(tests/test_kernels_gpu.py, experiments/kernels_tree.py)."""
 import jax.numpy as jnp
 import pytest
 
@@ -41,3 +42,21 @@ def test_interpret_mode_is_refused():
     with pytest.raises(ValueError, match="no interpret mode"):
         TT.tree_build_from_topk(jnp.zeros((1, 2, 2)), zeros[:, :2, None].repeat(2, 2), zeros[:, 0], budget=2,
                                 interpret=True)
+
+
+def test_build_config_and_limits():
+    with pytest.raises(ValueError, match="num_warps"):
+        TB.BuildConfig(num_warps=3)
+    assert TB.BuildConfig().warps(32) == 1 and TB.BuildConfig(num_warps=2).warps(32) == 2
+    lp = jnp.zeros((1, 15, 1), jnp.float32)
+    with pytest.raises(ValueError, match="31-bit"):
+        TT.tree_build_from_topk(lp, jnp.zeros((1, 15, 1), jnp.int32), jnp.zeros(1, jnp.int32), budget=40000)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 31, 32, 33, 512])
+def test_slot_counts_are_the_next_power_of_two(budget):
+    """node_slots / path_slots: powers of two covering B + 1 nodes (at least a warp's lanes) and D + 1 depths."""
+    for slots, need, floor in ((TB.node_slots(budget), budget + 1, TB.MIN_SLOTS),
+                               (TA.node_slots(budget + 1), budget + 1, TA.MIN_SLOTS),
+                               (TA.path_slots(budget), budget + 1, 2)):
+        assert slots & (slots - 1) == 0 and slots >= max(need, floor) and (slots // 2 < max(need, floor))

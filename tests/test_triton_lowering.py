@@ -1,4 +1,4 @@
-"""Every Pallas-Triton kernel (tree-verify attention, tree build, tree accept) lowers to a valid Triton module for an
+"""The Pallas-Triton kernel (tree-verify attention, the last on that backend) lowers to a valid Triton module for an
 H200, on the CPU, before any GPU time is spent.
 
 The calls are traced at Kimi K2.6 shapes (abstract arrays: nothing is allocated) and lowered for "cuda" under an
@@ -13,9 +13,6 @@ from jax._src.pallas.triton import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from kdtree_jax import config as config_lib
-from pallas_kernels.tree import TreeArrays
-from pallas_kernels import tree_accept as TA
-from pallas_kernels import tree_build as TB
 from pallas_kernels import tree_verify_attention as A
 
 K26 = config_lib.kimi_k2_6()
@@ -60,15 +57,3 @@ def test_tree_verify_attention_lowers(verified, streams, nodes, heads, prefix):
             spec((streams, nodes, nodes), jnp.bool_))
     text = lower_for_h200(lambda *a: A.tree_verify_attention(*a, scale=K26.softmax_scale), *args)
     assert len(verified) == 1 and text.count("__gpu$xla.gpu.triton") == 1
-
-
-@pytest.mark.parametrize("budget", [16, 512])
-def test_tree_build_and_accept_lower(verified, budget):
-    streams, depth, vocab = 16, 15, K26.vocab_size
-    lower_for_h200(lambda d, r: TB.tree_build(d, r, budget), spec((streams, depth, vocab), F32), spec((streams,), I32))
-    n = budget + 1
-    tree = TreeArrays(spec((streams, n), I32), spec((streams, n), I32), spec((streams, n), I32),
-                      spec((streams, n), I32), spec((streams, n), I32), spec((streams, n, n), jnp.bool_),
-                      spec((streams,), I32), spec((streams, n), F32))
-    lower_for_h200(lambda t, g: TA.tree_accept(t, g, depth), tree, spec((streams, n), I32))
-    assert len(verified) == 2

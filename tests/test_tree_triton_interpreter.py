@@ -1,26 +1,29 @@
-"""Tree build / accept Pallas kernels (interpret mode on the CPU) equal their references.
+"""The Triton tree kernels (tree build, tree accept) run on the CPU in Triton's interpreter, through the same host
+code as on the GPU (`tree_triton.run_build` / `run_accept`), and equal their specifications bit for bit.
 
 The pure-JAX references equal the python specifications (heapq build, python accept loop; tests/test_tree.py), so
-most cases compare a kernel with the specification directly, which costs no extra compilation; the dispatch test
-and one accept case compare with the jitted references. The build kernel searches a given top-K: it gets the
-specification's (`reference_topk`, float64) and must return the specification's arrays bit for bit; from logits it
-runs `draft_topk` first, which the dispatch test covers.
+the cases compare a kernel with the specification directly. The build kernel searches a given top-K: it gets the
+specification's (`reference_topk`, float64) and must return the specification's arrays bit for bit.
 
-Interpret mode fills every output with poison before the kernel runs (NaN for floats, INT32_MIN for ints), so a
-slot the kernel forgets to write cannot match the reference.
+The interpreter's outputs start as poison (-7 for ints, NaN for floats), so a slot the kernel forgets to write cannot
+match. Triton must be in interpreter mode from its first import, so the test re-runs this file in a child process
+with TRITON_INTERPRET=1.
 """
-import jax
-import jax.numpy as jnp
+import os
+
 import numpy as np
 import pytest
 
+from conftest import random_targets, run_in_child
 from pallas_kernels import tree as T
-from pallas_kernels import ops
-from pallas_kernels import tree_accept as TA
-from pallas_kernels import tree_build as TB
-from conftest import random_targets
 
-accept_ref = jax.jit(TA.tree_accept_reference, static_argnums=2)
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_in_the_interpreter():
+    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
 
 
 def assert_same(got, want, fields):
@@ -31,9 +34,20 @@ def assert_same(got, want, fields):
 
 
 def build_kernel(logits, root, budget: int, topk=None):
-    """The build kernel (interpret mode) on the specification's top-K of logits [S, D, V]."""
+    """The build kernel (Triton's interpreter) on the specification's top-K of logits [S, D, V]."""
+    from pallas_kernels import tree_triton as TT
+    from triton_interpreter import interpreter_call
+
     top = T.reference_topk(logits, T.resolve_topk(budget, np.shape(logits)[-1], topk))
-    return TB.tree_build_from_topk(*map(jnp.asarray, top), jnp.asarray(root), budget=budget, interpret=True)
+    return TT.run_build(interpreter_call, *top, root, budget, None)
+
+
+def accept_kernel(tree, target, max_depth: int):
+    """The accept kernel (Triton's interpreter)."""
+    from pallas_kernels import tree_triton as TT
+    from triton_interpreter import interpreter_call
+
+    return TT.run_accept(interpreter_call, T.TreeArrays(*map(np.asarray, tree)), target, max_depth)
 
 
 def random_logits(rng, n_streams, max_depth, vocab, ties: bool):
@@ -53,6 +67,7 @@ def random_draft(rng, n_streams, block, vocab):
     return logits, root
 
 
+@in_child
 @pytest.mark.parametrize("budget,block,vocab,topk", [
     (0, 4, 64, None),  # ar: root only
     (3, 4, 64, 1),  # chain
@@ -70,6 +85,7 @@ def test_build_kernel_matches_reference(budget, block, vocab, topk):
                 T.TreeArrays._fields)
 
 
+@in_child
 def test_build_kernel_minus_inf_scores():
     rng = np.random.default_rng(11)
     logits = random_logits(rng, 3, 3, 6, ties=False)
@@ -80,17 +96,7 @@ def test_build_kernel_minus_inf_scores():
     assert_same(got, T.build_tree_heapq(logits, root, 40), T.TreeArrays._fields)
 
 
-def test_build_config_and_limits():
-    with pytest.raises(ValueError, match="num_warps"):
-        TB.BuildConfig(num_warps=3)
-    assert TB.BuildConfig().warps(32) == 1 and TB.BuildConfig(num_warps=2).warps(32) == 2
-    lp = jnp.zeros((1, 15, 1), jnp.float32)
-    with pytest.raises(ValueError, match="31-bit"):
-        TB.tree_build_from_topk(lp, jnp.zeros((1, 15, 1), jnp.int32), jnp.zeros(1, jnp.int32), budget=40000,
-                                interpret=True)
-
-
-
+@in_child
 @pytest.mark.parametrize("budget,block,topk", [(0, 4, None), (3, 4, 1), (7, 8, None), (64, 16, 4), (40, 5, None)])
 def test_accept_kernel_matches_reference(budget, block, topk):
     rng = np.random.default_rng(budget + 7 * block)
@@ -100,9 +106,10 @@ def test_accept_kernel_matches_reference(budget, block, topk):
     for _ in range(2):
         target = random_targets(rng, tree, vocab, hit_rate=0.7)
         want = T.accept_tree_python(tree, target, block - 1)
-        assert_same(TA.tree_accept(tree, target, block - 1, interpret=True), want, T.AcceptResult._fields)
+        assert_same(accept_kernel(tree, target, block - 1), want, T.AcceptResult._fields)
 
 
+@in_child
 def test_accept_kernel_full_depth():
     """Targets that follow the first child everywhere: the walk reaches the deepest level of a chain."""
     rng = np.random.default_rng(5)
@@ -110,22 +117,7 @@ def test_accept_kernel_full_depth():
     logits, root = random_draft(rng, 2, block, 32)
     tree = T.build_tree_heapq(logits, root, block - 1, 1)
     target = np.roll(tree.tokens, -1, axis=1)
-    got = TA.tree_accept(tree, target, block - 1, interpret=True)
+    got = accept_kernel(tree, target, block - 1)
     np.testing.assert_array_equal(got.num_accepted, [block - 1] * 2)
     np.testing.assert_array_equal(got.path, np.tile(np.arange(block), (2, 1)))
-    assert_same(got, accept_ref(tree, target, block - 1), T.AcceptResult._fields)
-
-
-def test_ops_dispatch_kernels_equal_references():
-    rng = np.random.default_rng(9)
-    logits, root = random_draft(rng, 2, 5, 16)
-    logits = jnp.asarray(logits)
-    with ops.implementation("reference"):
-        tree_ref = ops.tree_build(logits, root, 12)
-        target = random_targets(rng, tree_ref, 16, hit_rate=0.7)
-        acc_ref = ops.tree_accept(tree_ref, target, 4)
-    with ops.implementation("kernel", interpret=True):
-        tree = ops.tree_build(logits, root, 12)
-        acc = ops.tree_accept(tree, target, 4)
-    assert_same(tree, tree_ref, T.TreeArrays._fields)
-    assert_same(acc, acc_ref, T.AcceptResult._fields)
+    assert_same(got, T.accept_tree_python(tree, target, block - 1), T.AcceptResult._fields)
