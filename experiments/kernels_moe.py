@@ -1,7 +1,8 @@
 """bench_kernels section `moe`: int4_moe (the Triton kernels, INT4 experts dequantized in registers, launched by
-jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`) against the XLA paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values
-(each implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes,
-with f32 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
+jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`) against the XLA
+paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values (each
+implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes, with f32
+checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
 no interpret mode): a smoke run of the script, not of the kernel. The previous Pallas-Triton kernel was timed beside
 the Triton one up to results/kernels.json of the sixth session, then removed.
 

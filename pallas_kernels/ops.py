@@ -1,4 +1,4 @@
-"""Dispatch of each kernel to its GPU implementation (Pallas, or Triton through `triton_call`) or its pure-JAX reference.
+"""Dispatch of each op to its GPU kernel (Pallas, or Triton through `triton_call`) or its pure-JAX reference.
 
     set_implementation("auto" | "kernel" | "reference", interpret=None)
     with implementation("kernel", interpret=True): ...   # tests: the kernels in interpret mode on the CPU

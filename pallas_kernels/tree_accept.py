@@ -1,5 +1,5 @@
-"""Tree accept, the op: its reference, its inputs' check and the layout its GPU kernel shares (`tree_triton._accept_kernel`,
-the walk from the root along the target's tokens, one program per stream).
+"""Tree accept, the op: its reference, its inputs' check and the layout its GPU kernel shares
+(`tree_triton._accept_kernel`, the walk from the root along the target's tokens, one program per stream).
 
 Same walk and same result as `pallas_kernels.tree.accept_tree`: at the current node, the child (first in sibling
 order, i.e. smallest index) whose token equals the target's token at the node becomes the current node; the walk

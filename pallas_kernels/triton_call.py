@@ -14,6 +14,9 @@ kernel fed per-device operands gives per-device outputs, and a later psum over a
 device" would multiply it by the axis size. So, like `pallas_kernels.pallas_call`, the operands are cast to the union
 of the axes any of them varies over and the outputs are stated to vary over it (a type cast, no data moves).
 
+The "xla" launcher uses jax internals (`jax._src.interpreters.mlir`, jaxlib's Triton dialect), pinned with
+jax==0.11.2; tests/test_triton_call.py lowers every Triton kernel through it on the CPU.
+
 Kernel arguments: every operand, then every output, as 16-byte-aligned pointers (XLA's buffers are), then the
 constexprs by keyword. Outputs start uninitialised: a kernel writes every element.
 """
@@ -151,10 +154,14 @@ def _xla_triton_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num
                           num_stages=mlir.i32_attr(num_stages), num_warps=mlir.i32_attr(num_warps),
                           grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
                           debug=ir.BoolAttr.get(False))
-    row_major = lambda avals: [list(reversed(range(a.ndim))) for a in avals]   # noqa: E731
-    return mlir.custom_call(XLA_TRITON_TARGET, result_types=[mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals],
-                            operands=list(operands), backend_config=backend_config, api_version=4,
-                            operand_layouts=row_major(ctx.avals_in), result_layouts=row_major(out_avals)).results
+    result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals]
+    return mlir.custom_call(XLA_TRITON_TARGET, result_types=result_types, operands=list(operands),
+                            backend_config=backend_config, api_version=4, operand_layouts=_row_major(ctx.avals_in),
+                            result_layouts=_row_major(out_avals)).results
+
+
+def _row_major(avals) -> list[list[int]]:
+    return [list(reversed(range(a.ndim))) for a in avals]
 
 
 mlir.register_lowering(xla_triton_call_p, _xla_triton_lowering, platform="cuda")

@@ -45,8 +45,8 @@ def k26_experts(sharding=None) -> M.Int4Experts:
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_int4_moe_lowers_to_three_xla_triton_calls(tokens):
     """int4_moe's kernels through XLA's launcher (a measured peer of its jax-triton default)."""
-    text = lowered_text(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(), spec((tokens, TOP_K), I32),
-                        spec((tokens, TOP_K), F32))
+    text = lowered_text(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(),
+                        spec((tokens, TOP_K), I32), spec((tokens, TOP_K), F32))
     assert text.count(XLA_TRITON_TARGET) == 3
     for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
         assert f'name = "{name}"' in text
