@@ -18,10 +18,11 @@ from pallas_kernels import tree_verify_attention as attn
 
 
 def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, quick: bool, save) -> None:
-    """Two Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case, at the Triton
-    kernel's split count: `mgpu` the whole op (`prefix_attention_mgpu.tree_verify_attention`: the prefix kernel, the
-    tree block under the case's ancestor mask and the merge) and `mgpu_prefix` the prefix kernel and merge alone (no
-    tree block; its error is against the reference with no tree node visible). The cache is padded to whole 64-row
+    """Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case: `mgpu` the whole op
+    (`prefix_attention_mgpu.tree_verify_attention`: the prefix kernel, the tree block under the case's ancestor mask
+    and the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the Triton kernel's
+    count where the two differ, and `mgpu_prefix` the prefix kernel and merge alone at mgpu's count (no tree block;
+    its error is against the reference with no tree node visible). The cache is padded to whole 64-row
     blocks (rows never attended) for all. One input set (no rotation past the L2: ratios, and roofline fractions of
     the whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
     `save()`; no new case past `deadline` (time.time())."""
@@ -36,7 +37,8 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
         q_lat, q_rope, c_kv, k_rope, prefix_len, visible = attention_inputs(jax.random.key(5000 + ci), case, rng)
         pad = ((0, 0), (0, -(p + t) % mgpu_attn.BLOCK_KV), (0, 0))   # cache rows to whole blocks (never attended)
         c_kv, k_rope = jnp.pad(c_kv, pad), jnp.pad(k_rope, pad)
-        splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
+        splits = mgpu_attn.default_num_splits(s, rows, c_kv.shape[1])
+        triton_splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
         q_pad = ((0, 0), (0, -rows % mgpu_attn.BLOCK_Q), (0, 0))
         full = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
         no_tree = (q_lat, q_rope, c_kv, k_rope, prefix_len, jnp.zeros_like(visible))
@@ -44,14 +46,17 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
                 "mgpu_prefix": (jnp.pad(q_lat.reshape(s, rows, -1), q_pad), jnp.pad(q_rope.reshape(s, rows, -1), q_pad),
                                 c_kv, k_rope, prefix_len)}
         fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
-               "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, num_splits=splits,
-                                                                          interpret=interpret)),
+               "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
                "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
                    *a, scale=K26_SCALE, num_splits=splits, interpret=interpret))[:, :rows]),
                "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
+        if triton_splits != splits:
+            args["mgpu_triton_splits"] = full
+            fns["mgpu_triton_splits"] = jax.jit(lambda *a: mgpu_attn.tree_verify_attention(
+                *a, scale=K26_SCALE, num_splits=triton_splits, interpret=interpret))
         refs = {name: attn.tree_verify_attention_reference(*a, scale=K26_SCALE).reshape(s, rows, -1)
                 for name, a in (("full", full), ("no_tree", no_tree))}
-        entry, jobs = dict(case, splits=splits, errors={}, failed={}), []
+        entry, jobs = dict(case, splits=splits, triton_splits=triton_splits, errors={}, failed={}), []
         for name, fn in fns.items():
             try:
                 ref = refs["no_tree" if name == "mgpu_prefix" else "full"]
@@ -76,6 +81,7 @@ def _print_mgpu_row(r):
     us = lambda name: r.get(f"{name}_us", float("nan"))  # noqa: E731
     print(f"mgpu attention S={r['streams']} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} splits "
           f"{r['splits']:3d} | triton {us('triton'):8.1f} us | mgpu {us('mgpu'):8.1f} (prefix alone "
-          f"{us('mgpu_prefix'):8.1f}) | ref {us('reference'):8.1f} | x triton "
+          f"{us('mgpu_prefix'):8.1f}; at triton's {r['triton_splits']} splits {us('mgpu_triton_splits'):8.1f}) | ref "
+          f"{us('reference'):8.1f} | x triton "
           f"{r.get('mgpu_speedup_vs_triton', float('nan')):5.2f}, x ref {r.get('mgpu_speedup_vs_reference', float('nan')):5.2f}"
           f" | errors {r['errors']} | failed {sorted(r['failed'])}", flush=True)

@@ -217,6 +217,18 @@ def _accumulate(acc, a, b_smem, a_smem=None):
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
+    """Split-K count for the prefix kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with
+    this kernel's programs: 64-row tiles, one resident per multiprocessor (216 KB of shared memory), bf16 partials of
+    the padded rows. Where the Triton kernel fits two 16-row programs per multiprocessor and so takes two waves of
+    programs (few query rows over a long prefix: H=8 T=1 N=32768, 256 splits), this takes one (132): 256 programs here
+    ran 2 blocks each and wrote 64-row partials for 8 real rows (kernels.md, "The Mosaic GPU whole op on the H200")."""
+    tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
+    partial_bytes = tiles * BLOCK_Q * (2 * HALF * 2 + 8)
+    return triton_attention.split_count(tiles, capacity, BLOCK_KV, triton_attention.NUM_SMS, partial_bytes,
+                                        triton_attention.call_floor_bytes(num_streams, num_rows, capacity))
+
+
 def _split_blocks(prefix, split, num_splits: int, block_kv: int):
     """(first block, number of blocks) of `split`'s contiguous piece of the prefix's cdiv(prefix, block_kv) blocks."""
     num_blocks = lax.div(prefix + block_kv - 1, block_kv)
@@ -262,8 +274,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     """Tree-verify attention with the prefix in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
-    rows are padded to 64-row tiles; the prefix runs in `prefix_attention_partials` (num_splits: default the Triton
-    kernel's count for these shapes), the tree block in `tree_block_partial`, and `merge_partials` joins them (both in
+    rows are padded to 64-row tiles; the prefix runs in `prefix_attention_partials` (num_splits: default
+    `default_num_splits`), the tree block in `tree_block_partial`, and `merge_partials` joins them (both in
     XLA: the fused combine is not written yet). N must be a multiple of 64."""
     triton_attention.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
@@ -273,7 +285,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     rows = t * h
     pad = ((0, 0), (0, -rows % BLOCK_Q), (0, 0))
     if num_splits is None:
-        num_splits = triton_attention.default_config(s, rows, c_kv.shape[1]).num_splits
+        num_splits = default_num_splits(s, rows, c_kv.shape[1])
     prefix = prefix_attention_partials(jnp.pad(q_lat.reshape(s, rows, c), pad),
                                        jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope, prefix_len,
                                        scale=scale, num_splits=num_splits, interpret=interpret)

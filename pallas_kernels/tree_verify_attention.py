@@ -79,15 +79,27 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
     else:
         block_q, num_warps = 64, 8
     block_k = 64
-    tiles = query_tiles(num_streams, num_rows, block_q)
-    floor_bytes = max(num_streams * capacity * (lat + rope) * itemsize,
-                      2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
     partial_bytes = num_streams * num_rows * pl.next_power_of_2(lat) * 4 * 2
+    num_splits = split_count(query_tiles(num_streams, num_rows, block_q), capacity, block_k, wave_slots(block_q),
+                             partial_bytes, call_floor_bytes(num_streams, num_rows, capacity, lat, rope, itemsize))
+    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+
+
+def split_count(tiles: int, capacity: int, block_k: int, slots: int, partial_bytes: int, floor_bytes: float) -> int:
+    """The split-K count (heuristic above) for `tiles` query tiles over a cache of `capacity` rows in blocks of
+    block_k, `slots` programs resident on the GPU at once, partials of `partial_bytes` per split (written and read
+    back) against a call floor of `floor_bytes`."""
     limit = max(1, min(int(PARTIAL_BUDGET * floor_bytes // partial_bytes), max_splits(capacity, block_k)))
     blocks = pl.cdiv(capacity, block_k)
-    num_splits = min(range(1, limit + 1), key=lambda n: (
-        pl.cdiv(tiles * n, wave_slots(block_q)) * (pl.cdiv(blocks, n) + PROGRAM_OVERHEAD_BLOCKS), -n))
-    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+    return min(range(1, limit + 1), key=lambda n: (
+        pl.cdiv(tiles * n, slots) * (pl.cdiv(blocks, n) + PROGRAM_OVERHEAD_BLOCKS), -n))
+
+
+def call_floor_bytes(num_streams: int, num_rows: int, capacity: int, lat: int = 512, rope: int = 64,
+                     itemsize: int = 2) -> float:
+    """A call's floor in bytes: the cache read once, or its FLOPs at the ridge point if more."""
+    return max(num_streams * capacity * (lat + rope) * itemsize,
+               2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
 
 
 def query_tiles(num_streams: int, num_rows: int, block_q: int) -> int:

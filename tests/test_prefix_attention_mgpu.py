@@ -100,3 +100,24 @@ def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
     with pytest.raises(ValueError, match="multiple of 64"):
         PA.tree_verify_attention(q_lat[:, None], q_rope[:, None], c_kv, k_rope, jnp.asarray([10], jnp.int32),
                                  jnp.ones((1, 1, 1), bool), scale=SCALE, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("streams,rows,capacity", [(1, 8, 32832), (1, 8, 4160), (1, 128, 4160), (1, 1024, 32832),
+                                                   (8, 512, 32832), (1, 16384, 33024)])
+def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
+    """One 64-row program per multiprocessor: the split count keeps every program in one wave when the call has fewer
+    query tiles than multiprocessors, gives each split at least two cache blocks, and a compute-bound call (H=64
+    T=256) one split."""
+    splits = PA.default_num_splits(streams, rows, capacity)
+    tiles = streams * -(-rows // PA.BLOCK_Q)
+    assert 1 <= splits <= capacity // (2 * PA.BLOCK_KV)
+    assert tiles >= A.NUM_SMS or tiles * splits <= A.NUM_SMS
+    if rows == 16384:
+        assert splits == 1
+
+
+def test_few_rows_over_a_long_prefix_take_one_wave_not_the_triton_kernels_two():
+    """H=8 T=1 N=32768: the Triton kernel fits two 16-row programs per multiprocessor and takes 256 splits; this
+    kernel's 64-row programs take 132 (kernels.md, "The Mosaic GPU whole op on the H200")."""
+    assert A.default_config(1, 8, 32832).num_splits == 256
+    assert PA.default_num_splits(1, 8, 32832) == 132
