@@ -1,5 +1,7 @@
 """bench_kernels section `attention`: tree_verify_attention (Pallas Triton) against its XLA reference at K2.6 MLA
-shapes (latent 512, rope 64), with an f32 check, optional split-K counts and tilings, FLOPs and bytes per case.
+shapes (latent 512, rope 64), with an f32 check, optional split-K counts and tilings, FLOPs and bytes per case. On
+the GPU also the same kernel written in Triton (`triton_port`: pallas_kernels/tree_verify_attention_triton.py,
+launched through XLA's Triton custom call), the candidate to replace it.
 
     cases      S streams x H heads x N prefix rows x T tree nodes (attention_cases)
     inputs     q_lat [S,T,H,512], q_rope [S,T,H,64], c_kv [S,N+T,512], k_rope [S,N+T,64], prefix_len [S],
@@ -18,10 +20,12 @@ import numpy as np
 
 from experiments.timing import BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import tree_verify_attention as attn
+from pallas_kernels import tree_verify_attention_triton as attn_triton
 from pallas_kernels.tree import random_tree_visible
 
 K26_LAT, K26_ROPE = 512, 64
 K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
+PORT = "triton_port"     # the Triton port of the kernel, at the same default tiling
 
 
 def attention_cases(quick: bool) -> list[dict]:
@@ -95,7 +99,10 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
-            jobs = [Job(name, fn, sets) for name, fn in fns.items()] + [Job("reference", ref_fn, sets)]
+            peers = {} if interpret else {PORT: jax.jit(lambda *a: attn_triton.tree_verify_attention(
+                *a, scale=K26_SCALE))}
+            peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
+            jobs = [Job(name, fn, sets) for name, fn in {**fns, **peers}.items()] + [Job("reference", ref_fn, sets)]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)
             floor = roofline(flops, bytes_, ceil)
@@ -109,7 +116,10 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          best_config=best, best_us=t[best]["us"], best_roofline_fraction=floor / t[best]["us"],
                          timing_method=t["kernel"]["method"], input_sets=n_sets,
                          sweep={k: dict(us=t[k]["us"], rel_err=errors[k]) for k in fns if k != "kernel"},
-                         sweep_failed=failed, timings=t)
+                         sweep_failed=failed, timings=t,
+                         triton_port_us=t[PORT]["us"] if PORT in t else None,
+                         triton_port_speedup=k_us / t[PORT]["us"] if PORT in t else None,
+                         triton_port_rel_err_bf16=peer_errors.get(PORT), peers_failed=peers_failed)
         except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}")
         results.append(entry)
@@ -133,6 +143,9 @@ def attention_f32_check(quick: bool) -> dict:
         cfg = attn.AttentionConfig(block_q=16, block_k=16, num_splits=splits)   # f32 tiles: small, for shared memory
         got = attn.tree_verify_attention(*args, scale=0.05, config=cfg, interpret=interpret)
         out[f"splits={splits}"] = rel_err(got, ref)
+        if not interpret:
+            got = attn_triton.tree_verify_attention(*args, scale=0.05, config=cfg)
+            out[f"{PORT} splits={splits}"] = rel_err(got, ref)
     return out
 
 
@@ -144,5 +157,6 @@ def _print_attention_row(r):
     print(f"attention S={r['streams']:2d} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} | kernel "
           f"{r['kernel_us']:9.1f} us  ref {r['reference_us']:9.1f} us  x{r['speedup_vs_reference']:5.2f} | "
           f"{r['GBps']:6.0f} GB/s {r['TFLOPs']:6.1f} TF/s roof {r['roofline_fraction']:5.1%} | best "
-          f"{r['best_us']:9.1f} ({r['best_roofline_fraction']:5.1%}) | err {r['rel_err_bf16']:.1e}", flush=True)
+          f"{r['best_us']:9.1f} ({r['best_roofline_fraction']:5.1%}) | err {r['rel_err_bf16']:.1e} | {PORT} "
+          f"{r['triton_port_us']} us (kernel / port {r['triton_port_speedup']}) {r['peers_failed'] or ''}", flush=True)
 

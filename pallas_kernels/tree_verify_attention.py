@@ -242,7 +242,7 @@ def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref
         plgpu.store(l_ref.at[split, s, pl.ds(qi * bq, bq)], l, mask=row_ok)
 
 
-def _combine(acc, m, l):
+def combine_partials(acc, m, l):
     """Partials acc [P, S, rows, Cp], m/l [P, S, rows] -> normalised [S, rows, Cp] f32 (0 where nothing allowed)."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp(m - m_all[None])
@@ -283,6 +283,6 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         name="tree_verify_attention",
     )(prefix_len.astype(jnp.int32), visible, q_lat.reshape(s, rows, c), q_rope.reshape(s, rows, r), c_kv, k_rope)
     if cfg.num_splits > 1:
-        result = _combine(*result)[..., :c].astype(q_lat.dtype)
+        result = combine_partials(*result)[..., :c].astype(q_lat.dtype)
     return result.reshape(s, t, h, c)
 

@@ -24,6 +24,7 @@ from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
 from pallas_kernels import prefix_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
+from pallas_kernels import tree_verify_attention_triton as AT
 from conftest import assert_topk_matches_reference, random_targets, rel_err
 from test_attention_kernel import BF16_TOL, make_inputs
 from test_tree_triton_interpreter import assert_same, random_draft
@@ -33,12 +34,14 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled
 K26 = config_lib.kimi_k2_6()
 
 
-@pytest.mark.parametrize("kernel", [A.tree_verify_attention, PA.tree_verify_attention], ids=["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention, PA.tree_verify_attention],
+                         ids=["pallas_triton", "triton_xla", "mosaic_gpu"])
 @pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)])
 def test_attention_bf16_k26(kernel, heads, nodes):
     """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache; per stream against the
-    reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Pallas-Triton kernel and the experimental
-    Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row tiles)."""
+    reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Pallas-Triton kernel, its Triton port (XLA's
+    launcher) and the experimental Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row
+    tiles)."""
     rng = np.random.default_rng(heads * 1000 + nodes)
     inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
     out = kernel(*inputs, scale=K26.softmax_scale)
@@ -48,13 +51,19 @@ def test_attention_bf16_k26(kernel, heads, nodes):
     assert max(errors) < BF16_TOL, errors
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_attention_f32_k26(num_splits):
-    """f32 inputs (IEEE dots), small tiles to fit shared memory, split-K off and on."""
-    rng = np.random.default_rng(num_splits)
+@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention],
+                         ids=["pallas_triton", "triton_xla"])
+@pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),
+                                    A.AttentionConfig(block_q=16, block_k=16, num_splits=4), None],
+                         ids=["small_tiles", "small_tiles_4_splits", "default"])
+def test_attention_f32_k26(kernel, config):
+    """f32 inputs (IEEE dots), split-K off and on; small tiles to fit shared memory, and the default tiling for the
+    port (which runs f32 with cache blocks of 32 rows and one stage)."""
+    if config is None and kernel is A.tree_verify_attention:
+        pytest.skip("the Pallas-Triton kernel needs small f32 tiles (shared memory)")
+    rng = np.random.default_rng(config.num_splits if config else 0)
     inputs = make_inputs(rng, 4, 16, 8, K26.kv_lora_rank, K26.qk_rope_head_dim, 1024)
-    config = A.AttentionConfig(block_q=16, block_k=16, num_splits=num_splits)
-    out = A.tree_verify_attention(*inputs, scale=K26.softmax_scale, config=config)
+    out = kernel(*inputs, scale=K26.softmax_scale, config=config)
     assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)) < 1e-5
 
 

@@ -15,6 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
+from pallas_kernels import tree_verify_attention_triton as AT
 from pallas_kernels.tree import TreeArrays
 from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_ttir, triton_call
 
@@ -75,6 +76,18 @@ def test_tree_kernels_lower_to_one_xla_triton_call_each():
                       spec((streams,), I32), spec((streams, n), F32))
     accept = lowered_text(lambda t, g: TT.tree_accept(t, g, depth), tree, spec((streams, n), I32))
     assert build.count(XLA_TRITON_TARGET) == 1 and accept.count(XLA_TRITON_TARGET) == 1
+
+
+@pytest.mark.parametrize("streams,nodes,heads,prefix", [(1, 1, 8, 32768), (2, 16, 8, 4096), (1, 256, 64, 4096)])
+def test_tree_verify_attention_port_lowers_to_one_xla_triton_call(streams, nodes, heads, prefix):
+    """The Triton port of tree-verify attention at K2.6 shapes: the 16-row tile with 256 splits, 64-row tiles with
+    splits, one split; the split-K combine stays in XLA."""
+    lat, rope, n = 512, 64, prefix + nodes
+    args = (spec((streams, nodes, heads, lat), BF16), spec((streams, nodes, heads, rope), BF16),
+            spec((streams, n, lat), BF16), spec((streams, n, rope), BF16), spec((streams,), I32),
+            spec((streams, nodes, nodes), jnp.bool_))
+    text = lowered_text(lambda *a: AT.tree_verify_attention(*a, scale=0.07), *args)
+    assert text.count(XLA_TRITON_TARGET) == 1 and 'name = "_attention_kernel"' in text
 
 
 def test_the_triton_ir_has_the_kernel_as_its_only_entry():

@@ -2,12 +2,17 @@
 signature, runs a kernel on numpy copies of its operands, outputs filled with NaN first (so a finite output proves
 every element was written). The process must start with TRITON_INTERPRET=1 (Triton decides at decoration, its own
 library included). Triton's interpreter expects torch tensors; `_Tensor` is the part of their interface it uses
-(pinned triton==3.6.0). The inline-PTX bf16 paths cannot run here, only the f32 ones."""
+(pinned triton==3.6.0). The inline-PTX bf16 paths cannot run here, only the f32 ones.
+
+Triton 3.6's interpreter holds a scalar as a 1-element array and turns a loop bound into an int with int(array),
+which NumPy 2 refuses for an array that is not 0-d: `_patch_lang_tensor` below takes the element instead (a kernel
+with a `for` loop over run-time bounds fails without it)."""
 import jax.numpy as jnp
 import numpy as np
+from triton.runtime import interpreter as _interpreter
 
 _TORCH_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32", np.dtype(np.uint16): "bfloat16",
-                np.dtype(np.int64): "int64", np.dtype(np.bool_): "bool"}
+                np.dtype(np.int64): "int64", np.dtype(np.int8): "int8", np.dtype(np.bool_): "bool"}
 
 
 class _DType:
@@ -72,6 +77,17 @@ class _Tensor:
 
     def copy_(self, other):
         pass
+
+
+_patch_lang_tensor_of_triton = _interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    _patch_lang_tensor_of_triton(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
+_interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
 def _tensor(array) -> _Tensor:

@@ -1,0 +1,48 @@
+"""The Triton tree-verify attention kernel (pallas_kernels/tree_verify_attention_triton.py) on the CPU: run in Triton's
+interpreter through the same host code as on the GPU (`run_attention`), f32, against the pure-JAX reference and the
+float64 numpy loop (its sm_90 compile: tests/test_tree_verify_attention_triton.py).
+
+Outputs start as NaN in the interpreter, so a finite result proves every element (and, with splits, every partial
+row) was written. Shapes: ragged prefixes including 0 and N - T, dims that are not powers of two (padded inside the
+kernel), split-K with more splits than blocks, random ancestor masks. Triton must be in interpreter mode from its
+first import, so the interpreter cases re-run this file in a child process with TRITON_INTERPRET=1.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_in_child
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+SCALE = 0.125
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_in_the_interpreter():
+    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+
+
+@in_child
+@pytest.mark.parametrize("nodes,heads,lat,rope,capacity,block_q,num_splits", [
+    (1, 4, 32, 8, 80, 16, 1),
+    (5, 4, 32, 8, 80, 16, 3),
+    (16, 4, 32, 8, 80, 32, 1),
+    (3, 3, 24, 6, 70, 16, 2),       # C, R and T * H not powers of two
+    (2, 8, 32, 8, 40, 16, 8),       # more splits than prefix blocks
+])
+def test_kernel_matches_the_reference(nodes, heads, lat, rope, capacity, block_q, num_splits):
+    from conftest import rel_err
+    from pallas_kernels import tree_verify_attention as A
+    from pallas_kernels import tree_verify_attention_triton as AT
+    from test_attention_kernel import make_inputs, numpy_attention
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(nodes * 100 + lat + num_splits)
+    inputs = make_inputs(rng, streams=3, nodes=nodes, heads=heads, lat=lat, rope=rope, capacity=capacity)
+    config = A.AttentionConfig(block_q=block_q, block_k=16, num_splits=num_splits)
+    out = AT.run_attention(interpreter_call, *inputs, SCALE, config)
+    assert out.shape == inputs[0].shape and np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=SCALE)) < 1e-5
+    assert rel_err(out, numpy_attention(*inputs)) < 1e-5
