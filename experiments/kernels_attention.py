@@ -144,8 +144,11 @@ def attention_f32_check(quick: bool) -> dict:
         got = attn.tree_verify_attention(*args, scale=0.05, config=cfg, interpret=interpret)
         out[f"splits={splits}"] = rel_err(got, ref)
         if not interpret:
-            got = attn_triton.tree_verify_attention(*args, scale=0.05, config=cfg)
-            out[f"{PORT} splits={splits}"] = rel_err(got, ref)
+            try:
+                out[f"{PORT} splits={splits}"] = rel_err(attn_triton.tree_verify_attention(*args, scale=0.05,
+                                                                                          config=cfg), ref)
+            except Exception as e:  # noqa: BLE001 - the port's failure is a result beside the kernel's
+                out[f"{PORT} splits={splits}"] = f"{type(e).__name__}: {str(e)[:500]}"
     return out
 
 

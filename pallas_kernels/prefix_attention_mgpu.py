@@ -224,7 +224,7 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     programs (few query rows over a long prefix: H=8 T=1 N=32768, 256 splits), this takes one (132): 256 programs here
     ran 2 blocks each and wrote 64-row partials for 8 real rows (kernels.md, "The Mosaic GPU whole op on the H200")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
-    partial_bytes = tiles * BLOCK_Q * (2 * HALF * 2 + 8)
+    partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return triton_attention.split_count(tiles, capacity, BLOCK_KV, triton_attention.NUM_SMS, partial_bytes,
                                         triton_attention.call_floor_bytes(num_streams, num_rows, capacity))
 

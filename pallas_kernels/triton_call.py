@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 
 import jax
 import numpy as np
@@ -58,9 +59,13 @@ def triton_call(*operands, kernel, out_shape, grid, num_warps: int, num_stages: 
     else:
         single = isinstance(out_shape, jax.ShapeDtypeStruct)
         out_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in ([out_shape] if single else out_shape))
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+        grid = tuple(grid)
+        if not 1 <= len(grid) <= 3:
+            raise ValueError(f"grid {grid} must have one to three dimensions")
+        grid += (1,) * (3 - len(grid))
+        typed = tuple(sorted((name, type(value), value) for name, value in constexprs.items()))   # 1, 1.0, True
         outs = xla_triton_call_p.bind(*operands, kernel=kernel, out_avals=out_avals, grid=grid, num_warps=num_warps,
-                                      num_stages=num_stages, constexprs=tuple(sorted(constexprs.items())))
+                                      num_stages=num_stages, constexprs=typed)
         outs = outs[0] if single else tuple(outs)
     return jax.tree.map(lambda y: vary_over(y, varying), outs)
 
@@ -103,21 +108,24 @@ def pointer_types(avals) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=None)
 def kernel_ttir(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, compute_capability: int) -> str:
     """The kernel as Triton IR text after Triton's own TTIR passes (inlining, canonicalisation), its pointers
-    16-byte aligned. Runs on any machine: nothing here needs a GPU."""
+    16-byte aligned. constexprs: (name, type, value) triples (the type keeps 1, 1.0 and True apart in the cache).
+    Runs on any machine: nothing here needs a GPU."""
     from triton._C import libtriton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
     from triton.backends.compiler import GPUTarget   # noqa: PLC0415
     from triton.backends.nvidia.compiler import CUDABackend   # noqa: PLC0415
     from triton.compiler import ASTSource   # noqa: PLC0415
 
     names = kernel.arg_names
-    if len(pointers) + len(constexprs) != len(names):
+    given = [name for name, _, _ in constexprs]
+    if len(pointers) + len(constexprs) != len(names) or set(names[len(pointers):]) != set(given):
         raise TypeError(f"{kernel.__name__} takes {len(names)} arguments {names}; it was given {len(pointers)} "
-                        f"arrays and constexprs {[k for k, _ in constexprs]}")
+                        f"arrays and constexprs {given} (the arrays must be its first arguments, the constexprs the "
+                        "rest)")
     target = GPUTarget("cuda", compute_capability, 32)
     backend = CUDABackend(target)
     options = backend.parse_options({"num_warps": num_warps})
-    signature = dict(zip(names, pointers)) | {name: "constexpr" for name, _ in constexprs}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs),
+    signature = dict(zip(names, pointers)) | {name: "constexpr" for name in given}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={name: value for name, _, value in constexprs},
                        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})
     context = libtriton.ir.context()
     libtriton.ir.load_dialects(context)
@@ -132,6 +140,14 @@ def _compute_capability() -> int:
     if not gpus:
         return DEFAULT_COMPUTE_CAPABILITY
     return int(float(gpus[0].compute_capability) * 10)
+
+
+def _entry_name(text: str) -> str:
+    """The name of the Triton IR's public function, which XLA launches."""
+    names = re.findall(r"tt\.func public @([\w$.]+)", text)
+    if len(names) != 1:
+        raise ValueError(f"the Triton IR has {len(names)} public functions {names}; XLA launches exactly one")
+    return names[0]
 
 
 def _ttir_bytecode(text: str) -> bytes:
@@ -150,7 +166,7 @@ def _ttir_bytecode(text: str) -> bytes:
 def _xla_triton_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num_stages, constexprs):
     pointers = pointer_types([*ctx.avals_in, *ctx.avals_out])
     text = kernel_ttir(kernel, pointers, constexprs, num_warps, _compute_capability())
-    backend_config = dict(name=ir.StringAttr.get(kernel.__name__), ir=ir.StringAttr.get(_ttir_bytecode(text)),
+    backend_config = dict(name=ir.StringAttr.get(_entry_name(text)), ir=ir.StringAttr.get(_ttir_bytecode(text)),
                           num_stages=mlir.i32_attr(num_stages), num_warps=mlir.i32_attr(num_warps),
                           grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
                           debug=ir.BoolAttr.get(False))

@@ -31,6 +31,7 @@ def test_in_the_interpreter():
     (16, 4, 32, 8, 80, 32, 1),
     (3, 3, 24, 6, 70, 16, 2),       # C, R and T * H not powers of two
     (2, 8, 32, 8, 40, 16, 8),       # more splits than prefix blocks
+    (20, 1, 32, 8, 60, 16, 2),      # a tree block over two cache blocks
 ])
 def test_kernel_matches_the_reference(nodes, heads, lat, rope, capacity, block_q, num_splits):
     from conftest import rel_err

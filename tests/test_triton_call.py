@@ -92,8 +92,8 @@ def test_tree_verify_attention_port_lowers_to_one_xla_triton_call(streams, nodes
 
 def test_the_triton_ir_has_the_kernel_as_its_only_entry():
     """Triton's own TTIR passes inline the helpers: one public function, named as the custom call says."""
-    text = kernel_ttir(MT._combine_kernel, ("*i32", "*bf16", "*bf16"), (("BD", 1024), ("HIDDEN", D), ("TOP_K", 8)),
-                       4, 90)
+    text = kernel_ttir(MT._combine_kernel, ("*i32", "*bf16", "*bf16"),
+                       (("BD", int, 1024), ("HIDDEN", int, D), ("TOP_K", int, 8)), 4, 90)
     assert text.count("tt.func") == 1 and "tt.func public @_combine_kernel" in text
 
 
@@ -108,3 +108,20 @@ def test_bad_calls_name_the_fix():
         lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **kw), spec((8,), jnp.bool_))
     with pytest.raises(TypeError, match=r"_combine_kernel takes 6 arguments.*given 3 arrays"):
         lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, **kw), spec((8,), F32))
+    with pytest.raises(TypeError, match=r"the arrays must be its first arguments"):
+        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, WIDTH=8, **kw), spec((8,), F32))
+    with pytest.raises(ValueError, match="one to three dimensions"):
+        triton_call(x, x, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **dict(kw, grid=(1, 1, 1, 1)))
+
+
+def test_constexprs_of_equal_value_and_different_type_are_different_kernels():
+    """1 and 1.0 compare equal in Python, but Triton types a constexpr by its Python type (a float where a kernel
+    needs an int fails to compile, for one), so the IR cache keeps them apart."""
+    pointers = ("*i32", "*i8") + ("*bf16",) * 4 + ("*fp32",) * 3
+    rest = dict(NUM_NODES=4, NUM_HEADS=4, STREAMS=1, CAPACITY=64, LAT=32, LAT_P=32, ROPE=16, ROPE_P=16, BQ=16, BK=16,
+                NUM_SPLITS=2, PRECISION="tf32")
+    kernel_ttir.cache_clear()
+    for scale in (1, 1.0, 1):
+        kernel_ttir(AT._attention_kernel, pointers,
+                    tuple(sorted((k, type(v), v) for k, v in dict(rest, SCALE=scale).items())), 4, 90)
+    assert kernel_ttir.cache_info().misses == 2 and kernel_ttir.cache_info().hits == 1

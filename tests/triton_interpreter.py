@@ -84,7 +84,7 @@ _patch_lang_tensor_of_triton = _interpreter._patch_lang_tensor
 
 def _patch_lang_tensor(tensor, scope):
     _patch_lang_tensor_of_triton(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))   # one element, or an error
 
 
 _interpreter._patch_lang_tensor = _patch_lang_tensor
