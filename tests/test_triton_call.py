@@ -125,3 +125,25 @@ def test_constexprs_of_equal_value_and_different_type_are_different_kernels():
         kernel_ttir(AT._attention_kernel, pointers,
                     tuple(sorted((k, type(v), v) for k, v in dict(rest, SCALE=scale).items())), 4, 90)
     assert kernel_ttir.cache_info().misses == 2 and kernel_ttir.cache_info().hits == 1
+
+
+def test_attention_port_lowers_inside_the_head_parallel_shard_map():
+    """Two H200s on tp: each runs the port on its own 8 of 16 heads over the replicated latent cache (the model's
+    head_parallel), with check_vma on."""
+    from kdtree_jax.model.parallel import head_parallel
+
+    mesh = AbstractMesh((1, 2), ("data", "tp"), abstract_device=h200_mesh(1).abstract_device)
+    per_head, replicated = P(None, None, "tp", None), P()        # data = 1: streams are not split
+
+    def sharded(shape, dtype, partition):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, partition))
+
+    s, t, h, n = 2, 16, 16, 4096 + 16
+    args = (sharded((s, t, h, 512), BF16, per_head), sharded((s, t, h, 64), BF16, per_head),
+            sharded((s, n, 512), BF16, replicated), sharded((s, n, 64), BF16, replicated),
+            sharded((s,), I32, replicated), sharded((s, t, t), jnp.bool_, replicated))
+    attention = functools.partial(AT.tree_verify_attention, scale=0.07)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(lambda *a: head_parallel(attention, *a)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count(XLA_TRITON_TARGET) == 1 and "tensor<2x16x8x512xbf16>" in text
