@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD, unpack_int4
 
@@ -160,11 +161,11 @@ def route_pairs(topk_ids, topk_weights, num_experts: int, block_m: int) -> Routi
     order = jnp.argsort(key, stable=True)                                   # pair indices, grouped by expert
     experts = jnp.arange(num_experts, dtype=jnp.int32)
     counts = jnp.sum(key[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E]
-    blocks = -(-counts // block_m)
+    blocks = pl.cdiv(counts, block_m)
     block_end = jnp.cumsum(blocks)
     block_begin = block_end - blocks
     pair_begin = jnp.cumsum(counts) - counts
-    num_blocks = -(-n_pairs // block_m) + min(num_experts, n_pairs)        # static bound on the blocks needed
+    num_blocks = pl.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)        # static bound on the blocks needed
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     block_expert = jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)
     e = jnp.minimum(block_expert, num_experts - 1)

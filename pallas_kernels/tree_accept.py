@@ -11,6 +11,8 @@ at the first miss. Outputs: AcceptResult's path, num_accepted and next_token, wr
 """
 from __future__ import annotations
 
+from jax.experimental import pallas as pl
+
 from pallas_kernels.tree import AcceptResult, TreeArrays, accept_tree
 
 MIN_SLOTS = 32  # node slots are padded to a power of two, at least one warp's lanes
@@ -33,9 +35,9 @@ def check_accept_inputs(tree: TreeArrays, target_tokens) -> tuple[int, int]:
 
 def node_slots(keep: int) -> int:
     """Node slots of the accept kernels for B + 1 = keep nodes: a power of two, at least MIN_SLOTS."""
-    return max(MIN_SLOTS, 1 << (keep - 1).bit_length())
+    return max(MIN_SLOTS, pl.next_power_of_2(keep))
 
 
 def path_slots(max_depth: int) -> int:
     """Path entries the accept kernels hold for max_depth steps: a power of two >= max_depth + 1."""
-    return max(2, 1 << max_depth.bit_length())
+    return max(2, pl.next_power_of_2(max_depth + 1))

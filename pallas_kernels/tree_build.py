@@ -20,6 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from pallas_kernels.tree import TreeArrays, build_tree, tree_visible
 
@@ -66,7 +67,7 @@ def tree_build_reference(draft_logits, root, budget: int, topk: int | None = Non
 
 def node_slots(budget: int) -> int:
     """Node slots of the build kernels for B + 1 nodes: a power of two, at least MIN_SLOTS."""
-    return max(MIN_SLOTS, 1 << budget.bit_length())
+    return max(MIN_SLOTS, pl.next_power_of_2(budget + 1))
 
 
 def check_topk_table(top_logprobs, top_ids, root) -> None:

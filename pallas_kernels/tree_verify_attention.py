@@ -102,6 +102,12 @@ def call_floor_bytes(num_streams: int, num_rows: int, capacity: int, lat: int = 
                2 * num_streams * num_rows * capacity * (2 * lat + rope) / RIDGE_FLOP_PER_BYTE)
 
 
+def dot_width(width: int) -> int:
+    """The width a kernel's dots run at for a latent or rope width: a power of two, at least MIN_DOT_DIM (the extra
+    columns are loaded as 0)."""
+    return max(MIN_DOT_DIM, pl.next_power_of_2(width))
+
+
 def query_tiles(num_streams: int, num_rows: int, block_q: int) -> int:
     """Programs per split: tiles of block_q query rows over all streams."""
     return num_streams * pl.cdiv(num_rows, block_q)
@@ -265,8 +271,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     rows = t * h
     cfg = config or default_config(s, rows, c_kv.shape[1], c, r, c_kv.dtype.itemsize)
     q_tiles = pl.cdiv(rows, cfg.block_q)
-    lat = (c, max(MIN_DOT_DIM, pl.next_power_of_2(c)))
-    rope = (r, max(MIN_DOT_DIM, pl.next_power_of_2(r)))
+    lat, rope = (c, dot_width(c)), (r, dot_width(r))
     kernel = functools.partial(_kernel, scale=float(scale), num_nodes=t, num_heads=h, lat=lat, rope=rope, cfg=cfg)
     if cfg.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((s, rows, c), q_lat.dtype)

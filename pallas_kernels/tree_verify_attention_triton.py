@@ -148,7 +148,7 @@ def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale:
     r = q_rope.shape[3]
     rows = t * h
     cfg = launch_config(config or op.default_config(s, rows, c_kv.shape[1], c, r, c_kv.dtype.itemsize), c_kv.dtype)
-    lat_p, rope_p = (max(op.MIN_DOT_DIM, triton.next_power_of_2(width)) for width in (c, r))
+    lat_p, rope_p = op.dot_width(c), op.dot_width(r)
     per_row = jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32)
     if cfg.num_splits == 1:
         out_shape = (jax.ShapeDtypeStruct((s, rows, c), q_lat.dtype), jax.ShapeDtypeStruct((1,), jnp.float32),
