@@ -32,7 +32,7 @@ import triton.language as tl
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import bound_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,10 +284,9 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Tri
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
     launcher: how the kernels are launched (`triton_call.LAUNCHERS`).
     """
-    if interpret:
-        raise ValueError("int4_moe_triton has no interpret mode: on the CPU use ops.int4_moe or "
-                         "int4_moe.int4_moe_reference (the reference)")
-    return run_kernels(functools.partial(triton_call, launcher=launcher), x, experts, topk_ids, topk_weights, config)
+    call = bound_to(launcher, interpret=interpret, op="int4_moe_triton.int4_moe",
+                    reference="int4_moe.int4_moe_reference (or ops.int4_moe)")
+    return run_kernels(call, x, experts, topk_ids, topk_weights, config)
 
 
 def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None):

@@ -21,7 +21,7 @@ import triton.language as tl
 from pallas_kernels import tree_accept as accept_ref
 from pallas_kernels import tree_build as build_ref
 from pallas_kernels.tree import AcceptResult, TreeArrays, draft_topk, resolve_topk
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import bound_to
 
 
 # jax-triton's per-call host work left the GPU idle 20-45 us around each call; XLA's Triton custom call matches the
@@ -69,10 +69,9 @@ def tree_accept(tree: TreeArrays, target_tokens, max_depth: int, *, interpret: b
                 launcher: str = LAUNCHER) -> AcceptResult:
     """tree with B + 1 slots, target_tokens [S, B+1] int32 -> AcceptResult, identical to
     `tree_accept.tree_accept_reference`. interpret: not available (a ValueError); launcher: `triton_call.LAUNCHERS`."""
-    if interpret:
-        raise ValueError("tree_triton.tree_accept has no interpret mode: on the CPU use "
-                         "tree_accept.tree_accept_reference (or ops.tree_accept)")
-    return run_accept(functools.partial(triton_call, launcher=launcher), tree, target_tokens, max_depth)
+    call = bound_to(launcher, interpret=interpret, op="tree_triton.tree_accept",
+                    reference="tree_accept.tree_accept_reference (or ops.tree_accept)")
+    return run_accept(call, tree, target_tokens, max_depth)
 
 
 def run_accept(call, tree: TreeArrays, target_tokens, max_depth: int) -> AcceptResult:
@@ -176,10 +175,9 @@ def tree_build_from_topk(top_logprobs, top_ids, root, *, budget: int, config: bu
     """top_logprobs [S, D, K] float32, top_ids [S, D, K] int32, root [S] int -> TreeArrays (B + 1 slots), the
     specification's arrays for that top-K. interpret: not available (a ValueError); launcher:
     `triton_call.LAUNCHERS`."""
-    if interpret:
-        raise ValueError("tree_triton.tree_build_from_topk has no interpret mode: on the CPU use "
-                         "tree_build.tree_build_reference (or ops.tree_build)")
-    return run_build(functools.partial(triton_call, launcher=launcher), top_logprobs, top_ids, root, budget, config)
+    call = bound_to(launcher, interpret=interpret, op="tree_triton.tree_build_from_topk",
+                    reference="tree_build.tree_build_reference (or ops.tree_build)")
+    return run_build(call, top_logprobs, top_ids, root, budget, config)
 
 
 def run_build(call, top_logprobs, top_ids, root, budget: int, config: build_ref.BuildConfig | None) -> TreeArrays:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import tree_verify_attention as op
-from pallas_kernels.triton_call import triton_call
+from pallas_kernels.triton_call import bound_to
 
 LAUNCHER = "xla"     # as the Pallas-Triton kernel is launched: compiled into XLA's executable
 F32_MAX_BLOCK_K = 32  # f32 operands (IEEE dots): a 64-row q tile and 64-row cache blocks ask 295 KB of shared memory
@@ -124,11 +124,9 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32 in [0, N - T], visible [S, T, T]
     bool -> out [S, T, H, C] in q_lat's dtype (f32 accumulation). interpret: not available (a ValueError);
     launcher: `triton_call.LAUNCHERS`."""
-    if interpret:
-        raise ValueError("tree_verify_attention_triton has no interpret mode: on the CPU use "
-                         "tree_verify_attention.tree_verify_attention_reference (or ops.tree_verify_attention)")
-    return run_attention(functools.partial(triton_call, launcher=launcher), q_lat, q_rope, c_kv, k_rope, prefix_len,
-                         visible, scale, config)
+    call = bound_to(launcher, interpret=interpret, op="tree_verify_attention_triton.tree_verify_attention",
+                    reference="tree_verify_attention.tree_verify_attention_reference (or ops.tree_verify_attention)")
+    return run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale, config)
 
 
 def launch_config(config: op.AttentionConfig, dtype) -> op.AttentionConfig:

@@ -79,13 +79,21 @@ def jax_triton_missing() -> str | None:
     return None
 
 
+def bound_to(launcher: str, *, interpret: bool, op: str, reference: str):
+    """`triton_call` bound to `launcher`, for the public function `op` of Triton kernels. Triton has no interpret
+    mode, so interpret=True is a ValueError that names `reference`, the function to run on the CPU instead."""
+    if interpret:
+        raise ValueError(f"{op} has no interpret mode (Triton kernels): on the CPU use {reference}")
+    return functools.partial(triton_call, launcher=launcher)
+
+
 def _jax_triton(*operands, kernel, **kwargs):
-    try:
-        import jax_triton   # noqa: PLC0415 (imports only where jaxlib has CUDA support)
-    except ImportError as e:
-        raise ImportError(f"{getattr(kernel, '__name__', kernel)} was asked to launch through jax-triton, which did "
-                          f"not import ({e}). Install jax-triton==0.3.1 (on the H200 image carry its wheel: "
-                          f"BUILD_NOTES.md, 'One H200'), or use launcher='xla'") from e
+    missing = jax_triton_missing()
+    if missing:
+        raise ImportError(f"{getattr(kernel, '__name__', kernel)} was asked to launch through jax-triton: {missing}. "
+                          "Install jax-triton==0.3.1 (on the H200 image carry its wheel: BUILD_NOTES.md, 'One H200'), "
+                          "or use launcher='xla'")
+    import jax_triton   # noqa: PLC0415 (imports only where jaxlib has CUDA support)
     return jax_triton.triton_call(*operands, kernel=kernel, **kwargs)
 
 
