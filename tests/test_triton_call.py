@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
@@ -18,24 +18,10 @@ from pallas_kernels import tree_triton as TT
 from pallas_kernels import tree_verify_attention_triton as AT
 from pallas_kernels.tree import TreeArrays
 from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_ttir, triton_call
+from triton_h200 import h200_mesh, lower_for_h200, spec
 
 BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
 E, D, I, TOP_K = 384, 7168, 2048, 8     # Kimi K2.6's routed experts
-
-
-def h200_mesh(devices: int) -> AbstractMesh:
-    return AbstractMesh((devices,), ("tp",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                                                               platform="cuda"))
-
-
-def lowered_text(fn, *args, devices: int = 1) -> str:
-    """StableHLO text of jit(fn)(*args) (ShapeDtypeStructs) lowered for CUDA under an abstract mesh of H200s."""
-    with jax.sharding.use_abstract_mesh(h200_mesh(devices)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def k26_experts(sharding=None) -> M.Int4Experts:
@@ -46,7 +32,7 @@ def k26_experts(sharding=None) -> M.Int4Experts:
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_int4_moe_lowers_to_three_xla_triton_calls(tokens):
     """int4_moe's kernels through XLA's launcher (a measured peer of its jax-triton default)."""
-    text = lowered_text(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(),
+    text = lower_for_h200(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(),
                         spec((tokens, TOP_K), I32), spec((tokens, TOP_K), F32))
     assert text.count(XLA_TRITON_TARGET) == 3
     for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
@@ -62,19 +48,20 @@ def test_int4_moe_lowers_inside_the_expert_parallel_shard_map():
         return jax.shard_map(local, in_specs=(P(), P("tp"), P(), P()), out_specs=P(), check_vma=True)(
             x, experts, ids, weights)
 
-    experts = k26_experts(jax.sharding.NamedSharding(h200_mesh(2), P("tp")))
-    text = lowered_text(ep, spec((8, D), BF16), experts, spec((8, TOP_K), I32), spec((8, TOP_K), F32), devices=2)
+    mesh = h200_mesh((2,))
+    experts = k26_experts(jax.sharding.NamedSharding(mesh, P("tp")))
+    text = lower_for_h200(ep, spec((8, D), BF16), experts, spec((8, TOP_K), I32), spec((8, TOP_K), F32), mesh=mesh)
     assert text.count(XLA_TRITON_TARGET) == 3 and "all_reduce" in text
 
 
 def test_tree_kernels_lower_to_one_xla_triton_call_each():
     streams, depth, k, budget = 16, 15, 8, 512
-    build = lowered_text(lambda lp, ids, root: TT.tree_build_from_topk(lp, ids, root, budget=budget),
+    build = lower_for_h200(lambda lp, ids, root: TT.tree_build_from_topk(lp, ids, root, budget=budget),
                          spec((streams, depth, k), F32), spec((streams, depth, k), I32), spec((streams,), I32))
     n = budget + 1
     tree = TreeArrays(*(spec((streams, n), I32) for _ in range(5)), spec((streams, n, n), jnp.bool_),
                       spec((streams,), I32), spec((streams, n), F32))
-    accept = lowered_text(lambda t, g: TT.tree_accept(t, g, depth), tree, spec((streams, n), I32))
+    accept = lower_for_h200(lambda t, g: TT.tree_accept(t, g, depth), tree, spec((streams, n), I32))
     assert build.count(XLA_TRITON_TARGET) == 1 and accept.count(XLA_TRITON_TARGET) == 1
 
 
@@ -86,7 +73,7 @@ def test_tree_verify_attention_port_lowers_to_one_xla_triton_call(streams, nodes
     args = (spec((streams, nodes, heads, lat), BF16), spec((streams, nodes, heads, rope), BF16),
             spec((streams, n, lat), BF16), spec((streams, n, rope), BF16), spec((streams,), I32),
             spec((streams, nodes, nodes), jnp.bool_))
-    text = lowered_text(lambda *a: AT.tree_verify_attention(*a, scale=0.07), *args)
+    text = lower_for_h200(lambda *a: AT.tree_verify_attention(*a, scale=0.07), *args)
     assert text.count(XLA_TRITON_TARGET) == 1 and 'name = "_attention_kernel"' in text
 
 
@@ -105,11 +92,11 @@ def test_bad_calls_name_the_fix():
         triton_call(x, x, out_shape=out, launcher="pallas", TOP_K=8, HIDDEN=8, BD=8, **kw)
     kw["launcher"] = "xla"
     with pytest.raises(TypeError, match="dtype bool.*cast it first"):
-        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **kw), spec((8,), jnp.bool_))
+        lower_for_h200(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **kw), spec((8,), jnp.bool_))
     with pytest.raises(TypeError, match=r"_combine_kernel takes 6 arguments.*given 3 arrays"):
-        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, **kw), spec((8,), F32))
+        lower_for_h200(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, **kw), spec((8,), F32))
     with pytest.raises(TypeError, match=r"the arrays must be its first arguments"):
-        lowered_text(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, WIDTH=8, **kw), spec((8,), F32))
+        lower_for_h200(lambda a: triton_call(a, a, out_shape=out, TOP_K=8, HIDDEN=8, WIDTH=8, **kw), spec((8,), F32))
     with pytest.raises(ValueError, match="one to three dimensions"):
         triton_call(x, x, out_shape=out, TOP_K=8, HIDDEN=8, BD=8, **dict(kw, grid=(1, 1, 1, 1)))
 
@@ -132,7 +119,7 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
     head_parallel), with check_vma on."""
     from kdtree_jax.model.parallel import head_parallel
 
-    mesh = AbstractMesh((1, 2), ("data", "tp"), abstract_device=h200_mesh(1).abstract_device)
+    mesh = h200_mesh((1, 2), ("data", "tp"))
     per_head, replicated = P(None, None, "tp", None), P()        # data = 1: streams are not split
 
     def sharded(shape, dtype, partition):
@@ -143,7 +130,5 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
             sharded((s, n, 512), BF16, replicated), sharded((s, n, 64), BF16, replicated),
             sharded((s,), I32, replicated), sharded((s, t, t), jnp.bool_, replicated))
     attention = functools.partial(AT.tree_verify_attention, scale=0.07)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(lambda *a: head_parallel(attention, *a)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
     assert text.count(XLA_TRITON_TARGET) == 1 and "tensor<2x16x8x512xbf16>" in text

@@ -10,14 +10,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import pallas_call_registration
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from kdtree_jax import config as config_lib
 from pallas_kernels import tree_verify_attention as A
+from triton_h200 import lower_for_h200, spec
 
 K26 = config_lib.kimi_k2_6()
-H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                                                 platform="cuda"))
 BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
 
 
@@ -35,16 +33,6 @@ def verified(monkeypatch) -> list:
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verify)
     return built
-
-
-def lower_for_h200(fn, *args) -> str:
-    """StableHLO text of fn(*args) (ShapeDtypeStructs) lowered for CUDA on an abstract H200."""
-    with jax.sharding.use_abstract_mesh(H200):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 @pytest.mark.parametrize("streams,nodes,heads,prefix", [(1, 1, 8, 4096), (1, 1, 8, 32768), (1, 4, 8, 4096),

@@ -1,6 +1,9 @@
-"""Compile a Triton kernel for the H200 (sm_90) on any machine, as jax-triton would on the GPU."""
+"""The H200 on any machine: a Triton kernel compiled for sm_90 as Triton does on the GPU (`compile_for_h200`), and a
+JAX function lowered for CUDA under an abstract mesh of H200s (`lower_for_h200`)."""
+import jax
 import triton
 from triton.backends.compiler import GPUTarget
+from jax.sharding import AbstractDevice, AbstractMesh
 from triton.compiler import ASTSource
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -13,3 +16,19 @@ def compile_for_h200(kernel, pointers: dict, constants: dict, num_warps: int, nu
     signature = dict(pointers, **{name: "constexpr" for name in constants})
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs), target=H200,
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def h200_mesh(shape: tuple[int, ...] = (1,), axes: tuple[str, ...] = ("tp",)) -> AbstractMesh:
+    """An abstract mesh of NVIDIA H200s (nothing allocated, no GPU needed)."""
+    return AbstractMesh(shape, axes, abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                                     platform="cuda"))
+
+
+def lower_for_h200(fn, *args, mesh: AbstractMesh | None = None) -> str:
+    """StableHLO text of jit(fn)(*args) (ShapeDtypeStructs) lowered for CUDA under `mesh` (default one H200)."""
+    with jax.sharding.use_abstract_mesh(mesh or h200_mesh()):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
