@@ -1,5 +1,6 @@
-"""GPU kernels (Pallas with the Triton lowering; Triton through jax-triton for int4_moe and the tree candidates; an
-experimental Mosaic GPU kernel) with their pure-JAX references.
+"""GPU kernels with their pure-JAX references: Triton kernels called through `triton_call` (int4_moe, tree build and
+accept; the attention port, a candidate), the Pallas-Triton tree-verify attention, and an experimental Mosaic GPU
+attention.
 
 The model calls them through `pallas_kernels.ops`, which picks the kernel or the reference. Helpers shared by the
 kernels live here. The package depends on jax and triton, never on the engine (tests/test_imports.py): the contracts
@@ -15,8 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import ManualAxisType
 
-# Pallas announces at every Triton lowering that this backend is deprecated. It is the project's chosen GPU baseline
-# (DESIGN.md section 6), so the warning is silenced here, in one place, for the whole package.
+# Pallas announces at every Triton lowering that this backend is deprecated. Its last user here is the tree-verify
+# attention kernel (its Triton port is the candidate to replace it), so the warning is silenced here, in one place,
+# until that kernel goes.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
