@@ -158,8 +158,10 @@ def _entry_name(text: str) -> str:
     return names[0]
 
 
+@functools.lru_cache(maxsize=None)
 def _ttir_bytecode(text: str) -> bytes:
-    """Triton IR text parsed in jaxlib's Triton dialect (XLA's Triton) and written as MLIR bytecode."""
+    """Triton IR text parsed in jaxlib's Triton dialect (XLA's Triton) and written as MLIR bytecode, once per kernel
+    variant (each jit of an op lowers its kernels again)."""
     context = mlir.JaxIrContext()
     context.append_dialect_registry(mlir.upstream_dialects)
     tt_dialect.register_dialect(context)
