@@ -1,11 +1,13 @@
-"""bench_kernels section `attention`: tree_verify_attention (Pallas Triton) against its XLA reference at K2.6 MLA
-shapes (latent 512, rope 64), with an f32 check, optional split-K counts and tilings, FLOPs and bytes per case. On
-the GPU also the same kernel written in Triton (`triton_port`: pallas_kernels/tree_verify_attention_triton.py,
-launched through XLA's Triton custom call), the candidate to replace it.
+"""bench_kernels section `attention`: `ops.tree_verify_attention` (the kernel `ops.attention_backend` picks per
+call) against its XLA reference at K2.6 MLA shapes (latent 512, rope 64), with an f32 check, optional split-K counts
+and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of its kernels is also timed alone
+(PEERS: the Triton kernel at its default tiling, the Mosaic GPU one where it fits the case, and the Pallas-Triton
+kernel they replace).
 
     cases      S streams x H heads x N prefix rows x T tree nodes (attention_cases)
-    inputs     q_lat [S,T,H,512], q_rope [S,T,H,64], c_kv [S,N+T,512], k_rope [S,N+T,64], prefix_len [S],
-               visible [S,T,T] of a random tree (attention_inputs), bf16
+    inputs     q_lat [S,T,H,512], q_rope [S,T,H,64], c_kv [S,N',512], k_rope [S,N',64] with N' = N + T rounded up to
+               whole 64-row blocks (as the decoder allocates its cache), prefix_len [S], visible [S,T,T] of a random
+               tree (attention_inputs), bf16
     cost       useful FLOPs, fewest HBM bytes (attention_cost) -> roofline fraction
 """
 from __future__ import annotations
@@ -19,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.timing import BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
+from pallas_kernels import ops
 from pallas_kernels import tree_verify_attention as attn
+from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
 from pallas_kernels import tree_verify_attention_triton as attn_triton
 from pallas_kernels.tree import random_tree_visible
 
 K26_LAT, K26_ROPE = 512, 64
 K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
-PORT = "triton_port"     # the Triton port of the kernel, at the same default tiling
+CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many (kdtree_jax.decode's cache_len)
 
 
 def attention_cases(quick: bool) -> list[dict]:
@@ -43,9 +47,9 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
     most prefix / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four prefix-32768
     cases."""
     rows = case["nodes"] * case["heads"]
-    base = attn.default_config(case["streams"], rows, case["prefix"] + case["nodes"])
+    base = attn.default_config(case["streams"], rows, cache_rows(case))
     split_configs = [dataclasses.replace(base, num_splits=s) for s in sorted(set(splits))
-                     if s != base.num_splits and s <= attn.max_splits(case["prefix"] + case["nodes"], base.block_k)
+                     if s != base.num_splits and s <= attn.max_splits(cache_rows(case), base.block_k)
                      and attn.query_tiles(case["streams"], rows, base.block_q) * s <= 4 * attn.wave_slots(base.block_q)]
     if (not tilings or quick or case["prefix"] != 32768 or case["streams"] > 1
             or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 16), (64, 256))):
@@ -58,9 +62,14 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
     return split_configs + [dataclasses.replace(base, **v) for v in variants]
 
 
+def cache_rows(case) -> int:
+    """N': the case's cache rows, prefix + tree block rounded up to whole CACHE_BLOCK blocks."""
+    return -(-(case["prefix"] + case["nodes"]) // CACHE_BLOCK) * CACHE_BLOCK
+
+
 def attention_inputs(key, case, rng):
     s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
-    n = p + t
+    n = cache_rows(case)
     k = jax.random.split(key, 4)
     return (jax.random.normal(k[0], (s, t, h, K26_LAT), BF16), jax.random.normal(k[1], (s, t, h, K26_ROPE), BF16),
             jax.random.normal(k[2], (s, n, K26_LAT), BF16), jax.random.normal(k[3], (s, n, K26_ROPE), BF16),
@@ -76,10 +85,22 @@ def attention_cost(case) -> tuple[float, float]:
     return flops, bytes_
 
 
+def attention_peers(args, interpret: bool) -> dict:
+    """The op's kernels, each alone at its default tiling, for inputs `args` (GPU only: {} when `interpret`)."""
+    if interpret:
+        return {}
+    peers = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
+             "pallas_triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=K26_SCALE))}
+    if attn_mgpu.fits(*args[:3]):
+        peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
+    return peers
+
+
 def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
                   splits: list[int], save) -> None:
-    """Time every case (kernel, the configs of attention_sweep, the XLA reference) against the ceilings `ceil`; one
-    row per case appended to `results`, printed, then `save()`; no new case past `deadline` (time.time())."""
+    """Time every case (the op, the Triton kernel at the configs of attention_sweep, each kernel alone, the XLA
+    reference) against the ceilings `ceil`; one row per case appended to `results`, printed, then `save()`; no new
+    case past `deadline` (time.time())."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     for ci, case in enumerate(attention_cases(quick)):
@@ -87,20 +108,18 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             results.append(dict(case, skipped="time budget"))
             continue
         try:
-            one = 2.0 * case["streams"] * (case["prefix"] + case["nodes"]) * (K26_LAT + K26_ROPE)
+            one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
             n_sets = int(min(32, max(2, math.ceil(ROTATE_BYTES / one))))
             sets = [attention_inputs(jax.random.key(1000 * ci + i), case, rng) for i in range(n_sets)]
-            configs = [None] + attention_sweep(case, quick, tilings, splits)
-            fns = {}
-            for cfg in configs:
-                fns["kernel" if cfg is None else f"kernel:{cfg}"] = jax.jit(
-                    lambda *a, cfg=cfg: attn.tree_verify_attention(*a, scale=K26_SCALE, config=cfg,
-                                                                   interpret=interpret))
+            fns = {"kernel": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))}
+            if not interpret:
+                for cfg in attention_sweep(case, quick, tilings, splits):
+                    fns[f"triton:{cfg}"] = jax.jit(
+                        lambda *a, cfg=cfg: attn_triton.tree_verify_attention(*a, scale=K26_SCALE, config=cfg))
             ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
-            peers = {} if interpret else {PORT: jax.jit(lambda *a: attn_triton.tree_verify_attention(
-                *a, scale=K26_SCALE))}
+            peers = attention_peers(sets[0], interpret)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in {**fns, **peers}.items()] + [Job("reference", ref_fn, sets)]
             t = time_jobs(jobs, reps)
@@ -108,8 +127,10 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             floor = roofline(flops, bytes_, ceil)
             best = min(fns, key=lambda k: t[k]["us"])
             k_us, r_us = t["kernel"]["us"], t["reference"]["us"]
-            entry = dict(case, config=str(attn.default_config(case["streams"], case["nodes"] * case["heads"],
-                                                               case["prefix"] + case["nodes"])),
+            rows = case["nodes"] * case["heads"]
+            entry = dict(case, cache_rows=cache_rows(case),
+                         backend=ops.attention_backend(*sets[0][:3]) if not interpret else "reference",
+                         config=str(attn.default_config(case["streams"], rows, cache_rows(case))),
                          kernel_us=k_us, reference_us=r_us, speedup_vs_reference=r_us / k_us,
                          GBps=bytes_ / (k_us * 1e-6) / 1e9, TFLOPs=flops / (k_us * 1e-6) / 1e12,
                          roofline_us=floor, roofline_fraction=floor / k_us, rel_err_bf16=errors["kernel"],
@@ -117,9 +138,8 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          timing_method=t["kernel"]["method"], input_sets=n_sets,
                          sweep={k: dict(us=t[k]["us"], rel_err=errors[k]) for k in fns if k != "kernel"},
                          sweep_failed=failed, timings=t,
-                         triton_port_us=t[PORT]["us"] if PORT in t else None,
-                         triton_port_speedup=k_us / t[PORT]["us"] if PORT in t else None,
-                         triton_port_rel_err_bf16=peer_errors.get(PORT), peers_failed=peers_failed)
+                         peers_us={name: t[name]["us"] for name in peers if name in t},
+                         peers_rel_err_bf16=peer_errors, peers_failed=peers_failed)
         except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}")
         results.append(entry)
@@ -128,8 +148,9 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
 
 
 def attention_f32_check(quick: bool) -> dict:
-    """f32 inputs (IEEE dots in the kernel) on a ragged batch with random trees: split-K on and off -> {"splits=n":
-    relative error against the reference}."""
+    """f32 inputs (IEEE dots in the Triton kernel) on a ragged batch with random trees: the op, and the Triton kernel
+    with small tiles, split-K on and off -> {name: relative error against the reference} (on the CPU the op runs
+    its reference)."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(1)
     s, t, h, n = 4, 16, 8, (1024 if not quick else 96)
@@ -138,17 +159,14 @@ def attention_f32_check(quick: bool) -> dict:
             jax.random.normal(key[2], (s, n, K26_LAT)), jax.random.normal(key[3], (s, n, K26_ROPE)),
             jnp.asarray([0, n - t, 37, n // 2], jnp.int32), jnp.asarray(random_tree_visible(rng, s, t)))
     ref = attn.tree_verify_attention_reference(*args, scale=0.05)
-    out = {}
-    for splits in (1, 4):
-        cfg = attn.AttentionConfig(block_q=16, block_k=16, num_splits=splits)   # f32 tiles: small, for shared memory
-        got = attn.tree_verify_attention(*args, scale=0.05, config=cfg, interpret=interpret)
-        out[f"splits={splits}"] = rel_err(got, ref)
-        if not interpret:
-            try:
-                out[f"{PORT} splits={splits}"] = rel_err(attn_triton.tree_verify_attention(*args, scale=0.05,
-                                                                                          config=cfg), ref)
-            except Exception as e:  # noqa: BLE001 - the port's failure is a result beside the kernel's
-                out[f"{PORT} splits={splits}"] = f"{type(e).__name__}: {str(e)[:500]}"
+    out = {"op": rel_err(ops.tree_verify_attention(*args, scale=0.05), ref)}
+    for splits in ((1, 4) if not interpret else ()):
+        cfg = attn.AttentionConfig(block_q=16, block_k=16, num_splits=splits)
+        try:
+            out[f"triton splits={splits}"] = rel_err(attn_triton.tree_verify_attention(*args, scale=0.05,
+                                                                                      config=cfg), ref)
+        except Exception as e:  # noqa: BLE001 - a failure is a result beside the others
+            out[f"triton splits={splits}"] = f"{type(e).__name__}: {str(e)[:500]}"
     return out
 
 
@@ -157,9 +175,9 @@ def _print_attention_row(r):
         print(f"attention S={r['streams']} H={r['heads']} N={r['prefix']} T={r['nodes']}: "
               f"{r.get('error') or r.get('skipped')}", flush=True)
         return
-    print(f"attention S={r['streams']:2d} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} | kernel "
+    peers = " ".join(f"{name} {us:.1f}" for name, us in r["peers_us"].items())
+    print(f"attention S={r['streams']:2d} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} | {r['backend']:10s} "
           f"{r['kernel_us']:9.1f} us  ref {r['reference_us']:9.1f} us  x{r['speedup_vs_reference']:5.2f} | "
           f"{r['GBps']:6.0f} GB/s {r['TFLOPs']:6.1f} TF/s roof {r['roofline_fraction']:5.1%} | best "
-          f"{r['best_us']:9.1f} ({r['best_roofline_fraction']:5.1%}) | err {r['rel_err_bf16']:.1e} | {PORT} "
-          f"{r['triton_port_us']} us (kernel / port {r['triton_port_speedup']}) {r['peers_failed'] or ''}", flush=True)
-
+          f"{r['best_us']:9.1f} ({r['best_roofline_fraction']:5.1%}) | err {r['rel_err_bf16']:.1e} | alone (us): "
+          f"{peers} {r['peers_failed'] or ''}", flush=True)

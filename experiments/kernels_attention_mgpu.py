@@ -1,6 +1,6 @@
-"""bench_kernels section `mgpu` (not in the default list; GPU only): the experimental Mosaic GPU tree-verify attention
-(pallas_kernels/prefix_attention_mgpu.py: the whole op, and its prefix kernel alone) beside the Triton
-tree_verify_attention and the XLA reference, on the `attention` section's cases. On the CPU (--quick) the whole op
+"""bench_kernels section `mgpu` (not in the default list; GPU only): the Mosaic GPU tree-verify attention
+(pallas_kernels/tree_verify_attention_mgpu.py: the whole op, at its own and at the Triton kernel's split count, and
+its prefix kernel alone) beside the Triton kernel and the XLA reference, on the `attention` section's cases. On the CPU (--quick) the whole op
 can hang in Mosaic GPU's interpret mode (experiments/notes/kernels.md, "The Mosaic GPU prefix kernel on the H200").
 """
 from __future__ import annotations
@@ -13,30 +13,29 @@ import numpy as np
 
 from experiments.kernels_attention import K26_SCALE, attention_cases, attention_cost, attention_inputs
 from experiments.timing import Job, rel_err, roofline, time_jobs
-from pallas_kernels import prefix_attention_mgpu as mgpu_attn
+from pallas_kernels import tree_verify_attention_mgpu as mgpu_attn
 from pallas_kernels import tree_verify_attention as attn
+from pallas_kernels import tree_verify_attention_triton as attn_triton
 
 
 def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, quick: bool, save) -> None:
     """Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case: `mgpu` the whole op
-    (`prefix_attention_mgpu.tree_verify_attention`: the prefix kernel, the tree block under the case's ancestor mask
+    (`tree_verify_attention_mgpu.tree_verify_attention`: the prefix kernel, the tree block under the case's ancestor mask
     and the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the Triton kernel's
     count where the two differ, and `mgpu_prefix` the prefix kernel and merge alone at mgpu's count (no tree block;
-    its error is against the reference with no tree node visible). The cache is padded to whole 64-row
-    blocks (rows never attended) for all. One input set (no rotation past the L2: ratios, and roofline fractions of
+    its error is against the reference with no tree node visible). The cache is in whole 64-row blocks
+    (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of
     the whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
     `save()`; no new case past `deadline` (time.time())."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(1)
     for ci, case in enumerate(attention_cases(quick)):
-        s, t, h, p = case["streams"], case["nodes"], case["heads"], case["prefix"]
+        s, t, h = case["streams"], case["nodes"], case["heads"]
         rows = t * h
         if time.time() > deadline:
             results.append(dict(case, skipped="time budget"))
             continue
         q_lat, q_rope, c_kv, k_rope, prefix_len, visible = attention_inputs(jax.random.key(5000 + ci), case, rng)
-        pad = ((0, 0), (0, -(p + t) % mgpu_attn.BLOCK_KV), (0, 0))   # cache rows to whole blocks (never attended)
-        c_kv, k_rope = jnp.pad(c_kv, pad), jnp.pad(k_rope, pad)
         splits = mgpu_attn.default_num_splits(s, rows, c_kv.shape[1])
         triton_splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
         q_pad = ((0, 0), (0, -rows % mgpu_attn.BLOCK_Q), (0, 0))
@@ -45,7 +44,7 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
         args = {"triton": full, "mgpu": full, "reference": full,
                 "mgpu_prefix": (jnp.pad(q_lat.reshape(s, rows, -1), q_pad), jnp.pad(q_rope.reshape(s, rows, -1), q_pad),
                                 c_kv, k_rope, prefix_len)}
-        fns = {"triton": jax.jit(lambda *a: attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
+        fns = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
                "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
                    *a, scale=K26_SCALE, num_splits=splits, interpret=interpret))[:, :rows]),

@@ -6,7 +6,7 @@ The model calls them through `pallas_kernels.ops`, which picks the kernel or the
 kernels live here. The package depends on jax and triton, never on the engine (tests/test_imports.py): the contracts
 the kernels implement live on this side too, `tree` (tree arrays, the heapq specification, the pure-JAX builder and
 accept walk) and `int4_layout` (the compressed-tensors INT4 layout), and the engine (`kdtree_jax`) imports them from
-here. `prefix_attention_mgpu` is an experimental Mosaic GPU kernel outside `ops` (see its docstring).
+here. `tree_verify_attention_mgpu` is an experimental Mosaic GPU kernel outside `ops` (see its docstring).
 """
 import warnings
 

@@ -1,4 +1,4 @@
-"""Dispatch of each op to its GPU kernel (Pallas, or Triton through `triton_call`) or its pure-JAX reference.
+"""Dispatch of each op to its GPU kernel (Triton through `triton_call`, or Mosaic GPU) or its pure-JAX reference.
 
     set_implementation("auto" | "kernel" | "reference", interpret=None)
     with implementation("kernel", interpret=True): ...   # tests: the kernels in interpret mode on the CPU
@@ -6,8 +6,9 @@
 "auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
 kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
 traced: a jitted caller keeps the implementation it was traced with. The Triton kernels (int4_moe, tree_build,
-tree_accept) have no interpret mode: in interpret mode (and off the GPU) those ops run their references; their CPU
-tests run them in Triton's interpreter.
+tree_accept, the attention where Mosaic GPU does not take it) have no interpret mode: in interpret mode (and off the
+GPU) those ops run their references; their CPU tests run them in Triton's interpreter. tree_verify_attention has two
+kernels, chosen per call by `attention_backend`.
 
 A kernel is added with one `_register` line and a thin public function calling `_call`.
 """
@@ -24,6 +25,8 @@ from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
 from pallas_kernels import tree_triton as _tree_triton
 from pallas_kernels import tree_verify_attention as _attention
+from pallas_kernels import tree_verify_attention_mgpu as _attention_mgpu
+from pallas_kernels import tree_verify_attention_triton as _attention_triton
 
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
@@ -38,7 +41,28 @@ def _register(name: str, kernel: Callable, reference: Callable, *, interpretable
     _registry[name] = (kernel, reference, interpretable)
 
 
-_register("tree_verify_attention", _attention.tree_verify_attention, _attention.tree_verify_attention_reference)
+
+
+def attention_backend(q_lat, q_rope, c_kv) -> str:
+    """The kernel `tree_verify_attention` runs for these operands: "mosaic_gpu" where its 64-row tile fits
+    (`tree_verify_attention_mgpu.fits`), else "triton". Measured: kernels.md, "Attention in ops: Mosaic GPU and
+    Triton"."""
+    return "mosaic_gpu" if _attention_mgpu.fits(q_lat, q_rope, c_kv) else "triton"
+
+
+def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, interpret: bool):
+    """tree_verify_attention's kernel (`attention_backend`); the Triton one has no interpret mode (the reference
+    runs there)."""
+    args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    if attention_backend(q_lat, q_rope, c_kv) == "mosaic_gpu":
+        return _attention_mgpu.tree_verify_attention(*args, scale=scale, interpret=interpret)
+    if interpret:
+        return _attention.tree_verify_attention_reference(*args, scale=scale)
+    return _attention_triton.tree_verify_attention(*args, scale=scale)
+
+
+# Measured against the Pallas-Triton kernel they replace: kernels.md, "Attention in ops: Mosaic GPU and Triton".
+_register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
 # Measured: experiments/notes/kernels.md, "int4_moe in Triton"; its CPU tests compile it for sm_90 and interpret it.
 _register("int4_moe", _int4_moe_triton.int4_moe, _int4_moe.int4_moe_reference, interpretable=False)
 # Measured against the Pallas-Triton kernels they replace: kernels.md, "Launching Triton kernels".
@@ -85,7 +109,8 @@ def _call(name: str, *args, **kwargs):
 
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
     """q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S], visible [S, T, T]
-    -> [S, T, H, C]. See pallas_kernels/tree_verify_attention.py."""
+    -> [S, T, H, C]. See pallas_kernels/tree_verify_attention.py (the op) and its kernels
+    tree_verify_attention_mgpu.py / tree_verify_attention_triton.py (`attention_backend` picks)."""
     return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
 
 

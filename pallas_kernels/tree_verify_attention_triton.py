@@ -35,11 +35,16 @@ _NEG_INF = tl.constexpr(op.NEG_INF)
 def _load_rows(ptr, stream, start, row_ok, SIZE: tl.constexpr, ROWS_PER_STREAM: tl.constexpr, WIDTH: tl.constexpr,
                WIDTH_P: tl.constexpr):
     """Rows [start, start + SIZE) of ptr's stream `stream` ([S, ROWS_PER_STREAM, WIDTH]) as [SIZE, WIDTH_P]: masked
-    rows and padding columns read 0."""
+    rows and padding columns read 0. The stream's offset is one 64-bit scalar; the offsets within a stream are
+    32-bit (a stream's rows hold fewer than 2**31 elements), and the column mask exists only where there is padding
+    (a mask constant along the row keeps the loads vectorised)."""
     rows = start + tl.arange(0, SIZE)
     cols = tl.arange(0, WIDTH_P)
-    offsets = (stream * ROWS_PER_STREAM + rows).to(tl.int64)[:, None] * WIDTH + cols[None, :]
-    return tl.load(ptr + offsets, mask=row_ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
+    base = ptr + stream.to(tl.int64) * (ROWS_PER_STREAM * WIDTH)
+    offsets = rows[:, None] * WIDTH + cols[None, :]
+    if WIDTH_P == WIDTH:
+        return tl.load(base + offsets, mask=row_ok[:, None], other=0.0)
+    return tl.load(base + offsets, mask=row_ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
 
 
 @triton.jit
@@ -89,7 +94,7 @@ def _attention_kernel(prefix_ptr, visible_ptr, q_lat_ptr, q_rope_ptr, c_kv_ptr, 
     for b in range(lo, hi):
         col_ok = b * BK + tl.arange(0, BK) < prefix
         acc, row_max, row_sum = _attend(acc, row_max, row_sum, q_lat, q_rope, c_kv_ptr, k_rope_ptr, s, b * BK,
-                                        col_ok, row_ok[:, None] & col_ok[None, :], SCALE, CAPACITY, LAT, LAT_P,
+                                        col_ok, col_ok[None, :], SCALE, CAPACITY, LAT, LAT_P,
                                         ROPE, ROPE_P, BK, PRECISION)
 
     node = tl.minimum(rows // NUM_HEADS, NUM_NODES - 1)
@@ -154,7 +159,7 @@ def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale:
     else:
         out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, rows, lat_p), jnp.float32), per_row, per_row)
     out, row_max, row_sum = call(
-        jnp.asarray(prefix_len, jnp.int32), jnp.asarray(visible, jnp.int8), q_lat.reshape(s, rows, c),
+        jnp.asarray(prefix_len, jnp.int32), jnp.asarray(visible, jnp.bool_), q_lat.reshape(s, rows, c),
         q_rope.reshape(s, rows, r), c_kv, k_rope, kernel=_attention_kernel, out_shape=out_shape,
         grid=(triton.cdiv(rows, cfg.block_q), cfg.num_splits, s), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, SCALE=float(scale), NUM_NODES=t, NUM_HEADS=h, STREAMS=s, CAPACITY=c_kv.shape[1],

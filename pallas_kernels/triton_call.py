@@ -39,7 +39,7 @@ LAUNCHERS = ("xla", "jax_triton")
 XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"
 TRITON_POINTER_TYPES = {np.dtype(jax.numpy.bfloat16): "*bf16", np.dtype(np.float16): "*fp16",
                         np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32", np.dtype(np.uint32): "*u32",
-                        np.dtype(np.int8): "*i8", np.dtype(np.uint8): "*u8"}
+                        np.dtype(np.int8): "*i8", np.dtype(np.uint8): "*u8", np.dtype(np.bool_): "*i1"}
 DEFAULT_COMPUTE_CAPABILITY = 90     # the H200's, for lowering on a machine without a GPU (tests)
 
 

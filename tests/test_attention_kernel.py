@@ -3,8 +3,11 @@
 Interpret mode fills every kernel output with NaN before the kernel runs, so a finite result means every element was
 written. Fresh random inputs per test (seeded by the test's parameters, never zeros).
 """
-import numpy as np
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import ops
@@ -124,6 +127,46 @@ def test_ops_dispatch():
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="implementation"):
         ops.set_implementation("fast")
+
+
+def k2_operands(streams, nodes, heads, capacity, dtype=jnp.bfloat16, lat=512, rope=64):
+    """Abstract operands of one call (nothing allocated)."""
+    spec = jax.ShapeDtypeStruct
+    return (spec((streams, nodes, heads, lat), dtype), spec((streams, nodes, heads, rope), dtype),
+            spec((streams, capacity, lat), dtype), spec((streams, capacity, rope), dtype))
+
+
+@pytest.mark.parametrize("nodes,heads,capacity,dtype,lat,backend", [
+    (1, 64, 4096, jnp.bfloat16, 512, "mosaic_gpu"),     # 64 rows: one whole tile
+    (16, 8, 4160, jnp.bfloat16, 512, "mosaic_gpu"),
+    (1, 8, 4096, jnp.bfloat16, 512, "triton"),          # 8 rows: a 64-row tile would be 7/8 padding
+    (16, 8, 4097, jnp.bfloat16, 512, "triton"),         # cache not in whole 64-row blocks
+    (16, 8, 4096, jnp.float32, 512, "triton"),          # f32: Mosaic GPU's wgmma takes bf16 here
+    (16, 8, 4096, jnp.bfloat16, 64, "triton"),          # not the K2.x latent width
+])
+def test_attention_backend(nodes, heads, capacity, dtype, lat, backend):
+    assert ops.attention_backend(*k2_operands(2, nodes, heads, capacity, dtype, lat)[:3]) == backend
+
+
+def test_both_attention_kernels_lower_under_head_parallel():
+    """ops.tree_verify_attention inside the model's head-parallel shard_map (tp=2, check_vma on), lowered for an
+    abstract H200 mesh: 8 query rows per device go to the Triton kernel (XLA's Triton custom call), 16 x 8 to the
+    Mosaic GPU kernel (its custom call)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from kdtree_jax.model.parallel import head_parallel
+    from triton_h200 import h200_mesh, lower_for_h200
+
+    mesh = h200_mesh((1, 2), ("data", "tp"))
+    attention = functools.partial(ops.tree_verify_attention, scale=0.07)
+    for nodes, target in ((1, "__gpu$xla.gpu.triton"), (16, "mosaic_gpu_v2")):
+        arrays = k2_operands(2, nodes, 16, 4096 + 64) + (jax.ShapeDtypeStruct((2,), jnp.int32),
+                                                        jax.ShapeDtypeStruct((2, nodes, nodes), jnp.bool_))
+        parts = [P(None, None, "tp", None)] * 2 + [P()] * 4
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, part))
+                for a, part in zip(arrays, parts)]
+        with ops.implementation("kernel", interpret=False):
+            text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
+        assert f"custom_call @{target}" in text and text.count("custom_call @") == 1, (nodes, target)
 
 
 def test_bad_shapes_raise():

@@ -19,10 +19,11 @@ from flax import nnx
 from kdtree_jax import config as config_lib
 from pallas_kernels import tree as T
 from kdtree_jax.model.moe import random_int4_experts
+from pallas_kernels import ops
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
-from pallas_kernels import prefix_attention_mgpu as PA
+from pallas_kernels import tree_verify_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels import tree_verify_attention_triton as AT
 from conftest import assert_topk_matches_reference, random_targets, rel_err
@@ -34,14 +35,15 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled
 K26 = config_lib.kimi_k2_6()
 
 
-@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention, PA.tree_verify_attention],
-                         ids=["pallas_triton", "triton_xla", "mosaic_gpu"])
+@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention, PA.tree_verify_attention,
+                                    ops.tree_verify_attention],
+                         ids=["pallas_triton", "triton_xla", "mosaic_gpu", "ops"])
 @pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)])
 def test_attention_bf16_k26(kernel, heads, nodes):
     """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache; per stream against the
     reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Pallas-Triton kernel, its Triton port (XLA's
-    launcher) and the experimental Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row
-    tiles)."""
+    launcher), the Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row tiles) and the op
+    (Mosaic GPU from 64 rows, Triton below)."""
     rng = np.random.default_rng(heads * 1000 + nodes)
     inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
     out = kernel(*inputs, scale=K26.softmax_scale)

@@ -1,4 +1,4 @@
-"""pallas_kernels/prefix_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the CPU
+"""pallas_kernels/tree_verify_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the CPU
 (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The prefix partials are checked against the reference with no tree node visible (only the committed prefix is
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from pallas_kernels import prefix_attention_mgpu as PA
+from pallas_kernels import tree_verify_attention_mgpu as PA
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels.tree import random_tree_visible
 

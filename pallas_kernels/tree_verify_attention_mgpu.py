@@ -1,8 +1,8 @@
-"""Tree-verify attention with its prefix on Hopper in Mosaic GPU (wgmma, TMA, warp specialisation).
-
-EXPERIMENTAL, not called by the model: the prefix kernel compiled and ran on the H200 (sixth session, 1.4-2.4x the
-Triton kernel on the prefix alone: experiments/notes/kernels.md, "The Mosaic GPU prefix kernel on the H200");
-`tree_verify_attention` (prefix partials + the tree block + the merge) is checked in interpret mode on the CPU only.
+"""Tree-verify attention on Hopper in Mosaic GPU (wgmma, TMA, warp specialisation): `ops.tree_verify_attention`'s
+kernel where its 64-row tile fits the call (`fits`: K2.x latent widths, bf16, at least 64 query rows per stream,
+whole 64-row cache blocks); the Triton kernel (`tree_verify_attention_triton`) takes the other calls. Measured on the
+H200: experiments/notes/kernels.md, "The Mosaic GPU whole op on the H200" and "Attention in ops: Mosaic GPU and
+Triton".
 
 For stream s and query row r (a (node, head) pair), over the committed cache rows j < prefix_len[s]:
 
@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import inverse_or_zero
-from pallas_kernels import tree_verify_attention as triton_attention
+from pallas_kernels import tree_verify_attention as op
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
 BLOCK_KV = 64    # default cache rows per ring slot (the cache's row count must be a multiple of block_kv)
@@ -217,6 +217,15 @@ def _accumulate(acc, a, b_smem, a_smem=None):
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def fits(q_lat, q_rope, c_kv) -> bool:
+    """Whether this kernel takes a call with these operands (q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C]):
+    the K2.x widths (C = 512, R = 64), bf16, at least one whole 64-row query tile per stream (fewer rows would be
+    mostly padding: the Triton kernel's 16-row tiles win there, kernels.md) and whole 64-row cache blocks."""
+    s, t, h, c = q_lat.shape
+    return (c == 2 * HALF and q_rope.shape[-1] == ROPE and t * h >= BLOCK_Q and c_kv.shape[1] % BLOCK_KV == 0
+            and all(x.dtype == jnp.bfloat16 for x in (q_lat, q_rope, c_kv)))
+
+
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     """Split-K count for the prefix kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with
     this kernel's programs: 64-row tiles, one resident per multiprocessor (216 KB of shared memory), bf16 partials of
@@ -225,8 +234,8 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     ran 2 blocks each and wrote 64-row partials for 8 real rows (kernels.md, "The Mosaic GPU whole op on the H200")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
-    return triton_attention.split_count(tiles, capacity, BLOCK_KV, triton_attention.NUM_SMS, partial_bytes,
-                                        triton_attention.call_floor_bytes(num_streams, num_rows, capacity))
+    return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,
+                          op.call_floor_bytes(num_streams, num_rows, capacity))
 
 
 def _split_blocks(prefix, split, num_splits: int, block_kv: int):
@@ -277,10 +286,10 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     rows are padded to 64-row tiles; the prefix runs in `prefix_attention_partials` (num_splits: default
     `default_num_splits`), the tree block in `tree_block_partial`, and `merge_partials` joins them (both in
     XLA: the fused combine is not written yet). N must be a multiple of 64."""
-    triton_attention.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
-        raise ValueError(f"prefix_attention_mgpu.tree_verify_attention: cache rows N={c_kv.shape[1]} must be a "
+        raise ValueError(f"tree_verify_attention_mgpu.tree_verify_attention: cache rows N={c_kv.shape[1]} must be a "
                          f"multiple of {BLOCK_KV} (allocate the cache so, or use ops.tree_verify_attention)")
     rows = t * h
     pad = ((0, 0), (0, -rows % BLOCK_Q), (0, 0))
