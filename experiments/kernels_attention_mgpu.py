@@ -20,10 +20,10 @@ from pallas_kernels import tree_verify_attention_triton as attn_triton
 
 def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, quick: bool, save) -> None:
     """Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case: `mgpu` the whole op
-    (`tree_verify_attention_mgpu.tree_verify_attention`: the prefix kernel, the tree block under the case's ancestor mask
-    and the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the Triton kernel's
-    count where the two differ, and `mgpu_prefix` the prefix kernel and merge alone at mgpu's count (no tree block;
-    its error is against the reference with no tree node visible). The cache is in whole 64-row blocks
+    (`tree_verify_attention_mgpu.tree_verify_attention`: the kernel over the prefix and the tree block under the case's
+    ancestor mask, the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the
+    Triton kernel's count where the two differ, and `mgpu_prefix` the kernel and merge over the prefix alone at mgpu's
+    count (no tree block; its error is against the reference with no tree node visible). The cache is in whole 64-row blocks
     (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of
     the whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
     `save()`; no new case past `deadline` (time.time())."""
@@ -38,16 +38,18 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
         q_lat, q_rope, c_kv, k_rope, prefix_len, visible = attention_inputs(jax.random.key(5000 + ci), case, rng)
         splits = mgpu_attn.default_num_splits(s, rows, c_kv.shape[1])
         triton_splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
-        q_pad = ((0, 0), (0, -rows % mgpu_attn.BLOCK_Q), (0, 0))
+        padded = rows + (-rows % mgpu_attn.BLOCK_Q)
+        q_pad = ((0, 0), (0, padded - rows), (0, 0))
         full = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
         no_tree = (q_lat, q_rope, c_kv, k_rope, prefix_len, jnp.zeros_like(visible))
         args = {"triton": full, "mgpu": full, "reference": full,
                 "mgpu_prefix": (jnp.pad(q_lat.reshape(s, rows, -1), q_pad), jnp.pad(q_rope.reshape(s, rows, -1), q_pad),
-                                c_kv, k_rope, prefix_len)}
+                                c_kv, k_rope, prefix_len,
+                                mgpu_attn.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, padded))}
         fns = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
-               "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.prefix_attention_partials(
-                   *a, scale=K26_SCALE, num_splits=splits, interpret=interpret))[:, :rows]),
+               "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.attention_partials(
+                   *a, scale=K26_SCALE, num_nodes=0, num_splits=splits, interpret=interpret))[:, :rows]),
                "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
         if triton_splits != splits:
             args["mgpu_triton_splits"] = full

@@ -45,8 +45,7 @@ def _register(name: str, kernel: Callable, reference: Callable, *, interpretable
 
 def attention_backend(q_lat, q_rope, c_kv) -> str:
     """The kernel `tree_verify_attention` runs for these operands: "mosaic_gpu" where its 64-row tile fits
-    (`tree_verify_attention_mgpu.fits`), else "triton". Measured: kernels.md, "Attention in ops: Mosaic GPU and
-    Triton"."""
+    (`tree_verify_attention_mgpu.fits`), else "triton". Measured: kernels.md, "Eighth session"."""
     return "mosaic_gpu" if _attention_mgpu.fits(q_lat, q_rope, c_kv) else "triton"
 
 
@@ -61,7 +60,7 @@ def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale
     return _attention_triton.tree_verify_attention(*args, scale=scale)
 
 
-# Measured against the Pallas-Triton kernel they replace: kernels.md, "Attention in ops: Mosaic GPU and Triton".
+# Measured against the Pallas-Triton kernel they replace: kernels.md, "Eighth session".
 _register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
 # Measured: experiments/notes/kernels.md, "int4_moe in Triton"; its CPU tests compile it for sm_90 and interpret it.
 _register("int4_moe", _int4_moe_triton.int4_moe, _int4_moe.int4_moe_reference, interpretable=False)

@@ -1,4 +1,5 @@
-"""Tree-verify attention over the MLA latent cache (absorbed form): a Pallas-Triton kernel and its pure-JAX reference.
+"""Tree-verify attention over the MLA latent cache (absorbed form): the op, its pure-JAX reference, and what its two
+kernels share (the tiling and split-K heuristics, the input check, the split-K combine).
 
 Query node t of stream s attends to every committed cache row j < prefix_len[s] and to the tree rows
 prefix_len[s] + u for which visible[s, t, u] holds (the tree block's own latent KV, written there in node order):
@@ -9,25 +10,23 @@ The output stays in the latent space (the caller applies W_UV). A query row with
 zeros. The same function serves AR decode (T = 1, visible = [[True]]) and ragged prefill (prefix_len = 0,
 visible = causal & valid).
 
-Kernel (MQA form): the latent K/V are shared by all heads, so the H heads x T nodes of one stream are the rows of one
-query tile [block_q, C]. Each program streams cache blocks of block_k rows with an online softmax; the 576-wide
-score is two power-of-two dot products (C = 512 latent + R = 64 rope). With num_splits > 1 the prefix is cut into
-that many contiguous pieces at run time (from prefix_len, so short prefixes waste nothing), each program writes an
-unnormalised partial (acc, running max, running sum) and a small combine merges them; the last piece also takes the
-tree block, masked by `visible`. With one split the kernel normalises and writes the output directly.
+Kernels (`ops.attention_backend` picks per call): `tree_verify_attention_mgpu` (Mosaic GPU, 64-row query tiles) and
+`tree_verify_attention_triton` (Triton, 16-64-row tiles). Both take the MQA form: the latent K/V are shared by all
+heads, so the H heads x T nodes of one stream are the rows of one query tile [block_q, C]. Each program streams
+cache blocks with an online softmax (the 576-wide score: C = 512 latent + R = 64 rope). With num_splits > 1 the
+cache rows are cut into that many contiguous pieces at run time (from prefix_len, so short prefixes waste nothing),
+each program writes a partial (its output, running max and sum) and a combine merges them; the tree block is masked
+by `visible`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import MIN_DOT_DIM, dot_nt, inverse_or_zero, pallas_call
+from pallas_kernels import MIN_DOT_DIM, inverse_or_zero
 
 # Finite stand-in for -inf in the running max: exp(NEG_INF - NEG_INF) stays 1, never NaN; masked probabilities are
 # zeroed explicitly, so a row with nothing allowed keeps sum 0 and returns 0.
@@ -175,79 +174,6 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
     return out.astype(q_lat.dtype)
 
 
-def _load_rows(ref, stream, start, size, row_ok, width, width_p):
-    """Rows [start, start + size) of ref[stream] as [size, width_p]: masked rows and padding columns read 0."""
-    mask = row_ok[:, None]
-    if width_p != width:
-        mask = mask & (jnp.arange(width_p) < width)[None, :]
-    return plgpu.load(ref.at[stream, pl.ds(start, size), pl.ds(0, width_p)], mask=mask, other=0)
-
-
-def _kernel(prefix_ref, visible_ref, q_lat_ref, q_rope_ref, c_kv_ref, k_rope_ref, *out_refs, scale: float,
-            num_nodes: int, num_heads: int, lat: tuple[int, int], rope: tuple[int, int], cfg: AttentionConfig):
-    """One program: query tile qi of stream s against piece `split` of its prefix (and the tree block if last)."""
-    qi, split, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bq, bk = cfg.block_q, cfg.block_k
-    rows = qi * bq + jnp.arange(bq)
-    row_ok = rows < num_nodes * num_heads
-    q_lat = _load_rows(q_lat_ref, s, qi * bq, bq, row_ok, *lat)        # [bq, Cp]
-    q_rope = _load_rows(q_rope_ref, s, qi * bq, bq, row_ok, *rope)     # [bq, Rp]
-    prefix = prefix_ref[s]
-
-    def attend(carry, start, col_ok, allowed):
-        acc, m, l = carry
-        k_lat = _load_rows(c_kv_ref, s, start, bk, col_ok, *lat)       # [bk, Cp]
-        k_rope = _load_rows(k_rope_ref, s, start, bk, col_ok, *rope)   # [bk, Rp]
-        logits = (dot_nt(q_lat, k_lat) + dot_nt(q_rope, k_rope)) * scale
-        logits = jnp.where(allowed, logits, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        alpha = jnp.exp(m - m_new)
-        prob = jnp.where(allowed, jnp.exp(logits - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(prob, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(prob.astype(k_lat.dtype), k_lat, precision=lax.Precision.HIGHEST,
-                                             preferred_element_type=jnp.float32)
-        return acc, m_new, l
-
-    def prefix_step(b, carry):
-        cols = b * bk + jnp.arange(bk)
-        col_ok = cols < prefix
-        return attend(carry, b * bk, col_ok, col_ok[None, :])
-
-    node = jnp.minimum(rows // num_heads, num_nodes - 1)
-
-    def tree_step(b, carry):
-        u = b * bk + jnp.arange(bk)                                      # tree node of each column
-        col_ok = u < num_nodes
-        vis = plgpu.load(visible_ref.at[s, node[:, None], jnp.minimum(u, num_nodes - 1)[None, :]],
-                         mask=row_ok[:, None] & col_ok[None, :], other=False)
-        return attend(carry, prefix + b * bk, col_ok, vis)
-
-    num_blocks = pl.cdiv(prefix, bk)
-    per_split = pl.cdiv(num_blocks, cfg.num_splits)
-    lo = split * per_split
-    hi = jnp.minimum(lo + per_split, num_blocks)
-    carry = (jnp.zeros((bq, lat[1]), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
-    carry = lax.fori_loop(lo, hi, prefix_step, carry)
-    # Arithmetic, not jnp.where: the Triton lowering needs both loop bounds as plain i32 scalars.
-    tree_blocks = (split == cfg.num_splits - 1).astype(jnp.int32) * pl.cdiv(num_nodes, bk)
-    acc, m, l = lax.fori_loop(0, tree_blocks, tree_step, carry)
-
-    if cfg.num_splits == 1:
-        (out_ref,) = out_refs
-        inv = inverse_or_zero(l)
-        mask = row_ok[:, None]
-        if lat[1] != lat[0]:
-            mask = mask & (jnp.arange(lat[1]) < lat[0])[None, :]
-        plgpu.store(out_ref.at[s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], (acc * inv[:, None]).astype(out_ref.dtype),
-                    mask=mask)
-    else:
-        acc_ref, m_ref, l_ref = out_refs                                 # real rows only: no padding written
-        plgpu.store(acc_ref.at[split, s, pl.ds(qi * bq, bq), pl.ds(0, lat[1])], acc, mask=row_ok[:, None])
-        plgpu.store(m_ref.at[split, s, pl.ds(qi * bq, bq)], m, mask=row_ok)
-        plgpu.store(l_ref.at[split, s, pl.ds(qi * bq, bq)], l, mask=row_ok)
-
-
 def combine_partials(acc, m, l):
     """Partials acc [P, S, rows, Cp], m/l [P, S, rows] -> normalised [S, rows, Cp] f32 (0 where nothing allowed)."""
     m_all = jnp.max(m, axis=0)
@@ -255,39 +181,3 @@ def combine_partials(acc, m, l):
     total = jnp.sum(w * l, axis=0)
     out = jnp.sum(w[..., None] * acc, axis=0)
     return out * inverse_or_zero(total)[..., None]
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
-                          config: AttentionConfig | None = None, interpret: bool = False):
-    """Pallas kernel with the signature and semantics of `tree_verify_attention_reference`.
-
-    q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S] int32 in [0, N - T],
-    visible [S, T, T] bool -> out [S, T, H, C] in q_lat's dtype (f32 accumulation).
-    """
-    check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-    s, t, h, c = q_lat.shape
-    r = q_rope.shape[3]
-    rows = t * h
-    cfg = config or default_config(s, rows, c_kv.shape[1], c, r, c_kv.dtype.itemsize)
-    q_tiles = pl.cdiv(rows, cfg.block_q)
-    lat, rope = (c, dot_width(c)), (r, dot_width(r))
-    kernel = functools.partial(_kernel, scale=float(scale), num_nodes=t, num_heads=h, lat=lat, rope=rope, cfg=cfg)
-    if cfg.num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((s, rows, c), q_lat.dtype)
-    else:
-        out_shape = (jax.ShapeDtypeStruct((cfg.num_splits, s, rows, lat[1]), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((cfg.num_splits, s, rows), jnp.float32))
-    result = pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(q_tiles, cfg.num_splits, s),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name="tree_verify_attention",
-    )(prefix_len.astype(jnp.int32), visible, q_lat.reshape(s, rows, c), q_rope.reshape(s, rows, r), c_kv, k_rope)
-    if cfg.num_splits > 1:
-        result = combine_partials(*result)[..., :c].astype(q_lat.dtype)
-    return result.reshape(s, t, h, c)
-

@@ -1,15 +1,19 @@
 """Tree-verify attention on Hopper in Mosaic GPU (wgmma, TMA, warp specialisation): `ops.tree_verify_attention`'s
 kernel where its 64-row tile fits the call (`fits`: K2.x latent widths, bf16, at least 64 query rows per stream,
 whole 64-row cache blocks); the Triton kernel (`tree_verify_attention_triton`) takes the other calls. Measured on the
-H200: experiments/notes/kernels.md, "The Mosaic GPU whole op on the H200" and "Attention in ops: Mosaic GPU and
-Triton".
+H200: experiments/notes/kernels.md, "The Mosaic GPU whole op on the H200" and "Eighth session".
 
-For stream s and query row r (a (node, head) pair), over the committed cache rows j < prefix_len[s]:
+For stream s and query row r = (node t, head h), over the cache rows j < prefix_len[s] + T (the committed prefix,
+then the tree block's own rows):
 
-  logits[j] = scale * (q_lat[r] . c_kv[j] + q_rope[r] . k_rope[j]);  out[r] = softmax(logits) @ c_kv
+  logits[j] = scale * (q_lat[r] . c_kv[j] + q_rope[r] . k_rope[j]) + bias[r, j];  out[r] = softmax(logits) @ c_kv
 
-returned as split-K partials: out normalised within its split (bf16), the running max and sum (f32). The tree block
-(ancestor mask) is one more partial (`tree_block_partial`, XLA) and `merge_partials` joins them.
+where bias is 0 for the prefix and for the tree rows node t sees (`visible`), -inf elsewhere. Blocks of cache rows
+wholly inside the prefix take no bias; the few blocks from the one holding the prefix's end to the tree's last row
+(the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
+memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
+each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
+`merge_partials` joins (XLA); with one split the kernel's output is the op's.
 
 One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
 c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
@@ -41,9 +45,12 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv: int):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_kv: int):
     s, rows, c = q_lat.shape
     problems = []
+    if bias.shape != (s, rows, frame_width(num_nodes, block_kv)) or bias.dtype != jnp.float32:
+        problems.append(f"frame_bias {bias.shape} {bias.dtype} must be f32 [S, rows, frame_width(T={num_nodes}, "
+                        f"block_kv={block_kv})] = {(s, rows, frame_width(num_nodes, block_kv))} (`frame_bias`)")
     if c != 2 * HALF or q_rope.shape != (s, rows, ROPE):
         problems.append(f"q_lat {q_lat.shape} / q_rope {q_rope.shape} must be [S, rows, {2 * HALF}] / [S, rows, {ROPE}]")
     if rows % BLOCK_Q:
@@ -60,21 +67,22 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv: int):
     if any(x.dtype != jnp.bfloat16 for x in (q_lat, q_rope, c_kv, k_rope)):
         problems.append("q_lat, q_rope, c_kv and k_rope must be bfloat16")
     if problems:
-        raise ValueError("prefix_attention_partials: " + "; ".join(problems))
+        raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_kv", "stages", "interpret"))
-def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale: float, num_splits: int = 1,
-                              block_kv: int = BLOCK_KV, stages: int = 2, interpret: bool = False):
-    """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32
-    -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32, sum [P, S, rows] f32), P = num_splits; a split with no
-    prefix rows has sum 0 (and max -inf)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, block_kv)
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "block_kv", "stages", "interpret"))
+def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
+                       num_splits: int = 1, block_kv: int = BLOCK_KV, stages: int = 2, interpret: bool = False):
+    """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
+    bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
+    sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
+    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, block_kv)
     s, rows, _ = q_lat.shape
     # TMA copies move whole 16-byte rows: the lengths travel as a row of 4 int32 per stream.
     lengths = jnp.zeros((s, 4), jnp.int32).at[:, 0].set(prefix_len.astype(jnp.int32))
 
-    def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, out_ref, max_ref, sum_ref,
+    def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
              q_smem, qr_smem, kv_smem, kr_smem, len_smem, row_smem,
              q_bar, kv_bars, kr_bars, free_bars, sync_bar, *p_smem):
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
@@ -90,7 +98,7 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
                                         q_bar.at[1 + h])
             plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[3])
             plgpu.barrier_wait(q_bar.at[0])
-            lo, steps = _split_blocks(len_smem[0], split, num_splits, block_kv)
+            lo, steps = _split_blocks(len_smem[0] + num_nodes, split, num_splits, block_kv)
 
             def fetch(step, slot):
                 kv_rows = pl.ds((lo + step) * block_kv, block_kv)
@@ -122,12 +130,14 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
             for i in range(4):
                 plgpu.barrier_wait(q_bar.at[i])
             prefix = len_smem[0]
-            lo, steps = _split_blocks(prefix, split, num_splits, block_kv)
+            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits, block_kv)
+            frame_start = lax.div(prefix, block_kv)                # the first block not wholly inside the prefix
+            plain_steps = jnp.clip(frame_start - lo, 0, steps)
             m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
-            def step_fn(step, carry):
+            def step_fn(step, carry, framed: bool):
                 acc, m, total = carry
                 slot = lax.rem(step, stages)
                 for h in range(2):
@@ -141,11 +151,14 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
                     return acc_ref[...]
 
                 logits = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale
-                col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                logits = jnp.where(col + (lo + step) * block_kv < prefix, logits, -jnp.inf)
+                if framed:
+                    cols = pl.ds((lo + step - frame_start) * block_kv, block_kv)
+                    logits = logits + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
+                                                 optimized=False)
                 m_new = jnp.maximum(m, logits.max(axis=1))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)    # a row that sees nothing yet: p = 0, not NaN
+                alpha = jnp.exp(m - m_safe)
+                p = jnp.exp(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
                 total = total * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -154,7 +167,8 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, total
 
-            acc, m, total = lax.fori_loop(0, steps, step_fn, (acc, m, total))
+            carry = lax.fori_loop(0, plain_steps, functools.partial(step_fn, framed=False), (acc, m, total))
+            acc, m, total = lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry)
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
@@ -199,7 +213,7 @@ def prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, *, scale:
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q_lat, q_rope, c_kv, k_rope, lengths)
+    )(q_lat, q_rope, c_kv, k_rope, lengths, bias)
 
 
 def _accumulate(acc, a, b_smem, a_smem=None):
@@ -256,49 +270,52 @@ def merge_partials(out, row_max, row_sum):
     return merged * inverse_or_zero(total)[..., None]
 
 
-def tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
-    """The tree block as one more partial (XLA): the T rows at prefix_len[s] + u that query t sees where
-    visible[s, t, u]. q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], visible [S, T, T]
-    -> (out [S, T * H, C] f32 normalised, max [S, T * H], sum [S, T * H]) in the (t, h) row order of the prefix
-    partials; the rows must lie in the cache (prefix_len + T <= N, as the decoder guarantees)."""
-    s, t, h, _ = q_lat.shape
-    rows_at = lambda cache, p: lax.dynamic_slice_in_dim(cache, p, t, axis=0)     # noqa: E731
-    c_tree = jax.vmap(rows_at)(c_kv, prefix_len)                                   # [S, T, C]
-    k_tree = jax.vmap(rows_at)(k_rope, prefix_len)                                 # [S, T, R]
-    hi = lax.Precision.HIGHEST
-    logits = (jnp.einsum("sthc,suc->sthu", q_lat, c_tree, precision=hi, preferred_element_type=jnp.float32)
-              + jnp.einsum("sthr,sur->sthu", q_rope, k_tree, precision=hi, preferred_element_type=jnp.float32))
-    logits = jnp.where(visible[:, :, None, :], logits * scale, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1)
-    prob = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
-    row_sum = jnp.sum(prob, axis=-1)
-    out = jnp.einsum("sthu,suc->sthc", prob, c_tree.astype(jnp.float32), precision=hi)
-    out = out * inverse_or_zero(row_sum)[..., None]
-    return out.reshape(s, t * h, -1), row_max.reshape(s, t * h), row_sum.reshape(s, t * h)
+def frame_width(num_nodes: int, block_kv: int = BLOCK_KV) -> int:
+    """Columns of the frame: the cache blocks from the one holding the prefix's end (prefix_len // block_kv) to the
+    one holding the tree block's last row, whatever the prefix's length."""
+    return block_kv * pl.cdiv(block_kv - 1 + num_nodes, block_kv)
+
+
+def frame_bias(prefix_len, visible, num_heads: int, rows: int, block_kv: int = BLOCK_KV):
+    """prefix_len [S], visible [S, T, T] -> bias [S, rows, frame_width(T)] f32 of the frame's cache rows
+    j = (prefix_len // block_kv) * block_kv + column: 0 where query row r = (node r // num_heads, head) may attend
+    (j < prefix_len, or j = prefix_len + u with visible[s, node, u]), -inf elsewhere (also past the tree block and
+    for the rows past T * num_heads)."""
+    s, t, _ = visible.shape
+    prefix_len = prefix_len.astype(jnp.int32)
+    j = (prefix_len // block_kv * block_kv)[:, None] + jnp.arange(frame_width(t, block_kv))[None, :]    # [S, W]
+    allowed = jnp.broadcast_to((j < prefix_len[:, None])[:, None, :], (s, rows, j.shape[1]))
+    if t:
+        u = j - prefix_len[:, None]                                            # tree node of each column
+        node = jnp.arange(rows) // num_heads                                   # [rows]
+        sees = jnp.take_along_axis(visible[:, jnp.minimum(node, t - 1), :],
+                                   jnp.broadcast_to(jnp.clip(u, 0, t - 1)[:, None, :], allowed.shape), axis=2)
+        allowed = allowed | (((u >= 0) & (u < t))[:, None, :] & sees & (node < t)[None, :, None])
+    return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
                           num_splits: int | None = None, interpret: bool = False):
-    """Tree-verify attention with the prefix in Mosaic GPU: the semantics and shapes of
+    """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
-    rows are padded to 64-row tiles; the prefix runs in `prefix_attention_partials` (num_splits: default
-    `default_num_splits`), the tree block in `tree_block_partial`, and `merge_partials` joins them (both in
-    XLA: the fused combine is not written yet). N must be a multiple of 64."""
+    rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
+    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds `merge_partials` (XLA). N must be a multiple
+    of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
         raise ValueError(f"tree_verify_attention_mgpu.tree_verify_attention: cache rows N={c_kv.shape[1]} must be a "
                          f"multiple of {BLOCK_KV} (allocate the cache so, or use ops.tree_verify_attention)")
     rows = t * h
-    pad = ((0, 0), (0, -rows % BLOCK_Q), (0, 0))
+    padded = rows + (-rows % BLOCK_Q)
+    pad = ((0, 0), (0, padded - rows), (0, 0))
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
-    prefix = prefix_attention_partials(jnp.pad(q_lat.reshape(s, rows, c), pad),
-                                       jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope, prefix_len,
-                                       scale=scale, num_splits=num_splits, interpret=interpret)
-    tree = tree_block_partial(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
-    out, row_max, row_sum = (jnp.concatenate([p[:, :, :rows].astype(jnp.float32), q[None]])
-                             for p, q in zip(prefix, tree))
-    return merge_partials(out, row_max, row_sum).reshape(s, t, h, c).astype(q_lat.dtype)
+    out, row_max, row_sum = attention_partials(
+        jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
+        prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
+        interpret=interpret)
+    merged = out[0] if num_splits == 1 else merge_partials(out, row_max, row_sum)
+    return merged[:, :rows].reshape(s, t, h, c).astype(q_lat.dtype)

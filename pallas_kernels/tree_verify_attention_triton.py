@@ -1,17 +1,16 @@
-"""Tree-verify attention as a Triton kernel (launched by `triton_call`): the candidate to replace the Pallas-Triton
-kernel of `tree_verify_attention.py`, the last kernel on the backend jax 0.11.2 deprecates.
+"""Tree-verify attention as a Triton kernel (launched by `triton_call`): `ops.tree_verify_attention`'s kernel where
+the Mosaic GPU one does not fit the call (fewer than 64 query rows per stream, f32, other widths: `ops.attention_backend`).
 
-The same kernel written in Triton directly: the op's semantics, tiling (`AttentionConfig`, `default_config`), input
-check and split-K combine are those of `tree_verify_attention.py` (shared, not copied), and the program is the one
-that file describes: the T x H (node, head) rows of a stream form query tiles [block_q, 512 + 64]; a program streams
-its piece of the prefix in blocks of block_k rows with an online softmax (the 576-wide score as two dots), the last
-piece also takes the tree block under `visible`; one split normalises and writes the output, more write partials
-(acc, max, sum) that `combine_partials` merges.
+The op's semantics, tiling (`AttentionConfig`, `default_config`), input check and split-K combine are those of
+`tree_verify_attention.py` (shared, not copied). The T x H (node, head) rows of a stream form query tiles
+[block_q, C + R]; a program streams its piece of the prefix in blocks of block_k rows with an online softmax (the
+576-wide score as two dots), the last piece also takes the tree block under `visible`; one split normalises and
+writes the output, more write partials (acc, max, sum) that `combine_partials` merges.
 
-Pallas-Triton lowers its kernel to Triton IR that XLA compiles through the same custom call as `triton_call`'s
-"xla" launcher, so this one is expected to run as fast (not yet measured on the H200: kernels.md, "Next H200 runs").
-On the CPU it runs in Triton's interpreter against the reference (tests/test_attention_triton_interpreter.py),
-compiles for sm_90 and lowers for an H200 (tests/test_triton_call.py).
+Measured on the H200 against the Pallas-Triton kernel it replaced (the same program): 3-7% slower on most cases,
+equal at 8 query rows, 1.18x faster with one split (kernels.md, "Eighth session"). On the CPU it runs in Triton's
+interpreter against the reference (tests/test_attention_triton_interpreter.py), compiles for sm_90
+(tests/test_tree_verify_attention_triton.py) and lowers for an H200 (tests/test_triton_call.py).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import triton.language as tl
 from pallas_kernels import tree_verify_attention as op
 from pallas_kernels.triton_call import bound_to
 
-LAUNCHER = "xla"     # as the Pallas-Triton kernel is launched: compiled into XLA's executable
+LAUNCHER = "xla"     # compiled into XLA's executable: no per-call gap (kernels.md, "Launching Triton kernels")
 F32_MAX_BLOCK_K = 32  # f32 operands (IEEE dots): a 64-row q tile and 64-row cache blocks ask 295 KB of shared memory
 _NEG_INF = tl.constexpr(op.NEG_INF)
 

@@ -47,3 +47,26 @@ def test_kernel_matches_the_reference(nodes, heads, lat, rope, capacity, block_q
     assert out.shape == inputs[0].shape and np.isfinite(np.asarray(out)).all()
     assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=SCALE)) < 1e-5
     assert rel_err(out, numpy_attention(*inputs)) < 1e-5
+
+
+@in_child
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fully_masked_rows(num_splits):
+    """Ragged prefill (prefix 0, causal & valid): padding rows see nothing and return 0, not NaN; with a prefix they
+    attend to it."""
+    from conftest import rel_err
+    from pallas_kernels import tree_verify_attention as A
+    from pallas_kernels import tree_verify_attention_triton as AT
+    from test_attention_kernel import make_inputs, prefill_masks
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(21 + num_splits)
+    q_lat, q_rope, c_kv, k_rope, _, _ = make_inputs(rng, streams=2, nodes=8, heads=2, lat=32, rope=16, capacity=40)
+    config = A.AttentionConfig(block_q=16, block_k=16, num_splits=num_splits)
+    for prefix in ([0, 0], [0, 12]):
+        args = (q_lat, q_rope, c_kv, k_rope, np.asarray(prefix, np.int32), prefill_masks())
+        out = np.asarray(AT.run_attention(interpreter_call, *args, SCALE, config))
+        assert np.isfinite(out).all()
+        assert rel_err(out, A.tree_verify_attention_reference(*args, scale=SCALE)) < 1e-5
+        padding = np.abs(out[1, 5:]).max()
+        assert (padding == 0) if prefix[1] == 0 else (padding > 0)

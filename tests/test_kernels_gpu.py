@@ -1,9 +1,9 @@
 """The GPU kernels compiled on the GPU at Kimi K2.6 shapes == their references (skipped elsewhere): tree-verify
-attention (Pallas-Triton; the experimental Mosaic GPU one), tree build and accept (Triton, through both launchers),
+attention (Triton, Mosaic GPU, and the op that picks), tree build and accept (Triton, through both launchers),
 int4_moe (Triton).
 
 Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py` (int4_moe
-needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Pallas kernels in interpret mode and the Triton
+needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Mosaic GPU kernel in interpret mode and the Triton
 ones in Triton's interpreter (outputs poisoned before the call), and compiles the Triton ones for sm_90; here a compiled kernel cannot be
 poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
 fresh random inputs, and the tree kernels are compared bit for bit with the python specifications.
@@ -35,15 +35,13 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled
 K26 = config_lib.kimi_k2_6()
 
 
-@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention, PA.tree_verify_attention,
-                                    ops.tree_verify_attention],
-                         ids=["pallas_triton", "triton_xla", "mosaic_gpu", "ops"])
+@pytest.mark.parametrize("kernel", [AT.tree_verify_attention, PA.tree_verify_attention, ops.tree_verify_attention],
+                         ids=["triton", "mosaic_gpu", "ops"])
 @pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)])
 def test_attention_bf16_k26(kernel, heads, nodes):
     """Default tiling, bf16 inputs, 3 streams with ragged prefixes over a 4096-row cache; per stream against the
-    reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Pallas-Triton kernel, its Triton port (XLA's
-    launcher), the Mosaic GPU one (prefix kernel + tree block + merge; T x H rows padded to 64-row tiles) and the op
-    (Mosaic GPU from 64 rows, Triton below)."""
+    reference rounded to bf16, to test_attention_kernel.BF16_TOL. The Triton kernel (XLA's launcher), the Mosaic GPU
+    one (T x H rows padded to 64-row tiles) and the op (Mosaic GPU from 64 rows, Triton below)."""
     rng = np.random.default_rng(heads * 1000 + nodes)
     inputs = make_inputs(rng, 3, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
     out = kernel(*inputs, scale=K26.softmax_scale)
@@ -53,19 +51,15 @@ def test_attention_bf16_k26(kernel, heads, nodes):
     assert max(errors) < BF16_TOL, errors
 
 
-@pytest.mark.parametrize("kernel", [A.tree_verify_attention, AT.tree_verify_attention],
-                         ids=["pallas_triton", "triton_xla"])
 @pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),
                                     A.AttentionConfig(block_q=16, block_k=16, num_splits=4), None],
                          ids=["small_tiles", "small_tiles_4_splits", "default"])
-def test_attention_f32_k26(kernel, config):
-    """f32 inputs (IEEE dots), split-K off and on; small tiles to fit shared memory, and the default tiling for the
-    port (which runs f32 with cache blocks of 32 rows and one stage)."""
-    if config is None and kernel is A.tree_verify_attention:
-        pytest.skip("the Pallas-Triton kernel needs small f32 tiles (shared memory)")
+def test_attention_f32_k26(config):
+    """f32 inputs (IEEE dots) through the Triton kernel (the op's kernel for f32), split-K off and on; small tiles,
+    and the default tiling (run with cache blocks of 32 rows and one stage for shared memory)."""
     rng = np.random.default_rng(config.num_splits if config else 0)
     inputs = make_inputs(rng, 4, 16, 8, K26.kv_lora_rank, K26.qk_rope_head_dim, 1024)
-    out = kernel(*inputs, scale=K26.softmax_scale, config=config)
+    out = AT.tree_verify_attention(*inputs, scale=K26.softmax_scale, config=config)
     assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)) < 1e-5
 
 

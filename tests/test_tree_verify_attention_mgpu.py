@@ -1,11 +1,11 @@
 """pallas_kernels/tree_verify_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the CPU
 (which also checks that every barrier phase is observed), compiled on a GPU.
 
-The prefix partials are checked against the reference with no tree node visible (only the committed prefix is
-attended; query rows are (node, head) pairs flattened, as the kernel sees them): ragged prefixes including 0, one
-shorter than a block, more splits than blocks, and more blocks per split than ring slots. The whole op
-(`tree_verify_attention`: partials + tree block + merge) is checked under random ancestor masks. Fresh random bf16
-inputs per case.
+The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
+as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, and more
+blocks per split than ring slots. The whole op (`tree_verify_attention`: the prefix and the tree block in the kernel
+under `frame_bias`, then the merge) is checked under random ancestor masks, with one split and several, tree blocks
+inside one cache block and across two, and rows that see nothing. Fresh random bf16 inputs per case.
 """
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,14 @@ def inputs(rng, streams, rows, capacity):
             bf16(streams, capacity, PA.ROPE))
 
 
+def prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, **kwargs):
+    """The kernel over the prefixes alone (no tree block): its partials."""
+    s, rows = q_lat.shape[:2]
+    bias = PA.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, rows, kwargs.get("block_kv", PA.BLOCK_KV))
+    return PA.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0,
+                                 interpret=INTERPRET, **kwargs)
+
+
 def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     s, rows = q_lat.shape[:2]
     out = A.tree_verify_attention_reference(q_lat[:, :, None], q_rope[:, :, None], c_kv, k_rope, prefix_len,
@@ -44,9 +52,8 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits, block_kv, s
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 256)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
-    out, row_max, row_sum = PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, scale=SCALE,
-                                                         num_splits=num_splits, block_kv=block_kv, stages=stages,
-                                                         interpret=INTERPRET)
+    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
+                                        block_kv=block_kv, stages=stages)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * PA.HALF) and row_sum.shape == row_max.shape
     got = PA.merge_partials(out, row_max, row_sum)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
@@ -59,25 +66,28 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits, block_kv, s
 
 def test_bad_shapes_name_the_fix():
     rng = np.random.default_rng(1)
+    ten = jnp.asarray([10], jnp.int32)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 40, 256)
     with pytest.raises(ValueError, match="multiple of 64"):
-        PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
-                                     interpret=INTERPRET)
+        prefix_only(q_lat, q_rope, c_kv, k_rope, ten)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 100)
     with pytest.raises(ValueError, match="block_kv"):
-        PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
-                                     interpret=INTERPRET)
+        prefix_only(q_lat, q_rope, c_kv, k_rope, ten)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 128)
     with pytest.raises(ValueError, match="block_kv=32 must be a multiple of 64"):   # wgmma's K on the H200
-        PA.prefix_attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32), scale=SCALE,
-                                     block_kv=32, interpret=INTERPRET)
+        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, block_kv=32)
+    with pytest.raises(ValueError, match=r"frame_bias .* must be f32 \[S, rows, frame_width\(T=67"):
+        PA.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
+                              num_nodes=3 + 64, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3),
-                                                          ([200], 1, 8, 2)])
+                                                          ([200], 1, 8, 2), ([120, 7], 20, 4, 1),
+                                                          ([60, 128], 70, 1, 2)])
 def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
-    """The whole op: prefix partials (the kernel) + the tree block under random ancestor masks + the merge, with T x H
-    rows padded to 64-row tiles (40, 144 and 8 rows) and an empty prefix (only the tree block is attended). In
+    """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
+    an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 or 60 and
+    T = 20 or 70), one split (the kernel's output is the op's) and several. In
     interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work
     beside it can wait on each other for good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)

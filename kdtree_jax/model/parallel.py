@@ -5,11 +5,12 @@ The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
 kernel in a `jax.shard_map` over the shards the params already have, and without one they call it directly.
 
-Both shard_maps check varying manual axes (check_vma, jax's default): the kernels state theirs
-(`pallas_kernels.pallas_call`, `pallas_kernels.triton_call`). One exception, `_check_vma()`: a kernel run in Pallas'
-interpret mode (the CPU tests) is evaluated by jax 0.11.2's HLO interpreter, which mixes the kernel's own constants
-(no varying axes) with the blocks of varying operands and fails its own check ("Primitive pad requires varying manual
-axes to match"); the compiled GPU kernels never take that path.
+Both shard_maps check varying manual axes (check_vma, jax's default): the Triton kernels state theirs
+(`pallas_kernels.triton_call`), and Mosaic GPU's `plgpu.kernel` traces its body with the check off (both lower inside
+`head_parallel`: tests/test_attention_kernel.py). One exception, `_check_vma()`: a kernel run in Pallas' interpret
+mode (the CPU tests) is evaluated by jax 0.11.2's HLO interpreter, which mixes the kernel's own constants (no varying
+axes) with the blocks of varying operands and fails its own check ("Primitive pad requires varying manual axes to
+match"); the compiled GPU kernels never take that path.
 """
 from __future__ import annotations
 
