@@ -48,8 +48,8 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
                                 mgpu_attn.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, padded))}
         fns = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
-               "mgpu_prefix": jax.jit(lambda *a: mgpu_attn.merge_partials(*mgpu_attn.attention_partials(
-                   *a, scale=K26_SCALE, num_nodes=0, num_splits=splits, interpret=interpret))[:, :rows]),
+               "mgpu_prefix": jax.jit(lambda *a: attn.combine_partials(*mgpu_attn.attention_partials(
+                   *a, scale=K26_SCALE, num_nodes=0, num_splits=splits, interpret=interpret), normalized=True)[:, :rows]),
                "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
         if triton_splits != splits:
             args["mgpu_triton_splits"] = full

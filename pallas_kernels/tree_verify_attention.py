@@ -174,10 +174,13 @@ def tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, vis
     return out.astype(q_lat.dtype)
 
 
-def combine_partials(acc, m, l):
-    """Partials acc [P, S, rows, Cp], m/l [P, S, rows] -> normalised [S, rows, Cp] f32 (0 where nothing allowed)."""
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all[None])
-    total = jnp.sum(w * l, axis=0)
-    out = jnp.sum(w[..., None] * acc, axis=0)
-    return out * inverse_or_zero(total)[..., None]
+def combine_partials(out, row_max, row_sum, *, normalized: bool = False):
+    """The split-K combine in XLA (the reference of `tree_verify_attention_combine`, and the CPU path): partials out
+    [P, S, rows, C] (f32 unnormalised, or `normalized` within each split), row_max / row_sum [P, S, rows] ->
+    [S, rows, C] f32, 0 for a row with nothing allowed in any split (row_max may be -inf or NEG_INF there)."""
+    top = jnp.max(row_max, axis=0)
+    weight = jnp.exp(row_max - jnp.where(jnp.isfinite(top), top, 0.0)[None])
+    weighted_sum = weight * row_sum
+    scale = weighted_sum if normalized else weight
+    merged = jnp.sum(scale[..., None] * out.astype(jnp.float32), axis=0)
+    return merged * inverse_or_zero(jnp.sum(weighted_sum, axis=0))[..., None]

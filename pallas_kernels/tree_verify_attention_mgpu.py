@@ -13,7 +13,8 @@ wholly inside the prefix take no bias; the few blocks from the one holding the p
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
 each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
-`merge_partials` joins (XLA); with one split the kernel's output is the op's.
+`tree_verify_attention_combine` joins (one Triton kernel; XLA's `combine_partials` in interpret mode); with one
+split the kernel's output is the op's.
 
 One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
 c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
@@ -33,6 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import inverse_or_zero
 from pallas_kernels import tree_verify_attention as op
+from pallas_kernels import tree_verify_attention_combine as combine
+from pallas_kernels.triton_call import bound_to
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
 BLOCK_KV = 64    # default cache rows per ring slot (the cache's row count must be a multiple of block_kv)
@@ -79,11 +82,9 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, block_kv)
     s, rows, _ = q_lat.shape
-    # TMA copies move whole 16-byte rows: the lengths travel as a row of 4 int32 per stream.
-    lengths = jnp.zeros((s, 4), jnp.int32).at[:, 0].set(prefix_len.astype(jnp.int32))
 
     def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
-             q_smem, qr_smem, kv_smem, kr_smem, len_smem, row_smem,
+             q_smem, qr_smem, kv_smem, kr_smem, row_smem,
              q_bar, kv_bars, kr_bars, free_bars, sync_bar, *p_smem):
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
@@ -92,13 +93,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(len_ref.at[stream], len_smem, q_bar.at[0])
             for h in range(2):
                 plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
-                                        q_bar.at[1 + h])
-            plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[3])
-            plgpu.barrier_wait(q_bar.at[0])
-            lo, steps = _split_blocks(len_smem[0] + num_nodes, split, num_splits, block_kv)
+                                        q_bar.at[h])
+            plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
+            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits, block_kv)
 
             def fetch(step, slot):
                 kv_rows = pl.ds((lo + step) * block_kv, block_kv)
@@ -121,15 +120,15 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             def _(step):
                 plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
 
-            for i in range(1, 4):
+            for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            for i in range(4):
+            for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
-            prefix = len_smem[0]
+            prefix = len_ref[stream]
             lo, steps = _split_blocks(prefix + num_nodes, split, num_splits, block_kv)
             frame_start = lax.div(prefix, block_kv)                # the first block not wholly inside the prefix
             plain_steps = jnp.clip(frame_start - lo, 0, steps)
@@ -198,9 +197,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((stages, 2, block_kv, HALF), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((stages, block_kv, ROPE), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((4,), jnp.int32),
                plgpu.SMEM((2, BLOCK_Q), jnp.float32),
-               plgpu.Barrier(num_barriers=4),
+               plgpu.Barrier(num_barriers=3),
                plgpu.Barrier(num_barriers=2 * stages),
                plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
@@ -213,7 +211,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q_lat, q_rope, c_kv, k_rope, lengths, bias)
+    )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
 
 def _accumulate(acc, a, b_smem, a_smem=None):
@@ -260,16 +258,6 @@ def _split_blocks(prefix, split, num_splits: int, block_kv: int):
     return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
 
 
-def merge_partials(out, row_max, row_sum):
-    """Partials out [P, S, rows, C] (normalised within each), row_max / row_sum [P, S, rows] -> [S, rows, C] f32
-    (0 for a row with nothing allowed in any partial)."""
-    top = jnp.max(row_max, axis=0)
-    weight = jnp.where(row_sum > 0, jnp.exp(row_max - jnp.where(jnp.isfinite(top), top, 0.0)[None]) * row_sum, 0.0)
-    total = jnp.sum(weight, axis=0)
-    merged = jnp.sum(weight[..., None] * out.astype(jnp.float32), axis=0)
-    return merged * inverse_or_zero(total)[..., None]
-
-
 def frame_width(num_nodes: int, block_kv: int = BLOCK_KV) -> int:
     """Columns of the frame: the cache blocks from the one holding the prefix's end (prefix_len // block_kv) to the
     one holding the tree block's last row, whatever the prefix's length."""
@@ -301,8 +289,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
-    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds `merge_partials` (XLA). N must be a multiple
-    of 64."""
+    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds the combine (one Triton kernel through
+    XLA's launcher; XLA's `combine_partials` in interpret mode). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -317,5 +305,12 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
         interpret=interpret)
-    merged = out[0] if num_splits == 1 else merge_partials(out, row_max, row_sum)
-    return merged[:, :rows].reshape(s, t, h, c).astype(q_lat.dtype)
+    if num_splits == 1:
+        merged = out[0, :, :rows]
+    elif interpret:
+        merged = op.combine_partials(out, row_max, row_sum, normalized=True)[:, :rows].astype(q_lat.dtype)
+    else:
+        call = bound_to(combine.LAUNCHER, interpret=False, op="tree_verify_attention_mgpu.tree_verify_attention",
+                        reference="interpret=True")
+        merged = combine.combine(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
+    return merged.reshape(s, t, h, c)

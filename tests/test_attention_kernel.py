@@ -121,22 +121,27 @@ def test_attention_backend(nodes, heads, capacity, dtype, lat, backend):
 def test_both_attention_kernels_lower_under_head_parallel():
     """ops.tree_verify_attention inside the model's head-parallel shard_map (tp=2, check_vma on), lowered for an
     abstract H200 mesh: 8 query rows per device go to the Triton kernel (XLA's Triton custom call), 16 x 8 to the
-    Mosaic GPU kernel (its custom call)."""
+    Mosaic GPU kernel (its custom call); with split-K both add the Triton combine kernel."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from kdtree_jax.model.parallel import head_parallel
+    from pallas_kernels import tree_verify_attention as A
+    from pallas_kernels import tree_verify_attention_mgpu as PA
     from triton_h200 import h200_mesh, lower_for_h200
 
     mesh = h200_mesh((1, 2), ("data", "tp"))
     attention = functools.partial(ops.tree_verify_attention, scale=0.07)
-    for nodes, target in ((1, "__gpu$xla.gpu.triton"), (16, "mosaic_gpu_v2")):
-        arrays = k2_operands(2, nodes, 16, 4096 + 64) + (jax.ShapeDtypeStruct((2,), jnp.int32),
-                                                        jax.ShapeDtypeStruct((2, nodes, nodes), jnp.bool_))
+    capacity = 4096 + 64
+    for nodes, mosaic, splits in ((1, 0, A.default_config(2, 8, capacity).num_splits),
+                                  (16, 1, PA.default_num_splits(2, 16 * 8, capacity))):
+        arrays = k2_operands(2, nodes, 16, capacity) + (jax.ShapeDtypeStruct((2,), jnp.int32),
+                                                       jax.ShapeDtypeStruct((2, nodes, nodes), jnp.bool_))
         parts = [P(None, None, "tp", None)] * 2 + [P()] * 4
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, part))
                 for a, part in zip(arrays, parts)]
         with ops.implementation("kernel", interpret=False):
             text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
-        assert f"custom_call @{target}" in text and text.count("custom_call @") == 1, (nodes, target)
+        assert splits > 1 and text.count("custom_call @mosaic_gpu_v2") == mosaic, nodes
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 2 - mosaic, nodes   # (attention +) combine
 
 
 def test_bad_shapes_raise():

@@ -70,3 +70,29 @@ def test_fully_masked_rows(num_splits):
         assert rel_err(out, A.tree_verify_attention_reference(*args, scale=SCALE)) < 1e-5
         padding = np.abs(out[1, 5:]).max()
         assert (padding == 0) if prefix[1] == 0 else (padding > 0)
+
+
+@in_child
+@pytest.mark.parametrize("normalized,empty_max", [(False, -1e30), (True, float("-inf"))])
+def test_combine_kernel_matches_the_xla_combine(normalized, empty_max):
+    """The split-K combine kernel on both kernels' partial formats (the Triton kernel's unnormalised f32 with a
+    finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits, two of them empty for some
+    rows and one row empty in every split (its output 0), fewer rows and columns kept than the partials hold."""
+    from conftest import rel_err
+    from pallas_kernels import tree_verify_attention as A
+    from pallas_kernels import tree_verify_attention_combine as AC
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(3 + normalized)
+    splits, streams, part_rows, rows, part_cols, cols = 5, 2, 24, 19, 48, 40
+    out = rng.standard_normal((splits, streams, part_rows, part_cols)).astype(np.float32)
+    row_max = rng.standard_normal((splits, streams, part_rows)).astype(np.float32) * 3
+    row_sum = rng.uniform(0.5, 4.0, (splits, streams, part_rows)).astype(np.float32)
+    empty = rng.random((splits, streams, part_rows)) < 0.3
+    empty[:, 1, 7] = True
+    row_max[empty], row_sum[empty], out[empty] = empty_max, 0.0, 0.0
+    got = AC.combine(interpreter_call, out, row_max, row_sum, rows=rows, cols=cols, dtype=np.float32,
+                     normalized=normalized)
+    want = A.combine_partials(out, row_max, row_sum, normalized=normalized)[:, :rows, :cols]
+    assert got.shape == (streams, rows, cols) and np.isfinite(np.asarray(got)).all()
+    assert rel_err(got, want) < 1e-6 and not np.asarray(got)[1, 7].any()

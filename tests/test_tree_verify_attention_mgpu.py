@@ -55,7 +55,7 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits, block_kv, s
     out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
                                         block_kv=block_kv, stages=stages)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * PA.HALF) and row_sum.shape == row_max.shape
-    got = PA.merge_partials(out, row_max, row_sum)
+    got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
     assert np.isfinite(np.asarray(got)).all()
     assert rel_err(got, want) < 1e-2

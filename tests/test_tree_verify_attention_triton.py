@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import tree_verify_attention as A
+from pallas_kernels import tree_verify_attention_combine as AC
 from pallas_kernels import tree_verify_attention_triton as AT
 from triton_h200 import compile_for_h200
 
@@ -14,13 +15,23 @@ def test_bf16_kernel_compiles_for_h200(streams, nodes, heads, capacity):
     """K2.6 shapes at the default tiling: the 64-row tiles use wgmma, the 16-row tile mma.sync."""
     cfg = A.default_config(streams, nodes * heads, capacity)
     out = "*bf16" if cfg.num_splits == 1 else "*fp32"
-    pointers = {"prefix_ptr": "*i32", "visible_ptr": "*i8", "q_lat_ptr": "*bf16", "q_rope_ptr": "*bf16",
+    pointers = {"prefix_ptr": "*i32", "visible_ptr": "*i1", "q_lat_ptr": "*bf16", "q_rope_ptr": "*bf16",
                 "c_kv_ptr": "*bf16", "k_rope_ptr": "*bf16", "out_ptr": out, "max_ptr": "*fp32", "sum_ptr": "*fp32"}
     constants = dict(SCALE=0.06, NUM_NODES=nodes, NUM_HEADS=heads, STREAMS=streams, CAPACITY=capacity, LAT=512,
                      LAT_P=512, ROPE=64, ROPE_P=64, BQ=cfg.block_q, BK=cfg.block_k, NUM_SPLITS=cfg.num_splits,
                      PRECISION="tf32")
     ptx = compile_for_h200(AT._attention_kernel, pointers, constants, cfg.num_warps, cfg.num_stages).asm["ptx"]
     assert ("wgmma.mma_async" in ptx) == (cfg.block_q == 64) and "st.global" in ptx
+
+
+@pytest.mark.parametrize("part,normalized", [("*fp32", False), ("*bf16", True)])
+def test_combine_kernel_compiles_for_h200(part, normalized):
+    """The split-K combine of both attention kernels' partials (the Triton one's f32, the Mosaic GPU one's bf16)."""
+    pointers = {"out_ptr": part, "max_ptr": "*fp32", "sum_ptr": "*fp32", "result_ptr": "*bf16"}
+    constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=8, COLS=512, PART_COLS=512, BR=AC.BLOCK_ROWS,
+                     BC=AC.block_cols(1, 8, 512), NORMALIZED=normalized)
+    ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, 2).asm["ptx"]
+    assert "ex2.approx" in ptx and "st.global" in ptx
 
 
 def test_interpret_mode_is_refused():
