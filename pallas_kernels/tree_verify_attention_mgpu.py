@@ -48,7 +48,7 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_kv: int):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_kv: int, share_scores: bool):
     s, rows, c = q_lat.shape
     problems = []
     if bias.shape != (s, rows, frame_width(num_nodes, block_kv)) or bias.dtype != jnp.float32:
@@ -63,6 +63,9 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_
     elif block_kv % 64:
         problems.append(f"block_kv={block_kv} must be a multiple of 64 (the K of P @ c_kv's wgmma; the H200 refuses "
                         "32)")
+    elif share_scores and block_kv != ROPE:
+        problems.append(f"block_kv={block_kv} must be {ROPE} with share_scores (p [{BLOCK_Q}, block_kv] takes the "
+                        f"place of the block's rope rows [block_kv, {ROPE}])")
     elif c_kv.shape[1] % block_kv:
         problems.append(f"cache rows N={c_kv.shape[1]} must be a multiple of block_kv={block_kv}")
     if prefix_len.shape != (s,):
@@ -73,19 +76,24 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "block_kv", "stages",
+                                             "share_scores", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, block_kv: int = BLOCK_KV, stages: int = 2, interpret: bool = False):
+                       num_splits: int = 1, block_kv: int = BLOCK_KV, stages: int = 2, share_scores: bool = True,
+                       interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
-    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, block_kv)
+    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N. share_scores: one warpgroup scores each
+    block (alternating) and shares p through shared memory; else both score every block."""
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, block_kv, share_scores)
     s, rows, _ = q_lat.shape
 
     def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
              q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-             q_bar, kv_bars, kr_bars, free_bars, sync_bar, *p_smem):
+             q_bar, kv_bars, kr_bars, free_bars, sync_bar, *optional):
+        stat_smem, p_bars, p_smem = (optional[:1], optional[1:2], optional[2:]) if share_scores else \
+            ((), (), optional)
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -136,13 +144,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
-            def step_fn(step, carry, framed: bool):
-                acc, m, total = carry
-                slot = lax.rem(step, stages)
-                for h in range(2):
-                    plgpu.barrier_wait(kv_bars.at[2 * slot + h])
-                plgpu.barrier_wait(kr_bars.at[slot])
-
+            def logits_of(slot, step, framed: bool):
+                """scale * (q . k) of the slot's block [BLOCK_Q, block_kv], with the frame's bias tile if framed."""
                 def scores(acc_ref):
                     for h in range(2):
                         plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
@@ -154,15 +157,46 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     cols = pl.ds((lo + step - frame_start) * block_kv, block_kv)
                     logits = logits + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
                                                  optimized=False)
+                return logits
+
+            def softmax_step(logits, m):
+                """(p, alpha, row sums of p, new max) of one block under the running max m."""
                 m_new = jnp.maximum(m, logits.max(axis=1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)    # a row that sees nothing yet: p = 0, not NaN
-                alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
-                total = total * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return p, jnp.exp(m - m_safe), p.sum(axis=1), m_new
 
-                acc = _accumulate(acc, p.astype(jnp.bfloat16), kv_smem.at[slot, wg],
-                                  p_smem[0].at[wg] if interpret else None)
+            def step_fn(step, carry, framed: bool):
+                acc, m, total = carry
+                slot = lax.rem(step, stages)
+                for h in range(2):
+                    plgpu.barrier_wait(kv_bars.at[2 * slot + h])
+                plgpu.barrier_wait(kr_bars.at[slot])
+                if share_scores:
+                    # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the
+                    # scores read) and its statistics in shared memory; both take them from there.
+                    @pl.when(lax.rem(step, 2) == wg)
+                    def _score():
+                        p, alpha, row_sum, m_new = softmax_step(logits_of(slot, step, framed), m)
+                        kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
+                        for i, value in enumerate((alpha, row_sum, m_new)):
+                            stat_smem[0].at[slot, i][...] = value
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(p_bars[0].at[slot])
+
+                    plgpu.barrier_wait(p_bars[0].at[slot])
+                    alpha, row_sum, m_new = (plgpu.load(stat_smem[0].at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
+                                             for i in range(3))
+                    a = kr_smem.at[slot]
+                else:
+                    p, alpha, row_sum, m_new = softmax_step(logits_of(slot, step, framed), m)
+                    a = p.astype(jnp.bfloat16)
+                    if interpret:                 # its wgmma takes A from shared memory only
+                        p_smem[0].at[wg][...] = a
+                        a = p_smem[0].at[wg]
+                total = total * alpha + row_sum
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = _accumulate(acc, a, kv_smem.at[slot, wg], in_place=not interpret)
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, total
 
@@ -203,27 +237,27 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
                plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-    if interpret:
+    if share_scores:
+        scratch += (plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32), plgpu.Barrier(num_barriers=stages))
+    if interpret and not share_scores:
         p_transforms = (plgpu.TilingTransform((8, min(64, block_kv))), plgpu.SwizzleTransform(min(128, 2 * block_kv)))
         scratch += (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), jnp.bfloat16, transforms=p_transforms),)
     return plgpu.kernel(
         body, out_type=out_types, scratch_types=scratch,
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
 
-def _accumulate(acc, a, b_smem, a_smem=None):
-    """acc + a @ b_smem with wgmma: on the GPU with `a` in registers, accumulating in place (ACC.init). Mosaic GPU's
-    interpret mode runs wgmma only from shared memory into a fresh accumulator: given `a_smem` (interpret mode), `a`
-    goes through it and the product is added in registers."""
-    if a_smem is None:
+def _accumulate(acc, a, b_smem, *, in_place: bool):
+    """acc + a @ b_smem with wgmma (a in registers or shared memory): on the GPU accumulating in place (ACC.init);
+    Mosaic GPU's interpret mode runs wgmma only into a fresh accumulator, whose product is then added in registers."""
+    if in_place:
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem))(plgpu.ACC.init(acc))
-    a_smem[...] = a
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        plgpu.wgmma(acc_ref, a, b_smem)
         return acc_ref[...]
 
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
@@ -282,9 +316,9 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int, block_kv: int = B
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "share_scores", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
-                          num_splits: int | None = None, interpret: bool = False):
+                          num_splits: int | None = None, share_scores: bool = True, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
@@ -304,7 +338,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     out, row_max, row_sum = attention_partials(
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
-        interpret=interpret)
+        share_scores=share_scores, interpret=interpret)
     if num_splits == 1:
         merged = out[0, :, :rows]
     elif interpret:

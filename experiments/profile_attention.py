@@ -1,0 +1,43 @@
+"""Run one tree-verify attention kernel on one bench case a few times, for a profiler (Nsight Compute) to attach to.
+
+    ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        python3 experiments/profile_attention.py --kernel=mosaic_gpu --heads=8 --prefix=32768 --nodes=16
+
+The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from absl import flags
+
+from experiments.kernels_attention import K26_SCALE, attention_inputs
+from kdtree_jax import cli
+from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
+from pallas_kernels import tree_verify_attention_triton as attn_triton
+
+KERNELS = {"mosaic_gpu": attn_mgpu.tree_verify_attention, "triton": attn_triton.tree_verify_attention}
+flags.DEFINE_enum("kernel", "mosaic_gpu", sorted(KERNELS), "which attention kernel (its whole op)")
+flags.DEFINE_integer("streams", 1, "streams S")
+flags.DEFINE_integer("heads", 8, "heads H")
+flags.DEFINE_integer("prefix", 32768, "committed cache rows N per stream")
+flags.DEFINE_integer("nodes", 16, "tree nodes T")
+flags.DEFINE_integer("calls", 3, "calls of the op (the first compiles)")
+F = flags.FLAGS
+
+
+def main(_):
+    case = dict(streams=F.streams, heads=F.heads, prefix=F.prefix, nodes=F.nodes)
+    if F.kernel == "mosaic_gpu" and F.heads * F.nodes < attn_mgpu.BLOCK_Q:
+        cli.fail(f"--kernel=mosaic_gpu needs heads x nodes >= {attn_mgpu.BLOCK_Q} (one whole query tile); "
+                 f"got {F.heads} x {F.nodes}: use --kernel=triton")
+    args = attention_inputs(jax.random.key(0), case, np.random.default_rng(0))
+    op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE))
+    for _ in range(F.calls):
+        jax.block_until_ready(op(*args))
+    print(f"ran {F.kernel} tree_verify_attention on {case} {F.calls} times")
+
+
+if __name__ == "__main__":
+    cli.run(main)
