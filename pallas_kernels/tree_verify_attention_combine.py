@@ -8,8 +8,11 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
   o_p = out[p, s, r] (unnormalised) or l_p * out[p, s, r] (normalised)
 
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
-(XLA: three launches, measured 3.8-6.8 us on the H200 where this kernel is one). One program combines a tile of
-BLOCK_ROWS rows and block_cols columns of one stream over every split.
+(XLA: three launches). One program combines a tile of BLOCK_ROWS rows and block_cols columns of one stream over
+every split, one split after the other: on the H200 that took 3.2-3.9 us of device time for 2-8 splits and 7-9 us
+for 12-32, in one launch against XLA's three (8-10 us in all), but 20 / 36 / 69 us for 66 / 132 / 256 splits against
+XLA's 7-14 (kernels.md, "Eighth session"). So `merge` runs this kernel up to MAX_KERNEL_SPLITS splits and XLA's
+combine above; loading many splits per step is the change that would let the kernel take them all.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ BLOCK_ROWS = 16
 MAX_BLOCK_COLS = 128
 MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
+MAX_KERNEL_SPLITS = 16             # measured: above, XLA's combine is faster (module docstring)
 
 
 @triton.jit
@@ -82,3 +86,11 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
                 grid=(triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, width), streams), num_warps=4, num_stages=2,
                 SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols, PART_COLS=part_cols,
                 BR=BLOCK_ROWS, BC=width, NORMALIZED=normalized)
+
+
+def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):
+    """`combine`'s result, by the Triton kernel up to MAX_KERNEL_SPLITS splits and by XLA's `combine_partials`
+    above."""
+    if out.shape[0] <= MAX_KERNEL_SPLITS:
+        return combine(call, out, row_max, row_sum, rows=rows, cols=cols, dtype=dtype, normalized=normalized)
+    return op.combine_partials(out, row_max, row_sum, normalized=normalized)[:, :rows, :cols].astype(dtype)

@@ -13,14 +13,16 @@ wholly inside the prefix take no bias; the few blocks from the one holding the p
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
 each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
-`tree_verify_attention_combine` joins (one Triton kernel; XLA's `combine_partials` in interpret mode); with one
-split the kernel's output is the op's.
+`tree_verify_attention_combine.merge` joins (one Triton kernel up to 16 splits, else and in interpret mode XLA's
+`combine_partials`); with one split the kernel's output is the op's.
 
-One program = one 64-row query tile of one stream and one split of its prefix, three warpgroups. Warpgroup 2 streams
-c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA. Warpgroups
-0 and 1 each own 256 of the 512 output columns: both compute the full [64, block_kv] scores (wgmma over 256 + 256 +
-64 columns), the online softmax, and their half of P @ c_kv (wgmma). The scores are computed twice: the price of an
-output accumulator ([64, 256] f32 per warpgroup) that fits in registers.
+One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
+streams c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA.
+Warpgroups 0 and 1 each own 256 of the 512 output columns (a [64, 256] f32 accumulator in registers) and take the
+blocks' scores in turn: for block i, warpgroup i % 2 computes the [64, 64] scores (wgmma over 256 + 256 + 64
+columns) and the online softmax, and leaves p (bf16, over the block's rope rows, which only the scores read) with
+its statistics in shared memory; both then add p @ their half of c_kv (wgmma). Sharing the scores made the kernel
+10-14% faster than computing them in both warpgroups (kernels.md, "Eighth session").
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from pallas_kernels import tree_verify_attention_combine as combine
 from pallas_kernels.triton_call import bound_to
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
-BLOCK_KV = 64    # default cache rows per ring slot (the cache's row count must be a multiple of block_kv)
+BLOCK_KV = 64    # cache rows per ring slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes the place of the slot's rope rows)
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
@@ -48,26 +50,20 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_kv: int, share_scores: bool):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int):
     s, rows, c = q_lat.shape
     problems = []
-    if bias.shape != (s, rows, frame_width(num_nodes, block_kv)) or bias.dtype != jnp.float32:
-        problems.append(f"frame_bias {bias.shape} {bias.dtype} must be f32 [S, rows, frame_width(T={num_nodes}, "
-                        f"block_kv={block_kv})] = {(s, rows, frame_width(num_nodes, block_kv))} (`frame_bias`)")
+    if bias.shape != (s, rows, frame_width(num_nodes)) or bias.dtype != jnp.float32:
+        problems.append(f"frame_bias {bias.shape} {bias.dtype} must be f32 [S, rows, frame_width(T={num_nodes})] = "
+                        f"{(s, rows, frame_width(num_nodes))} (`frame_bias`)")
     if c != 2 * HALF or q_rope.shape != (s, rows, ROPE):
         problems.append(f"q_lat {q_lat.shape} / q_rope {q_rope.shape} must be [S, rows, {2 * HALF}] / [S, rows, {ROPE}]")
     if rows % BLOCK_Q:
         problems.append(f"rows={rows} must be a multiple of {BLOCK_Q} (pad the query rows)")
     if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c or k_rope.shape != (s, c_kv.shape[1], ROPE):
         problems.append(f"c_kv {c_kv.shape} / k_rope {k_rope.shape} must be [S, N, {c}] / [S, N, {ROPE}]")
-    elif block_kv % 64:
-        problems.append(f"block_kv={block_kv} must be a multiple of 64 (the K of P @ c_kv's wgmma; the H200 refuses "
-                        "32)")
-    elif share_scores and block_kv != ROPE:
-        problems.append(f"block_kv={block_kv} must be {ROPE} with share_scores (p [{BLOCK_Q}, block_kv] takes the "
-                        f"place of the block's rope rows [block_kv, {ROPE}])")
-    elif c_kv.shape[1] % block_kv:
-        problems.append(f"cache rows N={c_kv.shape[1]} must be a multiple of block_kv={block_kv}")
+    elif c_kv.shape[1] % BLOCK_KV:
+        problems.append(f"cache rows N={c_kv.shape[1]} must be a multiple of {BLOCK_KV} (allocate the cache so)")
     if prefix_len.shape != (s,):
         problems.append(f"prefix_len {prefix_len.shape} must be [S={s}]")
     if any(x.dtype != jnp.bfloat16 for x in (q_lat, q_rope, c_kv, k_rope)):
@@ -76,24 +72,20 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, block_
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "block_kv", "stages",
-                                             "share_scores", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "stages", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, block_kv: int = BLOCK_KV, stages: int = 2, share_scores: bool = True,
-                       interpret: bool = False):
+                       num_splits: int = 1, stages: int = 2, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
-    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N. share_scores: one warpgroup scores each
-    block (alternating) and shares p through shared memory; else both score every block."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, block_kv, share_scores)
+    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes)
+    block_kv = BLOCK_KV
     s, rows, _ = q_lat.shape
 
     def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
              q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-             q_bar, kv_bars, kr_bars, free_bars, sync_bar, *optional):
-        stat_smem, p_bars, p_smem = (optional[:1], optional[1:2], optional[2:]) if share_scores else \
-            ((), (), optional)
+             stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, p_bars):
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -172,31 +164,23 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 for h in range(2):
                     plgpu.barrier_wait(kv_bars.at[2 * slot + h])
                 plgpu.barrier_wait(kr_bars.at[slot])
-                if share_scores:
-                    # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the
-                    # scores read) and its statistics in shared memory; both take them from there.
-                    @pl.when(lax.rem(step, 2) == wg)
-                    def _score():
-                        p, alpha, row_sum, m_new = softmax_step(logits_of(slot, step, framed), m)
-                        kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
-                        for i, value in enumerate((alpha, row_sum, m_new)):
-                            stat_smem[0].at[slot, i][...] = value
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(p_bars[0].at[slot])
-
-                    plgpu.barrier_wait(p_bars[0].at[slot])
-                    alpha, row_sum, m_new = (plgpu.load(stat_smem[0].at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
-                                             for i in range(3))
-                    a = kr_smem.at[slot]
-                else:
+                # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the scores
+                # read) and its statistics in shared memory; both multiply p by their half of the values from there.
+                @pl.when(lax.rem(step, 2) == wg)
+                def _score():
                     p, alpha, row_sum, m_new = softmax_step(logits_of(slot, step, framed), m)
-                    a = p.astype(jnp.bfloat16)
-                    if interpret:                 # its wgmma takes A from shared memory only
-                        p_smem[0].at[wg][...] = a
-                        a = p_smem[0].at[wg]
+                    kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
+                    for i, value in enumerate((alpha, row_sum, m_new)):
+                        stat_smem.at[slot, i][...] = value
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_bars.at[slot])
+
+                plgpu.barrier_wait(p_bars.at[slot])
+                alpha, row_sum, m_new = (plgpu.load(stat_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
+                                         for i in range(3))
                 total = total * alpha + row_sum
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _accumulate(acc, a, kv_smem.at[slot, wg], in_place=not interpret)
+                acc = _accumulate(acc, kr_smem.at[slot], kv_smem.at[slot, wg], in_place=not interpret)
                 plgpu.barrier_arrive(free_bars.at[slot])
                 return acc, m_new, total
 
@@ -232,16 +216,13 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                plgpu.SMEM((stages, 2, block_kv, HALF), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((stages, block_kv, ROPE), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+               plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),
                plgpu.Barrier(num_barriers=3),
                plgpu.Barrier(num_barriers=2 * stages),
                plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-               plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-    if share_scores:
-        scratch += (plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32), plgpu.Barrier(num_barriers=stages))
-    if interpret and not share_scores:
-        p_transforms = (plgpu.TilingTransform((8, min(64, block_kv))), plgpu.SwizzleTransform(min(128, 2 * block_kv)))
-        scratch += (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), jnp.bfloat16, transforms=p_transforms),)
+               plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+               plgpu.Barrier(num_barriers=stages))
     return plgpu.kernel(
         body, out_type=out_types, scratch_types=scratch,
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
@@ -292,20 +273,20 @@ def _split_blocks(prefix, split, num_splits: int, block_kv: int):
     return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
 
 
-def frame_width(num_nodes: int, block_kv: int = BLOCK_KV) -> int:
-    """Columns of the frame: the cache blocks from the one holding the prefix's end (prefix_len // block_kv) to the
+def frame_width(num_nodes: int) -> int:
+    """Columns of the frame: the cache blocks from the one holding the prefix's end (prefix_len // BLOCK_KV) to the
     one holding the tree block's last row, whatever the prefix's length."""
-    return block_kv * pl.cdiv(block_kv - 1 + num_nodes, block_kv)
+    return BLOCK_KV * pl.cdiv(BLOCK_KV - 1 + num_nodes, BLOCK_KV)
 
 
-def frame_bias(prefix_len, visible, num_heads: int, rows: int, block_kv: int = BLOCK_KV):
+def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     """prefix_len [S], visible [S, T, T] -> bias [S, rows, frame_width(T)] f32 of the frame's cache rows
-    j = (prefix_len // block_kv) * block_kv + column: 0 where query row r = (node r // num_heads, head) may attend
+    j = (prefix_len // BLOCK_KV) * BLOCK_KV + column: 0 where query row r = (node r // num_heads, head) may attend
     (j < prefix_len, or j = prefix_len + u with visible[s, node, u]), -inf elsewhere (also past the tree block and
     for the rows past T * num_heads)."""
     s, t, _ = visible.shape
     prefix_len = prefix_len.astype(jnp.int32)
-    j = (prefix_len // block_kv * block_kv)[:, None] + jnp.arange(frame_width(t, block_kv))[None, :]    # [S, W]
+    j = (prefix_len // BLOCK_KV * BLOCK_KV)[:, None] + jnp.arange(frame_width(t))[None, :]    # [S, W]
     allowed = jnp.broadcast_to((j < prefix_len[:, None])[:, None, :], (s, rows, j.shape[1]))
     if t:
         u = j - prefix_len[:, None]                                            # tree node of each column
@@ -316,15 +297,15 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int, block_kv: int = B
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "share_scores", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
-                          num_splits: int | None = None, share_scores: bool = True, interpret: bool = False):
+                          num_splits: int | None = None, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
-    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds the combine (one Triton kernel through
-    XLA's launcher; XLA's `combine_partials` in interpret mode). N must be a multiple of 64."""
+    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds the combine (`combine.merge`; XLA's
+    `combine_partials` in interpret mode). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -338,7 +319,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     out, row_max, row_sum = attention_partials(
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
-        share_scores=share_scores, interpret=interpret)
+        interpret=interpret)
     if num_splits == 1:
         merged = out[0, :, :rows]
     elif interpret:
@@ -346,5 +327,5 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     else:
         call = bound_to(combine.LAUNCHER, interpret=False, op="tree_verify_attention_mgpu.tree_verify_attention",
                         reference="interpret=True")
-        merged = combine.combine(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
+        merged = combine.merge(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
     return merged.reshape(s, t, h, c)

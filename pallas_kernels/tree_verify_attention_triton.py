@@ -5,8 +5,8 @@ The op's semantics, tiling (`AttentionConfig`, `default_config`), input check an
 `tree_verify_attention.py` (shared, not copied). The T x H (node, head) rows of a stream form query tiles
 [block_q, C + R]; a program streams its piece of the prefix in blocks of block_k rows with an online softmax (the
 576-wide score as two dots), the last piece also takes the tree block under `visible`; one split normalises and
-writes the output, more write partials (acc, max, sum) that `tree_verify_attention_combine` merges (one more
-Triton kernel through the same `call`).
+writes the output, more write partials (acc, max, sum) that `tree_verify_attention_combine.merge` joins (one more
+Triton kernel through the same `call` up to 16 splits, XLA above).
 
 Measured on the H200 against the Pallas-Triton kernel it replaced (the same program): 3-7% slower on most cases,
 equal at 8 query rows, 1.18x faster with one split (kernels.md, "Eighth session"). On the CPU it runs in Triton's
@@ -167,5 +167,5 @@ def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale:
         LAT=c, LAT_P=lat_p, ROPE=r, ROPE_P=rope_p, BQ=cfg.block_q, BK=cfg.block_k, NUM_SPLITS=cfg.num_splits,
         PRECISION="ieee" if c_kv.dtype == jnp.float32 else "tf32")
     if cfg.num_splits > 1:
-        out = combine.combine(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=False)
+        out = combine.merge(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=False)
     return out.reshape(s, t, h, c)

@@ -30,7 +30,7 @@ def inputs(rng, streams, rows, capacity):
 def prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, **kwargs):
     """The kernel over the prefixes alone (no tree block): its partials."""
     s, rows = q_lat.shape[:2]
-    bias = PA.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, rows, kwargs.get("block_kv", PA.BLOCK_KV))
+    bias = PA.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, rows)
     return PA.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0,
                                  interpret=INTERPRET, **kwargs)
 
@@ -42,20 +42,19 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     return out[:, :, 0].astype(jnp.float32)
 
 
-@pytest.mark.parametrize("prefixes,rows,num_splits,stages,share_scores", [
-    ([200, 37], 64, 2, 2, True),
-    ([0, 256, 5], 128, 3, 2, True),
-    ([70], 64, 8, 2, True),
-    ([256, 100], 64, 1, 2, True),
-    ([256, 100], 64, 1, 3, True),        # a ring of three slots
-    ([200, 37], 64, 2, 2, False),        # both warpgroups score every block
+@pytest.mark.parametrize("prefixes,rows,num_splits,stages", [
+    ([200, 37], 64, 2, 2),
+    ([0, 256, 5], 128, 3, 2),
+    ([70], 64, 8, 2),
+    ([256, 100], 64, 1, 2),
+    ([256, 100], 64, 1, 3),        # a ring of three slots
 ])
-def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages, share_scores):
+def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages):
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 256)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
     out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
-                                        stages=stages, share_scores=share_scores)
+                                        stages=stages)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * PA.HALF) and row_sum.shape == row_max.shape
     got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
@@ -73,13 +72,9 @@ def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match="multiple of 64"):
         prefix_only(q_lat, q_rope, c_kv, k_rope, ten)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 100)
-    with pytest.raises(ValueError, match="block_kv"):
+    with pytest.raises(ValueError, match="cache rows N=100 must be a multiple of 64"):
         prefix_only(q_lat, q_rope, c_kv, k_rope, ten)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 128)
-    with pytest.raises(ValueError, match="block_kv=32 must be a multiple of 64"):   # wgmma's K on the H200
-        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, block_kv=32)
-    with pytest.raises(ValueError, match="block_kv=128 must be 64 with share_scores"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, block_kv=128)
     with pytest.raises(ValueError, match=r"frame_bias .* must be f32 \[S, rows, frame_width\(T=67"):
         PA.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
                               num_nodes=3 + 64, interpret=INTERPRET)
