@@ -1,7 +1,8 @@
 """bench_kernels section `mgpu` (not in the default list; GPU only): the Mosaic GPU tree-verify attention
 (pallas_kernels/tree_verify_attention_mgpu.py: the whole op, at its own and at the Triton kernel's split count, and
-its prefix kernel alone) beside the Triton kernel and the XLA reference, on the `attention` section's cases. On the CPU (--quick) the whole op
-can hang in Mosaic GPU's interpret mode (experiments/notes/kernels.md, "The Mosaic GPU prefix kernel on the H200").
+its kernel over the prefix alone) beside the Triton kernel and the XLA reference, on the `attention` section's
+cases. On the CPU (--quick) the whole op can hang in Mosaic GPU's interpret mode (experiments/notes/kernels.md,
+"The Mosaic GPU prefix kernel on the H200").
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
     (`tree_verify_attention_mgpu.tree_verify_attention`: the kernel over the prefix and the tree block under the case's
     ancestor mask, the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the
     Triton kernel's count where the two differ, and `mgpu_prefix` the kernel and merge over the prefix alone at mgpu's
-    count (no tree block; its error is against the reference with no tree node visible). The cache is in whole 64-row blocks
-    (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of
-    the whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
+    count (no tree block; its error is against the reference with no tree node visible). The cache is in whole
+    64-row blocks (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of the
+    whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
     `save()`; no new case past `deadline` (time.time())."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(1)
@@ -48,8 +49,9 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
                                 mgpu_attn.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, padded))}
         fns = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
-               "mgpu_prefix": jax.jit(lambda *a: attn.combine_partials(*mgpu_attn.attention_partials(
-                   *a, scale=K26_SCALE, num_nodes=0, num_splits=splits, interpret=interpret), normalized=True)[:, :rows]),
+               "mgpu_prefix": jax.jit(lambda *a: attn.combine_partials(
+                   *mgpu_attn.attention_partials(*a, scale=K26_SCALE, num_nodes=0, num_splits=splits,
+                                                 interpret=interpret), normalized=True)[:, :rows]),
                "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
         if triton_splits != splits:
             args["mgpu_triton_splits"] = full

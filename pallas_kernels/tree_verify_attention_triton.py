@@ -1,5 +1,6 @@
 """Tree-verify attention as a Triton kernel (launched by `triton_call`): `ops.tree_verify_attention`'s kernel where
-the Mosaic GPU one does not fit the call (fewer than 64 query rows per stream, f32, other widths: `ops.attention_backend`).
+the Mosaic GPU one does not fit the call (fewer than 64 query rows per stream, f32, other widths:
+`ops.attention_backend`).
 
 The op's semantics, tiling (`AttentionConfig`, `default_config`), input check and split-K combine are those of
 `tree_verify_attention.py` (shared, not copied). The T x H (node, head) rows of a stream form query tiles

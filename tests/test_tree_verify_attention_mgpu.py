@@ -1,5 +1,5 @@
-"""pallas_kernels/tree_verify_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the CPU
-(which also checks that every barrier phase is observed), compiled on a GPU.
+"""pallas_kernels/tree_verify_attention_mgpu.py against the attention reference: in Mosaic GPU's interpret mode on the
+CPU (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
 as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, and more
