@@ -1,4 +1,4 @@
-"""Check and time the Pallas kernels against their XLA references and baselines at K2.6 shapes (GPU).
+"""Check and time the GPU kernels against their XLA references and baselines at K2.6 shapes.
 
     PYTHONPATH=. python3 experiments/bench_kernels.py --out=experiments/results/kernels.json
     PYTHONPATH=. python3 experiments/bench_kernels.py --quick      # small shapes, interpret mode: a CPU smoke run
@@ -6,9 +6,10 @@
 Timings are device times from profiler traces and ceilings are measured in the same run (experiments/timing.py).
 
 Sections (--sections), one module each: ceilings (timing.measure_ceilings), attention (kernels_attention.py:
-tree_verify_attention), moe (kernels_moe.py: int4_moe), tree (kernels_tree.py: tree_build and tree_accept), mgpu
-(kernels_attention_mgpu.py, not in the default list: the experimental Mosaic GPU tree-verify attention beside the Triton
-kernel). This script runs them, writes the JSON after every case and plots the results beside it.
+tree_verify_attention), moe (kernels_moe.py: int4_moe), tree (kernels_tree.py: tree_build and tree_accept); not in
+the default list, GPU only: mgpu (kernels_attention_mgpu.py: variants of the Mosaic GPU tree-verify attention beside
+the Triton kernel) and combine (kernels_combine.py: the split-K combine kernel against XLA's at every split count).
+This script runs them, writes the JSON after every case and plots the results beside it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import jax
 
 from experiments.kernels_attention import attention_f32_check, run_attention
 from experiments.kernels_attention_mgpu import run_attention_mgpu
+from experiments.kernels_combine import run_combine
 from experiments.kernels_moe import run_moe
 from experiments.kernels_tree import run_tree
 from experiments.timing import measure_ceilings
@@ -56,7 +58,7 @@ def _dump():
 
 def main(_):
     start = time.time()
-    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree", "mgpu")),
+    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree", "mgpu", "combine")),
                           ("sweep", ("attention", "moe"))):
         unknown = set(getattr(F, flag)) - set(allowed)
         if unknown:
@@ -66,7 +68,7 @@ def main(_):
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
                              quick=F.quick, sweep=F.sweep, attention_splits=F.attention_splits,
                              moe_sweep_tokens=F.moe_sweep_tokens), ceilings={}, checks={}, attention=[],
-                   attention_mgpu=[], int4_moe=[], tree=[])
+                   attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
     if "ceilings" in F.sections:
         RESULTS["ceilings"] = measure_ceilings(F.reps, F.quick)
     else:   # H200_FACTS.md leads, used only when the ceilings are not measured
@@ -85,6 +87,8 @@ def main(_):
                       "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump)
     if "mgpu" in F.sections:
         run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s, F.reps, F.quick, _dump)
+    if "combine" in F.sections:
+        run_combine(ceil, RESULTS["attention_combine"], time.time() + F.attention_budget_s, F.reps, _dump)
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s, F.reps, F.quick,
                 [int(m) for m in F.moe_sweep_tokens] if "moe" in F.sweep else [], _dump)

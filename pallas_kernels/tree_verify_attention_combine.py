@@ -8,11 +8,12 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
   o_p = out[p, s, r] (unnormalised) or l_p * out[p, s, r] (normalised)
 
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
-(XLA: three launches). One program combines a tile of BLOCK_ROWS rows and block_cols columns of one stream over
-every split, one split after the other: on the H200 that took 3.2-3.9 us of device time for 2-8 splits and 7-9 us
-for 12-32, in one launch against XLA's three (8-10 us in all), but 20 / 36 / 69 us for 66 / 132 / 256 splits against
-XLA's 7-14 (kernels.md, "Eighth session"). So `merge` runs this kernel up to MAX_KERNEL_SPLITS splits and XLA's
-combine above; loading many splits per step is the change that would let the kernel take them all.
+(XLA: three launches). One program combines a tile of rows and columns of one stream over every split, `tiling`'s
+BS splits per step. The first version took one split per step: on the H200 3.2-3.9 us of device time for 2-8
+splits and 7-9 us for 12-32, in one launch against XLA's three (8-10 us in all), but 20 / 36 / 69 us for 66 / 132 /
+256 splits against XLA's 7-14 (kernels.md, "Eighth session"): a chain of dependent small loads. So `merge` runs the
+kernel up to MAX_KERNEL_SPLITS splits and XLA's combine above, until this version (8-32 splits per step, not yet
+measured) is timed against XLA at every split count.
 """
 from __future__ import annotations
 
@@ -27,47 +28,57 @@ BLOCK_ROWS = 16
 MAX_BLOCK_COLS = 128
 MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
-MAX_KERNEL_SPLITS = 16             # measured: above, XLA's combine is faster (module docstring)
+TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
+MAX_KERNEL_SPLITS = 16             # measured: above, XLA's combine was faster (module docstring)
 
 
 @triton.jit
 def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr, STREAMS: tl.constexpr,
                     PART_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, PART_COLS: tl.constexpr,
-                    BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr):
+                    BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr):
     """Program (row tile, column tile, stream): out [SPLITS, STREAMS, PART_ROWS, PART_COLS], max / sum [SPLITS,
-    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns)."""
+    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns), BS splits a step."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.program_id(2)
     row_ok = rows < ROWS
-    tile_ok = row_ok[:, None] & (cols < COLS)[None, :]
+    col_ok = cols < COLS
     top = tl.full((BR,), float("-inf"), tl.float32)
-    for p in range(SPLITS):
-        top = tl.maximum(top, tl.load(max_ptr + (p * STREAMS + s) * PART_ROWS + rows, mask=row_ok,
-                                      other=float("-inf")))
+    for first in range(0, SPLITS, BS):
+        split = first + tl.arange(0, BS)
+        ok = (split < SPLITS)[:, None] & row_ok[None, :]                           # [BS, BR]
+        part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+        top = tl.maximum(top, tl.max(tl.load(max_ptr + part, mask=ok, other=float("-inf")), axis=0))
     top = tl.where(top == float("-inf"), 0.0, top)      # every split empty: weights 0, not NaN
     total = tl.zeros((BR,), tl.float32)
     acc = tl.zeros((BR, BC), tl.float32)
-    for p in range(SPLITS):
-        part = (p * STREAMS + s) * PART_ROWS + rows
-        weight = tl.exp(tl.load(max_ptr + part, mask=row_ok, other=float("-inf")) - top)
-        weighted_sum = weight * tl.load(sum_ptr + part, mask=row_ok, other=0.0)
-        total += weighted_sum
-        out = tl.load(out_ptr + part.to(tl.int64)[:, None] * PART_COLS + cols[None, :], mask=tile_ok, other=0.0)
-        acc += (weighted_sum if NORMALIZED else weight)[:, None] * out.to(tl.float32)
+    for first in range(0, SPLITS, BS):
+        split = first + tl.arange(0, BS)
+        ok = (split < SPLITS)[:, None] & row_ok[None, :]
+        part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+        weight = tl.exp(tl.load(max_ptr + part, mask=ok, other=float("-inf")) - top[None, :])
+        weighted_sum = weight * tl.load(sum_ptr + part, mask=ok, other=0.0)
+        total += tl.sum(weighted_sum, axis=0)
+        out = tl.load(out_ptr + part.to(tl.int64)[:, :, None] * PART_COLS + cols[None, None, :],
+                      mask=ok[:, :, None] & col_ok[None, None, :], other=0.0)    # [BS, BR, BC]
+        scale = weighted_sum if NORMALIZED else weight
+        acc += tl.sum(scale[:, :, None] * out.to(tl.float32), axis=0)
     inverse = tl.where(total > 0, 1.0 / total, 0.0)
     tl.store(result_ptr + (s * ROWS + rows).to(tl.int64)[:, None] * COLS + cols[None, :],
-             (acc * inverse[:, None]).to(result_ptr.dtype.element_ty), mask=tile_ok)
+             (acc * inverse[:, None]).to(result_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def block_cols(num_streams: int, rows: int, cols: int) -> int:
-    """Columns per program: the widest power of two <= MAX_BLOCK_COLS whose grid still has TARGET_PROGRAMS
-    programs, at least MIN_BLOCK_COLS."""
+def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int, int, int]:
+    """(splits, rows, columns) per program step: rows up to BLOCK_ROWS, the widest column tile (a power of two in
+    [MIN_BLOCK_COLS, MAX_BLOCK_COLS]) whose grid still has TARGET_PROGRAMS programs, and as many splits as keep a
+    step's tile within TILE_ELEMENTS."""
+    block_rows = min(BLOCK_ROWS, triton.next_power_of_2(rows))
     width = MAX_BLOCK_COLS
-    while width > MIN_BLOCK_COLS and num_streams * triton.cdiv(rows, BLOCK_ROWS) * triton.cdiv(cols, width) \
+    while width > MIN_BLOCK_COLS and num_streams * triton.cdiv(rows, block_rows) * triton.cdiv(cols, width) \
             < TARGET_PROGRAMS:
         width //= 2
-    return width
+    splits = max(1, min(triton.next_power_of_2(num_splits), TILE_ELEMENTS // (block_rows * width)))
+    return splits, block_rows, width
 
 
 def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):
@@ -80,12 +91,12 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
             or part_cols < cols:
         raise ValueError(f"combine: partials out {out.shape}, max {row_max.shape}, sum {row_sum.shape} must be "
                          f"[P, S, R, Cp], [P, S, R], [P, S, R] with R >= rows={rows} and Cp >= cols={cols}")
-    width = block_cols(streams, rows, cols)
+    block_splits, block_rows, width = tiling(splits, streams, rows, cols)
     return call(out, row_max, row_sum, kernel=_combine_kernel,
                 out_shape=jax.ShapeDtypeStruct((streams, rows, cols), dtype),
-                grid=(triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, width), streams), num_warps=4, num_stages=2,
+                grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=4, num_stages=2,
                 SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols, PART_COLS=part_cols,
-                BR=BLOCK_ROWS, BC=width, NORMALIZED=normalized)
+                BS=block_splits, BR=block_rows, BC=width, NORMALIZED=normalized)
 
 
 def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):

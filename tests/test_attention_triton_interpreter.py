@@ -73,18 +73,21 @@ def test_fully_masked_rows(num_splits):
 
 
 @in_child
-@pytest.mark.parametrize("normalized,empty_max", [(False, -1e30), (True, float("-inf"))])
-def test_combine_kernel_matches_the_xla_combine(normalized, empty_max):
+@pytest.mark.parametrize("normalized,empty_max,splits", [(False, -1e30, 5), (True, float("-inf"), 5),
+                                                        (False, -1e30, 37)])
+def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits):
     """The split-K combine kernel on both kernels' partial formats (the Triton kernel's unnormalised f32 with a
-    finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits, two of them empty for some
-    rows and one row empty in every split (its output 0), fewer rows and columns kept than the partials hold."""
+    finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits in one step and 37 in steps
+    of `tiling`'s size with a partial last one, some splits empty for some rows and one row empty in every split (its
+    output 0), fewer rows and columns kept than the partials hold."""
     from conftest import rel_err
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_combine as AC
     from triton_interpreter import interpreter_call
 
     rng = np.random.default_rng(3 + normalized)
-    splits, streams, part_rows, rows, part_cols, cols = 5, 2, 24, 19, 48, 40
+    streams, part_rows, rows, part_cols, cols = 2, 24, 19, 48, 40
+    assert (AC.tiling(splits, streams, rows, cols)[0] < splits) == (splits == 37)
     out = rng.standard_normal((splits, streams, part_rows, part_cols)).astype(np.float32)
     row_max = rng.standard_normal((splits, streams, part_rows)).astype(np.float32) * 3
     row_sum = rng.uniform(0.5, 4.0, (splits, streams, part_rows)).astype(np.float32)

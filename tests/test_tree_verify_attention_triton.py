@@ -28,8 +28,9 @@ def test_bf16_kernel_compiles_for_h200(streams, nodes, heads, capacity):
 def test_combine_kernel_compiles_for_h200(part, normalized):
     """The split-K combine of both attention kernels' partials (the Triton one's f32, the Mosaic GPU one's bf16)."""
     pointers = {"out_ptr": part, "max_ptr": "*fp32", "sum_ptr": "*fp32", "result_ptr": "*bf16"}
-    constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=8, COLS=512, PART_COLS=512, BR=AC.BLOCK_ROWS,
-                     BC=AC.block_cols(1, 8, 512), NORMALIZED=normalized)
+    block_splits, block_rows, width = AC.tiling(132, 1, 8, 512)
+    constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=8, COLS=512, PART_COLS=512, BS=block_splits,
+                     BR=block_rows, BC=width, NORMALIZED=normalized)
     ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, 2).asm["ptx"]
     assert "ex2.approx" in ptx and "st.global" in ptx
 

@@ -1,0 +1,76 @@
+"""bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
+attention kernels at every split count the op takes, the Triton kernel (`tree_verify_attention_combine.combine`)
+against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`.
+
+    cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
+               H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,
+               512 columns, P in SPLITS
+    bytes      the partials read once and the output written once -> fraction of the copy bandwidth
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from experiments.timing import Job, rel_err, time_jobs
+from pallas_kernels import tree_verify_attention as attn
+from pallas_kernels import tree_verify_attention_combine as combine
+from pallas_kernels.triton_call import bound_to
+
+SPLITS = (2, 8, 16, 32, 66, 132, 256)
+FORMATS = (("triton_f32", 8, jnp.float32, False), ("mosaic_bf16", 128, jnp.bfloat16, True),
+           ("mosaic_bf16", 64, jnp.bfloat16, True))
+COLS = 512
+
+
+def combine_inputs(key, splits: int, rows: int, dtype):
+    """Random partials [P, 1, rows, COLS] in dtype with max and sum [P, 1, rows] f32 (a quarter of the splits empty
+    for some rows, as short prefixes leave them)."""
+    k = jax.random.split(key, 4)
+    out = jax.random.normal(k[0], (splits, 1, rows, COLS), jnp.float32)
+    row_max = 3 * jax.random.normal(k[1], (splits, 1, rows))
+    row_sum = jax.random.uniform(k[2], (splits, 1, rows), minval=0.5, maxval=4.0)
+    empty = jax.random.uniform(k[3], (splits, 1, rows)) < 0.25
+    return (jnp.where(empty[..., None], 0.0, out).astype(dtype), jnp.where(empty, -jnp.inf, row_max),
+            jnp.where(empty, 0.0, row_sum))
+
+
+def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> None:
+    """Time the combine kernel and XLA's combine for every format and split count; one row per case appended to
+    `results`, printed, then `save()`; no new case past `deadline` (time.time())."""
+    if jax.default_backend() != "gpu":
+        results.append(dict(skipped="the combine kernel runs only on the GPU (no interpret mode)"))
+        print("combine: skipped, GPU only", flush=True)
+        return
+    call = bound_to(combine.LAUNCHER, interpret=False, op="kernels_combine", reference="(the GPU only)")
+    for name, rows, dtype, normalized in FORMATS:
+        for splits in SPLITS:
+            case = dict(format=name, rows=rows, splits=splits)
+            if time.time() > deadline:
+                results.append(dict(case, skipped="time budget"))
+                continue
+            args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype)
+            fns = {"kernel": jax.jit(lambda *a, n=normalized: combine.combine(
+                       call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n)),
+                   "xla": jax.jit(lambda *a, n=normalized: attn.combine_partials(*a, normalized=n).astype(
+                       jnp.bfloat16)[:, :rows])}
+            try:
+                error = rel_err(fns["kernel"](*args), fns["xla"](*args))
+                t = time_jobs([Job(n, fn, [args]) for n, fn in fns.items()], reps)
+            except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on
+                results.append(dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}"))
+                save()
+                continue
+            bytes_ = sum(x.size * x.dtype.itemsize for x in args) + rows * COLS * 2
+            entry = dict(case, tiling=combine.tiling(splits, 1, rows, COLS), rel_err=error,
+                         kernel_us=t["kernel"]["us"], xla_us=t["xla"]["us"],
+                         kernel_busy_us=t["kernel"].get("busy_us"), xla_busy_us=t["xla"].get("busy_us"),
+                         kernel_bandwidth_fraction=bytes_ / (t["kernel"]["us"] * 1e-6) / 1e9
+                         / ceil["bandwidth_GBps"], timings=t)
+            results.append(entry)
+            print(f"combine {name:11s} rows {rows:3d} splits {splits:3d} | kernel {entry['kernel_us']:7.1f} us "
+                  f"(busy {entry['kernel_busy_us']}) | xla {entry['xla_us']:7.1f} us (busy {entry['xla_busy_us']}) | "
+                  f"{entry['kernel_bandwidth_fraction']:5.1%} of copy | err {error:.1e}", flush=True)
+            save()
