@@ -63,6 +63,23 @@ def test_attention_f32_k26(config):
     assert rel_err(out, A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [2, 16, 66, 256])
+@pytest.mark.parametrize("normalized,dtype", [(False, jnp.float32), (True, jnp.bfloat16)], ids=["triton", "mosaic"])
+def test_attention_combine_kernel(splits, normalized, dtype):
+    """The split-K combine kernel at split counts on both sides of `merge`'s MAX_KERNEL_SPLITS, on both kernels'
+    partial formats (decode shapes: 8 and 128 rows of 512 columns), against XLA's combine_partials."""
+    from experiments.kernels_combine import combine_inputs
+    from pallas_kernels import tree_verify_attention_combine as AC
+    from pallas_kernels.triton_call import bound_to
+
+    call = bound_to(AC.LAUNCHER, interpret=False, op="test", reference="-")
+    rows = 128 if normalized else 8
+    args = combine_inputs(jax.random.key(splits), splits, rows, dtype)
+    got = AC.combine(call, *args, rows=rows, cols=512, dtype=jnp.float32, normalized=normalized)
+    want = A.combine_partials(*args, normalized=normalized)[:, :rows]
+    assert np.isfinite(np.asarray(got)).all() and rel_err(got, want) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def k26_experts():
     return random_experts(K26)
