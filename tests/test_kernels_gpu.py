@@ -68,13 +68,15 @@ def test_attention_f32_k26(config):
 def test_attention_combine_kernel(splits, normalized, dtype):
     """The split-K combine kernel at split counts on both sides of `merge`'s MAX_KERNEL_SPLITS, on both kernels'
     partial formats (decode shapes: 8 and 128 rows of 512 columns), against XLA's combine_partials."""
-    from experiments.kernels_combine import combine_inputs
     from pallas_kernels import tree_verify_attention_combine as AC
     from pallas_kernels.triton_call import bound_to
 
     call = bound_to(AC.LAUNCHER, interpret=False, op="test", reference="-")
-    rows = 128 if normalized else 8
-    args = combine_inputs(jax.random.key(splits), splits, rows, dtype)
+    rows, rng = (128 if normalized else 8), np.random.default_rng(splits)
+    empty = rng.random((splits, 1, rows)) < 0.25                   # splits a short prefix leaves empty for a row
+    args = (jnp.asarray(np.where(empty[..., None], 0.0, rng.standard_normal((splits, 1, rows, 512))), dtype),
+            jnp.asarray(np.where(empty, -np.inf, 3 * rng.standard_normal((splits, 1, rows))), jnp.float32),
+            jnp.asarray(np.where(empty, 0.0, rng.uniform(0.5, 4.0, (splits, 1, rows))), jnp.float32))
     got = AC.combine(call, *args, rows=rows, cols=512, dtype=jnp.float32, normalized=normalized)
     want = A.combine_partials(*args, normalized=normalized)[:, :rows]
     assert np.isfinite(np.asarray(got)).all() and rel_err(got, want) < 1e-5
