@@ -82,11 +82,12 @@ def test_bad_shapes_name_the_fix():
 
 @pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3),
                                                           ([200], 1, 8, 2), ([120, 7], 20, 4, 1),
-                                                          ([60, 128], 70, 1, 2)])
+                                                          pytest.param([60, 128], 70, 1, 2, marks=pytest.mark.slow)])
 def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
     """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
-    an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 or 60 and
-    T = 20 or 70), one split (the kernel's output is the op's) and several. In
+    an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
+    with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
+    several. In
     interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work
     beside it can wait on each other for good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)
