@@ -42,9 +42,9 @@ def attention_cases(quick: bool) -> list[dict]:
 
 
 def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -> list[attn.AttentionConfig]:
-    """Alternative configs timed beside the default: the split-K counts `splits` on every case (those it admits: at
-    most prefix / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four prefix-32768
-    cases."""
+    """Alternative configs of the Triton kernel timed beside the op: the split-K counts `splits` on every case (those
+    it admits: at most N' / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four
+    prefix-32768 cases."""
     rows = case["nodes"] * case["heads"]
     base = attn.default_config(case["streams"], rows, cache_rows(case))
     split_configs = [dataclasses.replace(base, num_splits=s) for s in sorted(set(splits))
@@ -89,7 +89,7 @@ def attention_peers(args, interpret: bool) -> dict:
     if interpret:
         return {}
     peers = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
-    if attn_mgpu.fits(*args[:3]):
+    if attn_mgpu.fits(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
     return peers
 
@@ -127,8 +127,10 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             k_us, r_us = t["kernel"]["us"], t["reference"]["us"]
             rows = case["nodes"] * case["heads"]
             entry = dict(case, cache_rows=cache_rows(case),
-                         backend=ops.attention_backend(*sets[0][:3]) if not interpret else "reference",
-                         config=str(attn.default_config(case["streams"], rows, cache_rows(case))),
+                         backend=ops.attention_backend(*sets[0][:4]) if not interpret else "reference",
+                         config=(f"num_splits={attn_mgpu.default_num_splits(case['streams'], rows, cache_rows(case))}"
+                                 if attn_mgpu.fits(*sets[0][:4]) else
+                                 str(attn.default_config(case["streams"], rows, cache_rows(case)))),
                          kernel_us=k_us, reference_us=r_us, speedup_vs_reference=r_us / k_us,
                          GBps=bytes_ / (k_us * 1e-6) / 1e9, TFLOPs=flops / (k_us * 1e-6) / 1e12,
                          roofline_us=floor, roofline_fraction=floor / k_us, rel_err_bf16=errors["kernel"],

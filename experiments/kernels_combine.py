@@ -1,5 +1,5 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
-attention kernels at every split count the op takes, the Triton kernel (`tree_verify_attention_combine.combine`)
+attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
 against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`.
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
@@ -25,15 +25,16 @@ FORMATS = (("triton_f32", 8, jnp.float32, False), ("mosaic_bf16", 128, jnp.bfloa
 COLS = 512
 
 
-def combine_inputs(key, splits: int, rows: int, dtype):
+def combine_inputs(key, splits: int, rows: int, dtype, empty_max: float):
     """Random partials [P, 1, rows, COLS] in dtype with max and sum [P, 1, rows] f32 (a quarter of the splits empty
-    for some rows, as short prefixes leave them)."""
+    for some rows, as short prefixes leave them, with max `empty_max`: -inf from the Mosaic GPU kernel, NEG_INF from
+    the Triton one)."""
     k = jax.random.split(key, 4)
     out = jax.random.normal(k[0], (splits, 1, rows, COLS), jnp.float32)
     row_max = 3 * jax.random.normal(k[1], (splits, 1, rows))
     row_sum = jax.random.uniform(k[2], (splits, 1, rows), minval=0.5, maxval=4.0)
     empty = jax.random.uniform(k[3], (splits, 1, rows)) < 0.25
-    return (jnp.where(empty[..., None], 0.0, out).astype(dtype), jnp.where(empty, -jnp.inf, row_max),
+    return (jnp.where(empty[..., None], 0.0, out).astype(dtype), jnp.where(empty, empty_max, row_max),
             jnp.where(empty, 0.0, row_sum))
 
 
@@ -51,7 +52,8 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
             if time.time() > deadline:
                 results.append(dict(case, skipped="time budget"))
                 continue
-            args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype)
+            args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype,
+                                  -jnp.inf if normalized else attn.NEG_INF)
             fns = {"kernel": jax.jit(lambda *a, n=normalized: combine.combine(
                        call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n)),
                    "xla": jax.jit(lambda *a, n=normalized: attn.combine_partials(*a, normalized=n).astype(

@@ -29,9 +29,6 @@ F = flags.FLAGS
 
 def main(_):
     case = dict(streams=F.streams, heads=F.heads, prefix=F.prefix, nodes=F.nodes)
-    if F.kernel == "mosaic_gpu" and F.heads * F.nodes < attn_mgpu.BLOCK_Q:
-        cli.fail(f"--kernel=mosaic_gpu needs heads x nodes >= {attn_mgpu.BLOCK_Q} (one whole query tile); "
-                 f"got {F.heads} x {F.nodes}: use --kernel=triton")
     args = attention_inputs(jax.random.key(0), case, np.random.default_rng(0))
     op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE))
     for _ in range(F.calls):

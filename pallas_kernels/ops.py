@@ -6,9 +6,9 @@
 "auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
 kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
 traced: a jitted caller keeps the implementation it was traced with. The Triton kernels (int4_moe, tree_build,
-tree_accept, the attention where Mosaic GPU does not take it) have no interpret mode: in interpret mode (and off the
-GPU) those ops run their references; their CPU tests run them in Triton's interpreter. tree_verify_attention has two
-kernels, chosen per call by `attention_backend`.
+tree_accept, the attention where Mosaic GPU does not take it) have no interpret mode: in interpret mode those ops run
+their references (int4_moe and the tree ops also off the GPU); their CPU tests run them in Triton's interpreter.
+tree_verify_attention has two kernels, chosen per call by `attention_backend`.
 
 A kernel is added with one `_register` line and a thin public function calling `_call`.
 """
@@ -43,17 +43,17 @@ def _register(name: str, kernel: Callable, reference: Callable, *, interpretable
 
 
 
-def attention_backend(q_lat, q_rope, c_kv) -> str:
+def attention_backend(q_lat, q_rope, c_kv, k_rope) -> str:
     """The kernel `tree_verify_attention` runs for these operands: "mosaic_gpu" where its 64-row tile fits
     (`tree_verify_attention_mgpu.fits`), else "triton". Measured: kernels.md, "Eighth session"."""
-    return "mosaic_gpu" if _attention_mgpu.fits(q_lat, q_rope, c_kv) else "triton"
+    return "mosaic_gpu" if _attention_mgpu.fits(q_lat, q_rope, c_kv, k_rope) else "triton"
 
 
 def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, interpret: bool):
     """tree_verify_attention's kernel (`attention_backend`); the Triton one has no interpret mode (the reference
     runs there)."""
     args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
-    if attention_backend(q_lat, q_rope, c_kv) == "mosaic_gpu":
+    if attention_backend(q_lat, q_rope, c_kv, k_rope) == "mosaic_gpu":
         return _attention_mgpu.tree_verify_attention(*args, scale=scale, interpret=interpret)
     if interpret:
         return _attention.tree_verify_attention_reference(*args, scale=scale)

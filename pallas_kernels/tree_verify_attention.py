@@ -35,7 +35,7 @@ NEG_INF = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Tiling of the kernel. block_q and block_k are powers of two >= 16."""
+    """Tiling of the Triton kernel. block_q and block_k are powers of two >= 16."""
     block_q: int = 64       # query rows (node x head pairs) per program
     block_k: int = 64       # cache rows per step of the online softmax
     num_splits: int = 1     # programs per query tile along the prefix; > 1 adds the combine step
@@ -51,7 +51,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
 
 
-# Split-K heuristic: the count that minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS).
+# Split-K heuristic (the Triton kernel's; the Mosaic GPU one applies `split_count` to its own tiles): the count that
+# minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS).
 # A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels_sweep.json: 128 or 256
 # programs of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS:
 # multiprocessors of an H200. PROGRAMS_PER_SM: resident programs per multiprocessor by tile: the 8-warp 64-row tile

@@ -12,8 +12,8 @@ and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_v
 BS splits per step. The first version took one split per step: on the H200 3.2-3.9 us of device time for 2-8
 splits and 7-9 us for 12-32, in one launch against XLA's three (8-10 us in all), but 20 / 36 / 69 us for 66 / 132 /
 256 splits against XLA's 7-14 (kernels.md, "Eighth session"): a chain of dependent small loads. So `merge` runs the
-kernel up to MAX_KERNEL_SPLITS splits and XLA's combine above, until this version (8-32 splits per step, not yet
-measured) is timed against XLA at every split count.
+kernel up to MAX_KERNEL_SPLITS splits and XLA's combine above, until this version (2-64 splits per step: as many as
+fit TILE_ELEMENTS beside the step's rows and columns; not yet measured) is timed against XLA at every split count.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ MAX_BLOCK_COLS = 128
 MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
-MAX_KERNEL_SPLITS = 16             # measured: above, XLA's combine was faster (module docstring)
+MAX_KERNEL_SPLITS = 16             # measured: at 32 splits and more XLA's combine was faster (module docstring)
 
 
 @triton.jit
@@ -86,6 +86,8 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
     row_max / row_sum [P, S, R] f32 (R >= rows, Cp >= cols) -> [S, rows, cols] in dtype, through
     `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` bound to a
     launcher on the GPU; Triton's interpreter in the tests)."""
+    if out.ndim != 4:
+        raise ValueError(f"combine: partials out {out.shape} must be [P, S, R, Cp]")
     splits, streams, part_rows, part_cols = out.shape
     if row_max.shape != (splits, streams, part_rows) or row_sum.shape != row_max.shape or part_rows < rows \
             or part_cols < cols:

@@ -50,9 +50,13 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int):
+    if q_lat.ndim != 3:
+        raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
+    if num_splits < 1 or stages < 1:
+        problems.append(f"num_splits={num_splits} and stages={stages} must be >= 1")
     if bias.shape != (s, rows, frame_width(num_nodes)) or bias.dtype != jnp.float32:
         problems.append(f"frame_bias {bias.shape} {bias.dtype} must be f32 [S, rows, frame_width(T={num_nodes})] = "
                         f"{(s, rows, frame_width(num_nodes))} (`frame_bias`)")
@@ -79,8 +83,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes)
-    block_kv = BLOCK_KV
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages)
     s, rows, _ = q_lat.shape
 
     def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
@@ -97,10 +100,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
                                         q_bar.at[h])
             plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
-            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits, block_kv)
+            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits)
 
             def fetch(step, slot):
-                kv_rows = pl.ds((lo + step) * block_kv, block_kv)
+                kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
                 for h in range(2):
                     plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
                                             kv_bars.at[2 * slot + h])
@@ -129,24 +132,24 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
             prefix = len_ref[stream]
-            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits, block_kv)
-            frame_start = lax.div(prefix, block_kv)                # the first block not wholly inside the prefix
+            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
+            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
             plain_steps = jnp.clip(frame_start - lo, 0, steps)
             m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
             def logits_of(slot, step, framed: bool):
-                """scale * (q . k) of the slot's block [BLOCK_Q, block_kv], with the frame's bias tile if framed."""
+                """scale * (q . k) of the slot's block [BLOCK_Q, BLOCK_KV], with the frame's bias tile if framed."""
                 def scores(acc_ref):
                     for h in range(2):
                         plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
                     plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                logits = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale
+                logits = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32)) * scale
                 if framed:
-                    cols = pl.ds((lo + step - frame_start) * block_kv, block_kv)
+                    cols = pl.ds((lo + step - frame_start) * BLOCK_KV, BLOCK_KV)
                     logits = logits + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
                                                  optimized=False)
                 return logits
@@ -213,8 +216,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                  jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
     scratch = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((stages, 2, block_kv, HALF), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((stages, block_kv, ROPE), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
+               plgpu.SMEM((stages, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((2, BLOCK_Q), jnp.float32),
                plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),
                plgpu.Barrier(num_barriers=3),
@@ -244,30 +247,32 @@ def _accumulate(acc, a, b_smem, *, in_place: bool):
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def fits(q_lat, q_rope, c_kv) -> bool:
-    """Whether this kernel takes a call with these operands (q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C]):
+def fits(q_lat, q_rope, c_kv, k_rope) -> bool:
+    """Whether this kernel takes a call with these operands (q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C],
+    k_rope [S, N, R]):
     the K2.x widths (C = 512, R = 64), bf16, at least one whole 64-row query tile per stream (fewer rows would be
     mostly padding: the Triton kernel's 16-row tiles win there, kernels.md) and whole 64-row cache blocks."""
     s, t, h, c = q_lat.shape
     return (c == 2 * HALF and q_rope.shape[-1] == ROPE and t * h >= BLOCK_Q and c_kv.shape[1] % BLOCK_KV == 0
-            and all(x.dtype == jnp.bfloat16 for x in (q_lat, q_rope, c_kv)))
+            and all(x.dtype == jnp.bfloat16 for x in (q_lat, q_rope, c_kv, k_rope)))
 
 
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
-    """Split-K count for the prefix kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with
-    this kernel's programs: 64-row tiles, one resident per multiprocessor (216 KB of shared memory), bf16 partials of
-    the padded rows. Where the Triton kernel fits two 16-row programs per multiprocessor and so takes two waves of
-    programs (few query rows over a long prefix: H=8 T=1 N=32768, 256 splits), this takes one (132): 256 programs here
-    ran 2 blocks each and wrote 64-row partials for 8 real rows (kernels.md, "The Mosaic GPU whole op on the H200")."""
+    """Split-K count for this kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with this
+    kernel's programs: 64-row tiles, one resident per multiprocessor (~218 KB of shared memory), bf16 partials of the
+    padded rows. Where the Triton kernel fits two 16-row programs per multiprocessor and so takes two waves of programs
+    (few query rows over a long prefix: H=8 T=1 N=32768, 256 splits; a shape `ops` sends to the Triton kernel, timed
+    here by direct calls), this takes one (132) (kernels.md, "The Mosaic GPU whole op on the H200")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,
                           op.call_floor_bytes(num_streams, num_rows, capacity))
 
 
-def _split_blocks(prefix, split, num_splits: int, block_kv: int):
-    """(first block, number of blocks) of `split`'s contiguous piece of the prefix's cdiv(prefix, block_kv) blocks."""
-    num_blocks = lax.div(prefix + block_kv - 1, block_kv)
+def _split_blocks(length, split, num_splits: int):
+    """(first block, number of blocks) of `split`'s contiguous piece of the cdiv(length, BLOCK_KV) blocks that hold
+    a stream's `length` attended cache rows (its prefix and tree block)."""
+    num_blocks = lax.div(length + BLOCK_KV - 1, BLOCK_KV)
     per_split = lax.div(num_blocks + num_splits - 1, num_splits)
     lo = split * per_split
     return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
@@ -282,8 +287,8 @@ def frame_width(num_nodes: int) -> int:
 def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     """prefix_len [S], visible [S, T, T] -> bias [S, rows, frame_width(T)] f32 of the frame's cache rows
     j = (prefix_len // BLOCK_KV) * BLOCK_KV + column: 0 where query row r = (node r // num_heads, head) may attend
-    (j < prefix_len, or j = prefix_len + u with visible[s, node, u]), -inf elsewhere (also past the tree block and
-    for the rows past T * num_heads)."""
+    (j < prefix_len, or j = prefix_len + u with visible[s, node, u]), -inf elsewhere (past the tree block, and on the
+    tree rows for the padding rows past T * num_heads, which the op slices off)."""
     s, t, _ = visible.shape
     prefix_len = prefix_len.astype(jnp.int32)
     j = (prefix_len // BLOCK_KV * BLOCK_KV)[:, None] + jnp.arange(frame_width(t))[None, :]    # [S, W]

@@ -149,6 +149,10 @@ def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale:
     """The host side through `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)`
     (`triton_call` on the GPU; the tests pass Triton's interpreter on the CPU)."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    dtypes = {x.dtype for x in (q_lat, q_rope, c_kv, k_rope)}
+    if len(dtypes) > 1:
+        raise ValueError(f"tree_verify_attention_triton: q_lat, q_rope, c_kv and k_rope must share one dtype (its dots "
+                         f"take one), got {sorted(str(d) for d in dtypes)}: cast the queries to the cache's dtype")
     s, t, h, c = q_lat.shape
     r = q_rope.shape[3]
     rows = t * h

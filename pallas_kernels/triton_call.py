@@ -11,8 +11,8 @@ kernel module picks its default by that measurement:
 
 Both are usable inside `jax.shard_map` (check_vma). Neither primitive types its outputs with varying manual axes; a
 kernel fed per-device operands gives per-device outputs, and a later psum over a value typed "the same on every
-device" would multiply it by the axis size. So, like `pallas_kernels.pallas_call`, the operands are cast to the union
-of the axes any of them varies over and the outputs are stated to vary over it (a type cast, no data moves).
+device" would multiply it by the axis size. So the operands are cast to the union of the axes any of them varies
+over and the outputs are stated to vary over it (a type cast, no data moves).
 
 The "xla" launcher uses jax internals (`jax._src.interpreters.mlir`, jaxlib's Triton dialect), pinned with
 jax==0.11.2; tests/test_triton_call.py lowers every Triton kernel through it on the CPU.

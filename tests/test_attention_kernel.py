@@ -115,7 +115,7 @@ def k2_operands(streams, nodes, heads, capacity, dtype=jnp.bfloat16, lat=512, ro
     (16, 8, 4096, jnp.bfloat16, 64, "triton"),          # not the K2.x latent width
 ])
 def test_attention_backend(nodes, heads, capacity, dtype, lat, backend):
-    assert ops.attention_backend(*k2_operands(2, nodes, heads, capacity, dtype, lat)[:3]) == backend
+    assert ops.attention_backend(*k2_operands(2, nodes, heads, capacity, dtype, lat)) == backend
 
 
 def test_both_attention_kernels_lower_under_head_parallel():
@@ -127,14 +127,14 @@ def test_both_attention_kernels_lower_under_head_parallel():
     from kdtree_jax.model.parallel import head_parallel
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_combine as AC
-    from pallas_kernels import tree_verify_attention_mgpu as PA
+    from pallas_kernels import tree_verify_attention_mgpu as AM
     from triton_h200 import h200_mesh, lower_for_h200
 
     mesh = h200_mesh((1, 2), ("data", "tp"))
     attention = functools.partial(ops.tree_verify_attention, scale=0.07)
     capacity = 4096 + 64
     for nodes, mosaic, splits in ((1, 0, A.default_config(2, 8, capacity).num_splits),
-                                  (16, 1, PA.default_num_splits(2, 16 * 8, capacity))):
+                                  (16, 1, AM.default_num_splits(2, 16 * 8, capacity))):
         arrays = k2_operands(2, nodes, 16, capacity) + (jax.ShapeDtypeStruct((2,), jnp.int32),
                                                        jax.ShapeDtypeStruct((2, nodes, nodes), jnp.bool_))
         parts = [P(None, None, "tp", None)] * 2 + [P()] * 4

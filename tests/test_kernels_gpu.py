@@ -23,7 +23,7 @@ from pallas_kernels import ops
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
-from pallas_kernels import tree_verify_attention_mgpu as PA
+from pallas_kernels import tree_verify_attention_mgpu as AM
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels import tree_verify_attention_triton as AT
 from conftest import assert_topk_matches_reference, random_targets, rel_err
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled
 K26 = config_lib.kimi_k2_6()
 
 
-@pytest.mark.parametrize("kernel", [AT.tree_verify_attention, PA.tree_verify_attention, ops.tree_verify_attention],
+@pytest.mark.parametrize("kernel", [AT.tree_verify_attention, AM.tree_verify_attention, ops.tree_verify_attention],
                          ids=["triton", "mosaic_gpu", "ops"])
 @pytest.mark.parametrize("heads,nodes", [(8, 1), (8, 16), (8, 64), (64, 1), (64, 16)])
 def test_attention_bf16_k26(kernel, heads, nodes):
@@ -74,8 +74,9 @@ def test_attention_combine_kernel(splits, normalized, dtype):
     call = bound_to(AC.LAUNCHER, interpret=False, op="test", reference="-")
     rows, rng = (128 if normalized else 8), np.random.default_rng(splits)
     empty = rng.random((splits, 1, rows)) < 0.25                   # splits a short prefix leaves empty for a row
+    empty_max = -np.inf if normalized else A.NEG_INF                # as the Mosaic GPU / the Triton kernel write it
     args = (jnp.asarray(np.where(empty[..., None], 0.0, rng.standard_normal((splits, 1, rows, 512))), dtype),
-            jnp.asarray(np.where(empty, -np.inf, 3 * rng.standard_normal((splits, 1, rows))), jnp.float32),
+            jnp.asarray(np.where(empty, empty_max, 3 * rng.standard_normal((splits, 1, rows))), jnp.float32),
             jnp.asarray(np.where(empty, 0.0, rng.uniform(0.5, 4.0, (splits, 1, rows))), jnp.float32))
     got = AC.combine(call, *args, rows=rows, cols=512, dtype=jnp.float32, normalized=normalized)
     want = A.combine_partials(*args, normalized=normalized)[:, :rows]

@@ -131,7 +131,7 @@ def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text)
     group inside its shard_map, tree build and accept in the loop (int4_moe per expert group runs its reference:
     its Triton kernel has no interpret mode). ar, chain and ddtree (ragged
     batch, INT4 experts, an oracle drafter so that rounds accept several nodes and branch) give one device's greedy
-    tokens (pure-JAX references). Failed before `pallas_kernels.pallas_call` stated the kernels' varying axes."""
+    tokens (pure-JAX references). Failed before the kernels stated their varying axes."""
     cfg = CFG.replace(expert_quant="int4", num_layers=2)
     target = Transformer(cfg, nnx.Rngs(3))
     max_new = 6
@@ -154,7 +154,7 @@ def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text)
 def test_compiled_kernels_trace_inside_shard_map_with_vma_checks():
     """The GPU path's contract, checked on the CPU by tracing (no lowering): with the compiled (not interpreted)
     Pallas kernels, the shard_maps keep check_vma on, and tree-verify attention states how its outputs vary over the
-    mesh. Before `pallas_kernels.pallas_call`, this raised 'manual_axis_type on jax.ShapeDtypeStruct must not be
+    mesh. Before the kernels stated their varying axes, this raised 'manual_axis_type on jax.ShapeDtypeStruct must not be
     None', as the first 2 x H200 run did. (int4_moe's Triton kernel does not trace without a CUDA jaxlib; off the GPU
     the reference runs in its place. Its wrapper, `pallas_kernels.triton_call`, states the varying axes the same way;
     it ran inside the expert-parallel shard_map on 2 x H200: experiments/notes/sharding.md.)"""

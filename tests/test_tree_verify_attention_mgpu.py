@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from pallas_kernels import tree_verify_attention_mgpu as PA
+from pallas_kernels import tree_verify_attention_mgpu as AM
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels.tree import random_tree_visible
 
@@ -23,15 +23,15 @@ INTERPRET = jax.default_backend() != "gpu"
 
 def inputs(rng, streams, rows, capacity):
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-    return (bf16(streams, rows, 2 * PA.HALF), bf16(streams, rows, PA.ROPE), bf16(streams, capacity, 2 * PA.HALF),
-            bf16(streams, capacity, PA.ROPE))
+    return (bf16(streams, rows, 2 * AM.HALF), bf16(streams, rows, AM.ROPE), bf16(streams, capacity, 2 * AM.HALF),
+            bf16(streams, capacity, AM.ROPE))
 
 
 def prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, **kwargs):
     """The kernel over the prefixes alone (no tree block): its partials."""
     s, rows = q_lat.shape[:2]
-    bias = PA.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, rows)
-    return PA.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0,
+    bias = AM.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, rows)
+    return AM.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0,
                                  interpret=INTERPRET, **kwargs)
 
 
@@ -55,7 +55,7 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages):
     prefix_len = jnp.asarray(prefixes, jnp.int32)
     out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
                                         stages=stages)
-    assert out.shape == (num_splits, len(prefixes), rows, 2 * PA.HALF) and row_sum.shape == row_max.shape
+    assert out.shape == (num_splits, len(prefixes), rows, 2 * AM.HALF) and row_sum.shape == row_max.shape
     got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
     assert np.isfinite(np.asarray(got)).all()
@@ -76,7 +76,7 @@ def test_bad_shapes_name_the_fix():
         prefix_only(q_lat, q_rope, c_kv, k_rope, ten)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 128)
     with pytest.raises(ValueError, match=r"frame_bias .* must be f32 \[S, rows, frame_width\(T=67"):
-        PA.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
+        AM.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
                               num_nodes=3 + 64, interpret=INTERPRET)
 
 
@@ -93,11 +93,11 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
     rng = np.random.default_rng(sum(prefixes) + nodes)
     s = len(prefixes)
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-    args = (bf16(s, nodes, heads, 2 * PA.HALF), bf16(s, nodes, heads, PA.ROPE), bf16(s, 256, 2 * PA.HALF),
-            bf16(s, 256, PA.ROPE), jnp.asarray(prefixes, jnp.int32),
+    args = (bf16(s, nodes, heads, 2 * AM.HALF), bf16(s, nodes, heads, AM.ROPE), bf16(s, 256, 2 * AM.HALF),
+            bf16(s, 256, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
             jnp.asarray(random_tree_visible(rng, s, nodes)))
     with jax.disable_jit(INTERPRET):
-        got = PA.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
+        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
     want = A.tree_verify_attention_reference(*args, scale=SCALE)
     assert got.shape == want.shape and got.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -108,7 +108,7 @@ def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
     rng = np.random.default_rng(3)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 8, 100)
     with pytest.raises(ValueError, match="multiple of 64"):
-        PA.tree_verify_attention(q_lat[:, None], q_rope[:, None], c_kv, k_rope, jnp.asarray([10], jnp.int32),
+        AM.tree_verify_attention(q_lat[:, None], q_rope[:, None], c_kv, k_rope, jnp.asarray([10], jnp.int32),
                                  jnp.ones((1, 1, 1), bool), scale=SCALE, interpret=INTERPRET)
 
 
@@ -118,9 +118,9 @@ def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
     """One 64-row program per multiprocessor: the split count keeps every program in one wave when the call has fewer
     query tiles than multiprocessors, gives each split at least two cache blocks, and a compute-bound call (H=64
     T=256) one split."""
-    splits = PA.default_num_splits(streams, rows, capacity)
-    tiles = streams * -(-rows // PA.BLOCK_Q)
-    assert 1 <= splits <= capacity // (2 * PA.BLOCK_KV)
+    splits = AM.default_num_splits(streams, rows, capacity)
+    tiles = streams * -(-rows // AM.BLOCK_Q)
+    assert 1 <= splits <= capacity // (2 * AM.BLOCK_KV)
     assert tiles >= A.NUM_SMS or tiles * splits <= A.NUM_SMS
     if rows == 16384:
         assert splits == 1
@@ -130,4 +130,4 @@ def test_few_rows_over_a_long_prefix_take_one_wave_not_the_triton_kernels_two():
     """H=8 T=1 N=32768: the Triton kernel fits two 16-row programs per multiprocessor and takes 256 splits; this
     kernel's 64-row programs take 132 (kernels.md, "The Mosaic GPU whole op on the H200")."""
     assert A.default_config(1, 8, 32832).num_splits == 256
-    assert PA.default_num_splits(1, 8, 32832) == 132
+    assert AM.default_num_splits(1, 8, 32832) == 132
