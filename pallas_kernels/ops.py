@@ -41,8 +41,6 @@ def _register(name: str, kernel: Callable, reference: Callable, *, interpretable
     _registry[name] = (kernel, reference, interpretable)
 
 
-
-
 def attention_backend(q_lat, q_rope, c_kv, k_rope) -> str:
     """The kernel `tree_verify_attention` runs for these operands: "mosaic_gpu" where its 64-row tile fits
     (`tree_verify_attention_mgpu.fits`), else "triton". Measured: kernels.md, "Eighth session"."""

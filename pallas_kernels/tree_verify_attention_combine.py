@@ -103,7 +103,7 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
 
 def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):
     """`combine`'s result, by the Triton kernel up to MAX_KERNEL_SPLITS splits and by XLA's `combine_partials`
-    above."""
-    if out.shape[0] <= MAX_KERNEL_SPLITS:
+    above, or always when `call` is None (no Triton: a Mosaic GPU kernel in interpret mode)."""
+    if call is not None and out.shape[0] <= MAX_KERNEL_SPLITS:
         return combine(call, out, row_max, row_sum, rows=rows, cols=cols, dtype=dtype, normalized=normalized)
     return op.combine_partials(out, row_max, row_sum, normalized=normalized)[:, :rows, :cols].astype(dtype)

@@ -327,10 +327,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         interpret=interpret)
     if num_splits == 1:
         merged = out[0, :, :rows]
-    elif interpret:
-        merged = op.combine_partials(out, row_max, row_sum, normalized=True)[:, :rows].astype(q_lat.dtype)
     else:
-        call = bound_to(combine.LAUNCHER, interpret=False, op="tree_verify_attention_mgpu.tree_verify_attention",
-                        reference="interpret=True")
+        call = None if interpret else bound_to(combine.LAUNCHER, interpret=False, reference="interpret=True",
+                                               op="tree_verify_attention_mgpu.tree_verify_attention")
         merged = combine.merge(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
     return merged.reshape(s, t, h, c)
