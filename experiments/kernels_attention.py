@@ -85,12 +85,15 @@ def attention_cost(case) -> tuple[float, float]:
 
 
 def attention_peers(args, interpret: bool) -> dict:
-    """The op's kernels, each alone at its default tiling, for inputs `args` (GPU only: {} when `interpret`)."""
+    """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
+    rows, and with its split-K combine as a separate kernel), for inputs `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
     peers = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
-    if attn_mgpu.fits(*args[:4]):
+    if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
+        peers["mosaic_gpu_separate_combine"] = jax.jit(
+            lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=False))
     return peers
 
 

@@ -23,7 +23,8 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
     """Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case: `mgpu` the whole op
     (`tree_verify_attention_mgpu.tree_verify_attention`: the kernel over the prefix and the tree block under the case's
     ancestor mask, the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the
-    Triton kernel's count where the two differ, and `mgpu_prefix` the kernel and merge over the prefix alone at mgpu's
+    Triton kernel's count where the two differ, `mgpu_registers_240_24` the whole op with FlashAttention-3's register
+    split (240 per consumer thread, 24 per producer thread; `REGISTERS` is 232 / 40), and `mgpu_prefix` the kernel and merge over the prefix alone at mgpu's
     count (no tree block; its error is against the reference with no tree node visible). The cache is in whole
     64-row blocks (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of the
     whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
@@ -53,6 +54,9 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
                    *mgpu_attn.attention_partials(*a, scale=K26_SCALE, num_nodes=0, num_splits=splits,
                                                  interpret=interpret), normalized=True)[:, :rows]),
                "reference": jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))}
+        args["mgpu_registers_240_24"] = full
+        fns["mgpu_registers_240_24"] = jax.jit(lambda *a: mgpu_attn.tree_verify_attention(
+            *a, scale=K26_SCALE, registers=(240, 24), interpret=interpret))
         if triton_splits != splits:
             args["mgpu_triton_splits"] = full
             fns["mgpu_triton_splits"] = jax.jit(lambda *a: mgpu_attn.tree_verify_attention(
@@ -85,6 +89,6 @@ def _print_mgpu_row(r):
     print(f"mgpu attention S={r['streams']} H={r['heads']:2d} N={r['prefix']:6d} T={r['nodes']:3d} splits "
           f"{r['splits']:3d} | triton {us('triton'):8.1f} us | mgpu {us('mgpu'):8.1f} (prefix alone "
           f"{us('mgpu_prefix'):8.1f}; at triton's {r['triton_splits']} splits {us('mgpu_triton_splits'):8.1f}) | ref "
-          f"{us('reference'):8.1f} | x triton "
+          f"{us('reference'):8.1f} | 240/24 regs {us('mgpu_registers_240_24'):8.1f} | x triton "
           f"{r.get('mgpu_speedup_vs_triton', float('nan')):5.2f}, x ref {r.get('mgpu_speedup_vs_reference', float('nan')):5.2f}"
           f" | errors {r['errors']} | failed {sorted(r['failed'])}", flush=True)

@@ -44,6 +44,10 @@ BLOCK_KV = 64    # cache rows per ring slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
+# Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
+# example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
+REGISTERS = (232, 40)
+COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
 
 
 def _smem_transforms():
@@ -76,26 +80,43 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "stages", "combine_in_kernel",
+                                             "registers", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, stages: int = 2, interpret: bool = False):
+                       num_splits: int = 1, stages: int = 2, combine_in_kernel: bool = False,
+                       registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
-    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N."""
+    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
+
+    registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
+    combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
+    bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
+    the programs must be resident at once (`check_resident`)."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages)
     s, rows, _ = q_lat.shape
+    if combine_in_kernel:
+        if interpret:
+            raise ValueError("attention_partials: combine_in_kernel needs the GPU (Mosaic GPU's interpret mode has no "
+                             "semaphores); pass combine_in_kernel=False in interpret mode")
+        check_resident(s * (rows // BLOCK_Q) * num_splits)
 
-    def body(q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
-             q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-             stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, p_bars):
+    def body(*refs):
+        refs = list(refs)
+        result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
+        (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
+         q_smem, qr_smem, kv_smem, kr_smem, row_smem,
+         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, p_bars) = refs
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
+        # One semaphore per query tile, zeroed before each call: every consumer warpgroup of the tile's splits adds 1.
+        tile_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((s * rows // BLOCK_Q,))) if combine_in_kernel else None
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(registers[1], action="decrease")
             for h in range(2):
                 plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
                                         q_bar.at[h])
@@ -128,7 +149,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
             prefix = len_ref[stream]
@@ -189,6 +210,15 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             carry = lax.fori_loop(0, plain_steps, functools.partial(step_fn, framed=False), (acc, m, total))
             acc, m, total = lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry)
+            if combine_in_kernel:
+                _write_partial(out_ref.at[split, stream, q_rows], max_ref.at[split, stream, q_rows],
+                               sum_ref.at[split, stream, q_rows], acc, m, total, wg)
+                tile_sem = tile_sems.at[qi * s + stream]
+                plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
+                plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
+                _combine_rows(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
+                              max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], split, wg, num_splits)
+                return
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
@@ -211,9 +241,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             plgpu.wait_smem_to_gmem(0)
 
     transforms = _smem_transforms()
-    out_types = (jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
+    out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
+        jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
+        jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
     scratch = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
                plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
@@ -234,6 +265,63 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
 
+def _write_partial(out_ref, max_ref, sum_ref, acc, m, total, wg):
+    """A consumer's piece of its split's partial, stored from registers (not by TMA, so that the semaphore's release
+    orders it for the other programs' plain loads): out [BLOCK_Q, 512] normalised (its HALF columns), max / sum
+    [BLOCK_Q] (warpgroup 0)."""
+    inv = inverse_or_zero(total)
+    out_ref.at[:, pl.ds(wg * HALF, HALF)][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
+        jnp.bfloat16)
+
+    @pl.when(wg == 0)
+    def _():
+        max_ref[...] = m
+        sum_ref[...] = total
+
+
+def _combine_rows(result_ref, out_ref, max_ref, sum_ref, split, wg, num_splits: int):
+    """Split `split`'s share of joining its query tile's partials (out [P, BLOCK_Q, 512] normalised bf16, max / sum
+    [P, BLOCK_Q] f32, P = num_splits) into result [BLOCK_Q, 512] bf16: the rows split, split + P, ...; warpgroup wg
+    its HALF columns. One pass over the splits with a running max (the formula of `combine_partials`)."""
+    layout = plgpu.Layout.WG_STRIDED((HALF,), vec_size=2)
+    cols = pl.ds(wg * HALF, HALF)
+
+    @pl.loop(split, BLOCK_Q, step=num_splits)
+    def _(row):
+        def add(p, carry):
+            acc, top, total = carry
+            m_p = max_ref[p, row]
+            new_top = jnp.maximum(top, m_p)
+            safe = jnp.where(new_top == -jnp.inf, 0.0, new_top)        # nothing seen yet: weights 0, not NaN
+            rescale, weight = jnp.exp(top - safe), sum_ref[p, row] * jnp.exp(m_p - safe)
+            o_p = plgpu.load(out_ref.at[p, row, cols], layout=layout, optimized=False).astype(jnp.float32)
+            return acc * rescale + o_p * weight, new_top, total * rescale + weight
+
+        def add_steps(first, count: int, carry):
+            for i in range(count):
+                carry = add(first + i, carry)
+            return carry
+
+        steps, rest = divmod(num_splits, COMBINE_UNROLL)
+        carry = (plgpu.layout_cast(jnp.zeros((HALF,), jnp.float32), layout), jnp.float32(-jnp.inf),
+                 jnp.float32(0.0))
+        carry = lax.fori_loop(0, steps, lambda i, c: add_steps(i * COMBINE_UNROLL, COMBINE_UNROLL, c), carry)
+        acc, _, total = add_steps(steps * COMBINE_UNROLL, rest, carry)
+        result_ref.at[row, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
+
+
+def check_resident(programs: int) -> None:
+    """combine_in_kernel's programs wait for each other: all of them must be resident at once, one per multiprocessor
+    (~218 KB of shared memory each) of the local GPU (an H200's `NUM_SMS` where there is none, lowering on the CPU)."""
+    try:
+        sms = jax.local_devices(backend="gpu")[0].core_count
+    except RuntimeError:
+        sms = op.NUM_SMS
+    if programs > sms:
+        raise ValueError(f"attention_partials: combine_in_kernel with {programs} programs, more than the {sms} "
+                         f"multiprocessors that hold one each at once: fewer splits, or combine_in_kernel=False")
+
+
 def _accumulate(acc, a, b_smem, *, in_place: bool):
     """acc + a @ b_smem with wgmma (a in registers or shared memory): on the GPU accumulating in place (ACC.init);
     Mosaic GPU's interpret mode runs wgmma only into a fresh accumulator, whose product is then added in registers."""
@@ -247,14 +335,18 @@ def _accumulate(acc, a, b_smem, *, in_place: bool):
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def fits(q_lat, q_rope, c_kv, k_rope) -> bool:
-    """Whether this kernel takes a call with these operands (q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C],
-    k_rope [S, N, R]):
-    the K2.x widths (C = 512, R = 64), bf16, at least one whole 64-row query tile per stream (fewer rows would be
-    mostly padding: the Triton kernel's 16-row tiles win there, kernels.md) and whole 64-row cache blocks."""
-    s, t, h, c = q_lat.shape
-    return (c == 2 * HALF and q_rope.shape[-1] == ROPE and t * h >= BLOCK_Q and c_kv.shape[1] % BLOCK_KV == 0
+def supports(q_lat, q_rope, c_kv, k_rope) -> bool:
+    """Whether this kernel can take a call with these operands (q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv
+    [S, N, C], k_rope [S, N, R]): the K2.x widths (C = 512, R = 64), bf16 and whole 64-row cache blocks."""
+    return (q_lat.shape[-1] == 2 * HALF and q_rope.shape[-1] == ROPE and c_kv.shape[1] % BLOCK_KV == 0
             and all(x.dtype == jnp.bfloat16 for x in (q_lat, q_rope, c_kv, k_rope)))
+
+
+def fits(q_lat, q_rope, c_kv, k_rope) -> bool:
+    """Whether `ops` gives this kernel the call: `supports` it, with at least one whole 64-row query tile per stream
+    (fewer rows would be mostly padding: the Triton kernel's 16-row tiles win there, kernels.md)."""
+    _, t, h, _ = q_lat.shape
+    return supports(q_lat, q_rope, c_kv, k_rope) and t * h >= BLOCK_Q
 
 
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
@@ -302,15 +394,17 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
-                          num_splits: int | None = None, interpret: bool = False):
+                          num_splits: int | None = None, combine_in_kernel: bool | None = None,
+                          registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
-    `frame_bias`), num_splits (default `default_num_splits`) > 1 adds the combine (`combine.merge`; XLA's
-    `combine_partials` in interpret mode). N must be a multiple of 64."""
+    `frame_bias`). With num_splits (default `default_num_splits`) > 1 the partials are joined in the same kernel
+    where its programs fit on the GPU at once (combine_in_kernel None: on the GPU and within one wave), else by
+    `combine.merge` (XLA's `combine_partials` in interpret mode). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -321,14 +415,16 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     pad = ((0, 0), (0, padded - rows), (0, 0))
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
-    out, row_max, row_sum = attention_partials(
+    if combine_in_kernel is None:
+        combine_in_kernel = num_splits > 1 and not interpret and s * (padded // BLOCK_Q) * num_splits <= op.NUM_SMS
+    outs = attention_partials(
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
-        interpret=interpret)
-    if num_splits == 1:
-        merged = out[0, :, :rows]
+        combine_in_kernel=combine_in_kernel, registers=registers, interpret=interpret)
+    if combine_in_kernel or num_splits == 1:
+        merged = outs[0][:, :rows] if combine_in_kernel else outs[0][0, :, :rows]
     else:
         call = None if interpret else bound_to(combine.LAUNCHER, interpret=False, reference="interpret=True",
                                                op="tree_verify_attention_mgpu.tree_verify_attention")
-        merged = combine.merge(call, out, row_max, row_sum, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
+        merged = combine.merge(call, *outs, rows=rows, cols=c, dtype=q_lat.dtype, normalized=True)
     return merged.reshape(s, t, h, c)

@@ -51,6 +51,23 @@ def test_attention_bf16_k26(kernel, heads, nodes):
     assert max(errors) < BF16_TOL, errors
 
 
+@pytest.mark.parametrize("heads,nodes,streams,splits", [(64, 1, 1, None), (8, 16, 1, None), (8, 1, 2, None),
+                                                          (64, 4, 2, 33)])
+def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
+    """The Mosaic GPU kernel joining its own split-K partials (semaphores; one wave of programs) == the reference and
+    == the same kernel with the separate combine, over a 32768-row cache (decode shapes: up to 132 splits; with two
+    streams one prefix is 0, so most of its splits attend nothing), fresh inputs each call."""
+    rng = np.random.default_rng(heads * 100 + nodes * 10 + streams)
+    inputs = make_inputs(rng, streams, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 32768,
+                         dtype=jnp.bfloat16)
+    run = functools.partial(AM.tree_verify_attention, *inputs, scale=K26.softmax_scale, num_splits=splits)
+    fused, separate = run(combine_in_kernel=True), run(combine_in_kernel=False)
+    ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
+    assert np.isfinite(np.asarray(fused, np.float32)).all()
+    assert max(rel_err(fused[s], ref[s]) for s in range(streams)) < BF16_TOL
+    assert rel_err(fused, separate) < 1e-2      # both round the same bf16 partials; they differ in the last bits
+
+
 @pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),
                                     A.AttentionConfig(block_q=16, block_k=16, num_splits=4), None],
                          ids=["small_tiles", "small_tiles_4_splits", "default"])
