@@ -396,15 +396,15 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
-                          num_splits: int | None = None, combine_in_kernel: bool | None = None,
+                          num_splits: int | None = None, combine_in_kernel: bool = False,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
-    `frame_bias`). With num_splits (default `default_num_splits`) > 1 the partials are joined in the same kernel
-    where its programs fit on the GPU at once (combine_in_kernel None: on the GPU and within one wave), else by
-    `combine.merge` (XLA's `combine_partials` in interpret mode). N must be a multiple of 64."""
+    `frame_bias`). With num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
+    (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
+    of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -415,8 +415,6 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     pad = ((0, 0), (0, padded - rows), (0, 0))
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
-    if combine_in_kernel is None:
-        combine_in_kernel = num_splits > 1 and not interpret and s * (padded // BLOCK_Q) * num_splits <= op.NUM_SMS
     outs = attention_partials(
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
