@@ -9,11 +9,11 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
 
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
 (XLA: three launches). One program combines a tile of rows and columns of one stream over every split, `tiling`'s
-BS splits per step. The first version took one split per step: on the H200 3.2-3.9 us of device time for 2-8
-splits and 7-9 us for 12-32, in one launch against XLA's three (8-10 us in all), but 20 / 36 / 69 us for 66 / 132 /
-256 splits against XLA's 7-14 (kernels.md, "Eighth session"): a chain of dependent small loads. So `merge` runs the
-kernel up to MAX_KERNEL_SPLITS splits and XLA's combine above, until this version (2-64 splits per step: as many as
-fit TILE_ELEMENTS beside the step's rows and columns; not yet measured) is timed against XLA at every split count.
+BS splits per step. The first version took one split per step and was slow at many splits (69 us at 256 against
+XLA's 7-14, kernels.md, "Eighth session"); this one (2-64 splits per step) measured on the H200 (device time, bf16
+partials of 64 rows): 2.2 / 3.3 / 6.4 / 11.2 / 19.0 us at 16 / 32 / 66 / 132 / 256 splits against XLA's 3.4 / 5.4 /
+7.3 / 8.8 / 10.0 (kernels.md, "Ninth session"). So `merge` runs the kernel up to MAX_KERNEL_SPLITS = 66 splits and
+XLA's combine above.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ MAX_BLOCK_COLS = 128
 MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
-MAX_KERNEL_SPLITS = 16             # measured: at 32 splits and more XLA's combine was faster (module docstring)
+MAX_KERNEL_SPLITS = 66             # measured: at 132 splits and more XLA's combine is faster (module docstring)
 
 
 @triton.jit
