@@ -7,6 +7,8 @@ blocks per split than ring slots. The whole op (`tree_verify_attention`: the pre
 under `frame_bias`, then the merge) is checked under random ancestor masks, with one split and several, tree blocks
 inside one cache block and across two, and rows that see nothing. Fresh random bf16 inputs per case.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +133,29 @@ def test_few_rows_over_a_long_prefix_take_one_wave_not_the_triton_kernels_two():
     kernel's 64-row programs take 132 (kernels.md, "The Mosaic GPU whole op on the H200")."""
     assert A.default_config(1, 8, 32832).num_splits == 256
     assert AM.default_num_splits(1, 8, 32832) == 132
+
+
+def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
+    """The in-kernel combine waits on semaphores, which Mosaic GPU's interpret mode lacks, and needs every program
+    resident at once: both refused with the fix named (its results are checked on the H200, test_kernels_gpu.py)."""
+    rng = np.random.default_rng(2)
+    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 256)
+    with pytest.raises(ValueError, match="interpret mode has no semaphores"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, jnp.asarray([100], jnp.int32), num_splits=2,
+                    combine_in_kernel=True, **({} if INTERPRET else {"interpret": True}))
+    with pytest.raises(ValueError, match="133 programs, more than the 132 multiprocessors"):
+        AM.check_resident(133)
+    AM.check_resident(132)
+
+
+def test_combine_in_kernel_lowers_for_the_h200():
+    """The op with the in-kernel combine lowered for an H200 (no GPU needed): one Mosaic GPU custom call (its
+    semaphore buffer zeroed by XLA), no combine kernel after it."""
+    from triton_h200 import lower_for_h200, spec
+
+    s, t, h, n = 1, 1, 64, 32768
+    fn = functools.partial(AM.tree_verify_attention, scale=SCALE, combine_in_kernel=True)
+    text = lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
+                          spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
+                          spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
+    assert text.count("custom_call @mosaic_gpu_v2") == 1 and "triton" not in text
