@@ -86,7 +86,8 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when `interpret`)."""
+    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when
+    `interpret`)."""
     if interpret:
         return {}
     peers = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}

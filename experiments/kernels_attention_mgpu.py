@@ -23,9 +23,10 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
     """Mosaic GPU variants beside the Triton kernel and the XLA reference on every attention case: `mgpu` the whole op
     (`tree_verify_attention_mgpu.tree_verify_attention`: the kernel over the prefix and the tree block under the case's
     ancestor mask, the merge) at its own split count (`default_num_splits`), `mgpu_triton_splits` the same at the
-    Triton kernel's count where the two differ, `mgpu_registers_240_24` the whole op with FlashAttention-3's register
-    split (240 per consumer thread, 24 per producer thread; `REGISTERS` is 232 / 40), and `mgpu_prefix` the kernel and merge over the prefix alone at mgpu's
-    count (no tree block; its error is against the reference with no tree node visible). The cache is in whole
+    Triton kernel's count where the two differ, `mgpu_registers_240_24` the whole op with FlashAttention-3's
+    register split (240 per consumer thread, 24 per producer thread; `REGISTERS` is 232 / 40), and `mgpu_prefix` the
+    kernel and merge over the prefix alone at mgpu's count (no tree block; its error is against the reference with no
+    tree node visible). The cache is in whole
     64-row blocks (`attention_inputs`). One input set (no rotation past the L2: ratios, and roofline fractions of the
     whole case's cost); errors against the reference. One row per case appended to `results`, printed, then
     `save()`; no new case past `deadline` (time.time())."""
@@ -90,5 +91,6 @@ def _print_mgpu_row(r):
           f"{r['splits']:3d} | triton {us('triton'):8.1f} us | mgpu {us('mgpu'):8.1f} (prefix alone "
           f"{us('mgpu_prefix'):8.1f}; at triton's {r['triton_splits']} splits {us('mgpu_triton_splits'):8.1f}) | ref "
           f"{us('reference'):8.1f} | 240/24 regs {us('mgpu_registers_240_24'):8.1f} | x triton "
-          f"{r.get('mgpu_speedup_vs_triton', float('nan')):5.2f}, x ref {r.get('mgpu_speedup_vs_reference', float('nan')):5.2f}"
+          f"{r.get('mgpu_speedup_vs_triton', float('nan')):5.2f}, "
+          f"x ref {r.get('mgpu_speedup_vs_reference', float('nan')):5.2f}"
           f" | errors {r['errors']} | failed {sorted(r['failed'])}", flush=True)

@@ -14,7 +14,9 @@ wholly inside the prefix take no bias; the few blocks from the one holding the p
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
 each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
 `tree_verify_attention_combine.merge` joins (one Triton kernel up to 66 splits, else and in interpret mode XLA's
-`combine_partials`); with one split the kernel's output is the op's.
+`combine_partials`); with one split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the
+programs join their tile's partials themselves after a semaphore wait; measured slower than the separate combine
+(kernels.md, "Ninth session").
 
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
 streams c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA.
@@ -54,18 +56,24 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int,
+           registers: tuple[int, int]):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
     if num_splits < 1 or stages < 1:
         problems.append(f"num_splits={num_splits} and stages={stages} must be >= 1")
+    consumer, producer = registers
+    if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
+        problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
+                        f"consumer + producer) <= 65536 (the register file)")
     if bias.shape != (s, rows, frame_width(num_nodes)) or bias.dtype != jnp.float32:
         problems.append(f"frame_bias {bias.shape} {bias.dtype} must be f32 [S, rows, frame_width(T={num_nodes})] = "
                         f"{(s, rows, frame_width(num_nodes))} (`frame_bias`)")
     if c != 2 * HALF or q_rope.shape != (s, rows, ROPE):
-        problems.append(f"q_lat {q_lat.shape} / q_rope {q_rope.shape} must be [S, rows, {2 * HALF}] / [S, rows, {ROPE}]")
+        problems.append(f"q_lat {q_lat.shape} / q_rope {q_rope.shape} must be [S, rows, {2 * HALF}] / "
+                        f"[S, rows, {ROPE}]")
     if rows % BLOCK_Q:
         problems.append(f"rows={rows} must be a multiple of {BLOCK_Q} (pad the query rows)")
     if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c or k_rope.shape != (s, c_kv.shape[1], ROPE):
@@ -94,7 +102,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
     bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
         if interpret:
@@ -214,10 +222,15 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 _write_partial(out_ref.at[split, stream, q_rows], max_ref.at[split, stream, q_rows],
                                sum_ref.at[split, stream, q_rows], acc, m, total, wg)
                 tile_sem = tile_sems.at[qi * s + stream]
+                # The signal's warpgroup barrier (Mosaic GPU's automatic barriers, on by default) orders every
+                # thread's stores above before its one-lane release; the wait ends with an acquire fence and a barrier.
                 plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
-                plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
-                _combine_rows(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
-                              max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], split, wg, num_splits)
+
+                @pl.when(split < BLOCK_Q)             # splits past the tile's rows have none to join
+                def _():
+                    plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
+                    _combine_rows(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
+                                  max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], split, wg, num_splits)
                 return
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
@@ -310,13 +323,18 @@ def _combine_rows(result_ref, out_ref, max_ref, sum_ref, split, wg, num_splits: 
         result_ref.at[row, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
 
 
-def check_resident(programs: int) -> None:
-    """combine_in_kernel's programs wait for each other: all of them must be resident at once, one per multiprocessor
-    (~218 KB of shared memory each) of the local GPU (an H200's `NUM_SMS` where there is none, lowering on the CPU)."""
+def resident_programs() -> int:
+    """Programs of this kernel resident at once: one per multiprocessor (~218 KB of shared memory each) of the local
+    GPU (an H200's `NUM_SMS` where there is none: lowering on the CPU)."""
     try:
-        sms = jax.local_devices(backend="gpu")[0].core_count
+        return jax.local_devices(backend="gpu")[0].core_count
     except RuntimeError:
-        sms = op.NUM_SMS
+        return op.NUM_SMS
+
+
+def check_resident(programs: int) -> None:
+    """combine_in_kernel's programs wait for each other: all of them must be resident at once (`resident_programs`)."""
+    sms = resident_programs()
     if programs > sms:
         raise ValueError(f"attention_partials: combine_in_kernel with {programs} programs, more than the {sms} "
                          f"multiprocessors that hold one each at once: fewer splits, or combine_in_kernel=False")
@@ -415,6 +433,9 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     pad = ((0, 0), (0, padded - rows), (0, 0))
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
+        if combine_in_kernel:                 # its programs must fit on the GPU at once
+            num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
+    combine_in_kernel = combine_in_kernel and num_splits > 1
     outs = attention_partials(
         jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
         prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,

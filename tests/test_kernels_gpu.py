@@ -4,8 +4,8 @@ int4_moe (Triton).
 
 Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py` (int4_moe
 needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Mosaic GPU kernel in interpret mode and the Triton
-ones in Triton's interpreter (outputs poisoned before the call), and compiles the Triton ones for sm_90; here a compiled kernel cannot be
-poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
+ones in Triton's interpreter (outputs poisoned before the call), and compiles the Triton ones for sm_90; here a
+compiled kernel cannot be poisoned, so the attention and MoE cases check finiteness and the relative error against the pure-JAX reference on
 fresh random inputs, and the tree kernels are compared bit for bit with the python specifications.
 """
 import functools
@@ -52,11 +52,12 @@ def test_attention_bf16_k26(kernel, heads, nodes):
 
 
 @pytest.mark.parametrize("heads,nodes,streams,splits", [(64, 1, 1, None), (8, 16, 1, None), (8, 1, 2, None),
-                                                          (64, 4, 2, 16)])
+                                                          (64, 4, 2, 16), (8, 16, 1, 3)])
 def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
     """The Mosaic GPU kernel joining its own split-K partials (semaphores; one wave of programs) == the reference and
-    == the same kernel with the separate combine, over a 32768-row cache (decode shapes: up to 132 splits; with two
-    streams one prefix is 0, so most of its splits attend nothing), fresh inputs each call."""
+    == the same kernel with the separate combine, over a 32768-row cache (decode shapes: 3 to 132 splits; with two
+    streams one prefix is 0, so most of its splits attend nothing), fresh inputs each call; a second call on other
+    inputs also matches (its semaphores start from zero again)."""
     rng = np.random.default_rng(heads * 100 + nodes * 10 + streams)
     inputs = make_inputs(rng, streams, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 32768,
                          dtype=jnp.bfloat16)
@@ -66,6 +67,10 @@ def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
     assert np.isfinite(np.asarray(fused, np.float32)).all()
     assert max(rel_err(fused[s], ref[s]) for s in range(streams)) < BF16_TOL
     assert rel_err(fused, separate) < 1e-2      # both round the same bf16 partials; they differ in the last bits
+    again = make_inputs(rng, streams, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 32768,
+                        dtype=jnp.bfloat16)
+    second = AM.tree_verify_attention(*again, scale=K26.softmax_scale, num_splits=splits, combine_in_kernel=True)
+    assert rel_err(second, A.tree_verify_attention_reference(*again, scale=K26.softmax_scale)) < BF16_TOL
 
 
 @pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),

@@ -140,12 +140,17 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
     resident at once: both refused with the fix named (its results are checked on the H200, test_kernels_gpu.py)."""
     rng = np.random.default_rng(2)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 256)
+    prefix_len = jnp.asarray([100], jnp.int32)
+    bias = AM.frame_bias(prefix_len, jnp.zeros((1, 0, 0), bool), 1, 64)
     with pytest.raises(ValueError, match="interpret mode has no semaphores"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, jnp.asarray([100], jnp.int32), num_splits=2,
-                    combine_in_kernel=True, **({} if INTERPRET else {"interpret": True}))
-    with pytest.raises(ValueError, match="133 programs, more than the 132 multiprocessors"):
-        AM.check_resident(133)
-    AM.check_resident(132)
+        AM.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0, num_splits=2,
+                              combine_in_kernel=True, interpret=True)
+    sms = AM.resident_programs()                # 132 (an H200's) on the CPU
+    with pytest.raises(ValueError, match=f"{sms + 1} programs, more than the {sms} multiprocessors"):
+        AM.check_resident(sms + 1)
+    AM.check_resident(sms)
+    with pytest.raises(ValueError, match=r"registers=\(256, 40\) must be multiples of 8"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
 
 
 def test_combine_in_kernel_lowers_for_the_h200():
