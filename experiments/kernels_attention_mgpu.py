@@ -41,14 +41,13 @@ def run_attention_mgpu(ceil: dict, results: list, deadline: float, reps: int, qu
         q_lat, q_rope, c_kv, k_rope, prefix_len, visible = attention_inputs(jax.random.key(5000 + ci), case, rng)
         splits = mgpu_attn.default_num_splits(s, rows, c_kv.shape[1])
         triton_splits = attn.default_config(s, rows, c_kv.shape[1]).num_splits
-        padded = rows + (-rows % mgpu_attn.BLOCK_Q)
-        q_pad = ((0, 0), (0, padded - rows), (0, 0))
+        q_lat_rows = mgpu_attn.query_rows(q_lat)
         full = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
         no_tree = (q_lat, q_rope, c_kv, k_rope, prefix_len, jnp.zeros_like(visible))
         args = {"triton": full, "mgpu": full, "reference": full,
-                "mgpu_prefix": (jnp.pad(q_lat.reshape(s, rows, -1), q_pad), jnp.pad(q_rope.reshape(s, rows, -1), q_pad),
-                                c_kv, k_rope, prefix_len,
-                                mgpu_attn.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1, padded))}
+                "mgpu_prefix": (q_lat_rows, mgpu_attn.query_rows(q_rope), c_kv, k_rope, prefix_len,
+                                mgpu_attn.frame_bias(prefix_len, jnp.zeros((s, 0, 0), bool), 1,
+                                                     q_lat_rows.shape[1]))}
         fns = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
                "mgpu": jax.jit(lambda *a: mgpu_attn.tree_verify_attention(*a, scale=K26_SCALE, interpret=interpret)),
                "mgpu_prefix": jax.jit(lambda *a: attn.combine_partials(

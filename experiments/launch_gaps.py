@@ -17,7 +17,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
@@ -38,15 +37,13 @@ F = flags.FLAGS
 def variants(args) -> dict:
     s, t, h, _ = args[0].shape
     rows = t * h
-    padded = rows + (-rows % attn_mgpu.BLOCK_Q)
     splits = attn_mgpu.default_num_splits(s, rows, args[2].shape[1])
 
     def partials(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
-        pad = ((0, 0), (0, padded - rows), (0, 0))
+        q_lat, q_rope = attn_mgpu.query_rows(q_lat), attn_mgpu.query_rows(q_rope)
         return attn_mgpu.attention_partials(
-            jnp.pad(q_lat.reshape(s, rows, -1), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
-            prefix_len, attn_mgpu.frame_bias(prefix_len, visible, h, padded), scale=K26_SCALE, num_nodes=t,
-            num_splits=splits)
+            q_lat, q_rope, c_kv, k_rope, prefix_len, attn_mgpu.frame_bias(prefix_len, visible, h, q_lat.shape[1]),
+            scale=K26_SCALE, num_nodes=t, num_splits=splits)
 
     out = {"op": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
            "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),

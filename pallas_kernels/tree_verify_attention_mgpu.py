@@ -235,8 +235,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            inv = inverse_or_zero(total)
-            q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+            q_smem.at[wg][...] = _normalized(acc, total)
 
             @pl.when(wg == 0)
             def _():
@@ -278,13 +277,17 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
 
+def _normalized(acc, total):
+    """A consumer's output [BLOCK_Q, HALF] over its running row sums [BLOCK_Q], in bf16 (0 for a row that saw
+    nothing)."""
+    return (acc * lax.broadcast_in_dim(inverse_or_zero(total), acc.shape, [0])).astype(jnp.bfloat16)
+
+
 def _write_partial(out_ref, max_ref, sum_ref, acc, m, total, wg):
     """A consumer's piece of its split's partial, stored from registers (not by TMA, so that the semaphore's release
     orders it for the other programs' plain loads): out [BLOCK_Q, 512] normalised (its HALF columns), max / sum
     [BLOCK_Q] (warpgroup 0)."""
-    inv = inverse_or_zero(total)
-    out_ref.at[:, pl.ds(wg * HALF, HALF)][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
-        jnp.bfloat16)
+    out_ref.at[:, pl.ds(wg * HALF, HALF)][...] = _normalized(acc, total)
 
     @pl.when(wg == 0)
     def _():
@@ -388,6 +391,13 @@ def _split_blocks(length, split, num_splits: int):
     return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
 
 
+def query_rows(x):
+    """x [S, T, H, W] -> [S, T * H rounded up to a multiple of BLOCK_Q, W]: the kernel's query rows, (node, head)
+    pairs in order, then zero padding rows."""
+    s, t, h, w = x.shape
+    return jnp.pad(x.reshape(s, t * h, w), ((0, 0), (0, -(t * h) % BLOCK_Q), (0, 0)))
+
+
 def frame_width(num_nodes: int) -> int:
     """Columns of the frame: the cache blocks from the one holding the prefix's end (prefix_len // BLOCK_KV) to the
     one holding the tree block's last row, whatever the prefix's length."""
@@ -429,19 +439,21 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         raise ValueError(f"tree_verify_attention_mgpu.tree_verify_attention: cache rows N={c_kv.shape[1]} must be a "
                          f"multiple of {BLOCK_KV} (allocate the cache so, or use ops.tree_verify_attention)")
     rows = t * h
-    padded = rows + (-rows % BLOCK_Q)
-    pad = ((0, 0), (0, padded - rows), (0, 0))
+    q_lat_rows, q_rope_rows = query_rows(q_lat), query_rows(q_rope)
+    padded = q_lat_rows.shape[1]
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
         if combine_in_kernel:                 # its programs must fit on the GPU at once
             num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
     combine_in_kernel = combine_in_kernel and num_splits > 1
     outs = attention_partials(
-        jnp.pad(q_lat.reshape(s, rows, c), pad), jnp.pad(q_rope.reshape(s, rows, -1), pad), c_kv, k_rope,
-        prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale, num_nodes=t, num_splits=num_splits,
-        combine_in_kernel=combine_in_kernel, registers=registers, interpret=interpret)
-    if combine_in_kernel or num_splits == 1:
-        merged = outs[0][:, :rows] if combine_in_kernel else outs[0][0, :, :rows]
+        q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale,
+        num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
+        interpret=interpret)
+    if combine_in_kernel:
+        merged = outs[0][:, :rows]
+    elif num_splits == 1:
+        merged = outs[0][0, :, :rows]
     else:
         call = None if interpret else bound_to(combine.LAUNCHER, interpret=False, reference="interpret=True",
                                                op="tree_verify_attention_mgpu.tree_verify_attention")
