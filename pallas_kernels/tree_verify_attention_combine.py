@@ -33,6 +33,16 @@ MAX_KERNEL_SPLITS = 66             # measured: at 132 splits and more XLA's comb
 
 
 @triton.jit
+def _split_step(first, s, rows, row_ok, SPLITS: tl.constexpr, STREAMS: tl.constexpr, PART_ROWS: tl.constexpr,
+                BS: tl.constexpr):
+    """Splits first .. first + BS of stream s and query rows `rows`: (in range [BS, BR], offset into max / sum
+    [BS, BR])."""
+    split = first + tl.arange(0, BS)
+    ok = (split < SPLITS)[:, None] & row_ok[None, :]
+    return ok, ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+
+
+@triton.jit
 def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr, STREAMS: tl.constexpr,
                     PART_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, PART_COLS: tl.constexpr,
                     BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr):
@@ -45,17 +55,13 @@ def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr,
     col_ok = cols < COLS
     top = tl.full((BR,), float("-inf"), tl.float32)
     for first in range(0, SPLITS, BS):
-        split = first + tl.arange(0, BS)
-        ok = (split < SPLITS)[:, None] & row_ok[None, :]                           # [BS, BR]
-        part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+        ok, part = _split_step(first, s, rows, row_ok, SPLITS, STREAMS, PART_ROWS, BS)
         top = tl.maximum(top, tl.max(tl.load(max_ptr + part, mask=ok, other=float("-inf")), axis=0))
     top = tl.where(top == float("-inf"), 0.0, top)      # every split empty: weights 0, not NaN
     total = tl.zeros((BR,), tl.float32)
     acc = tl.zeros((BR, BC), tl.float32)
     for first in range(0, SPLITS, BS):
-        split = first + tl.arange(0, BS)
-        ok = (split < SPLITS)[:, None] & row_ok[None, :]
-        part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+        ok, part = _split_step(first, s, rows, row_ok, SPLITS, STREAMS, PART_ROWS, BS)
         weight = tl.exp(tl.load(max_ptr + part, mask=ok, other=float("-inf")) - top[None, :])
         weighted_sum = weight * tl.load(sum_ptr + part, mask=ok, other=0.0)
         total += tl.sum(weighted_sum, axis=0)
