@@ -8,8 +8,10 @@ last end) against their busy time (sum of durations), per variant, on decode cas
 
 Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel up to 66 splits or XLA's
 above), `triton` (the Triton kernel and its combine), `mosaic_partials` (the Mosaic GPU kernel and its input fusions,
-no combine), `mosaic_combine_in_kernel` (the kernel joining its own partials: a zeroed semaphore buffer, then the
-kernel). GPU only. Writes the JSON (--out) and a bar plot of span and busy time beside it.
+no combine), `mosaic_twice` (two Mosaic GPU kernels of different scales in one call: is there a gap before the second
+too?), `mosaic_combine_in_kernel` (the kernel joining its own partials: a zeroed semaphore buffer, then the kernel).
+GPU only. Writes the JSON (--out) with the host and device events of each variant's median call (`timeline`: when
+each launch was issued on the host against when its kernel ran), and a bar plot of span and busy time beside it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pallas_kernels import tree_verify_attention_triton as attn_triton
 
 flags.DEFINE_list("cases", ["64:4096:1", "8:4096:16", "64:32768:1"], "heads:prefix:nodes of one stream each")
 flags.DEFINE_integer("reps", 15, "timed calls per variant (median reported)")
+flags.DEFINE_float("show_us", 0.5, "print the timeline's events at least this long (all are in the JSON)")
 flags.DEFINE_string("label", "default", "name of the XLA setting of this run (recorded with XLA_FLAGS)")
 flags.DEFINE_string("out", "experiments/results/launch_gaps.json", "JSON results (a PNG beside it)")
 F = flags.FLAGS
@@ -39,15 +42,16 @@ def variants(args) -> dict:
     rows = t * h
     splits = attn_mgpu.default_num_splits(s, rows, args[2].shape[1])
 
-    def partials(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    def partials(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=K26_SCALE):
         q_lat, q_rope = attn_mgpu.query_rows(q_lat), attn_mgpu.query_rows(q_rope)
         return attn_mgpu.attention_partials(
             q_lat, q_rope, c_kv, k_rope, prefix_len, attn_mgpu.frame_bias(prefix_len, visible, h, q_lat.shape[1]),
-            scale=K26_SCALE, num_nodes=t, num_splits=splits)
+            scale=scale, num_nodes=t, num_splits=splits)
 
     out = {"op": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
            "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
-           "mosaic_partials": jax.jit(partials)}
+           "mosaic_partials": jax.jit(partials),
+           "mosaic_twice": jax.jit(lambda *a: (partials(*a), partials(*a, scale=K26_SCALE / 2)))}
     if splits > 1:
         out["mosaic_combine_in_kernel"] = jax.jit(
             lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
@@ -62,12 +66,16 @@ def main(_):
         heads, prefix, nodes = (int(x) for x in spec.split(":"))
         case = dict(streams=1, heads=heads, prefix=prefix, nodes=nodes)
         args = attention_inputs(jax.random.key(i), case, np.random.default_rng(i))
-        times = time_jobs([Job(name, fn, [args]) for name, fn in variants(args).items()], F.reps)
+        times = time_jobs([Job(name, fn, [args]) for name, fn in variants(args).items()], F.reps, timeline=True)
         for name, t in times.items():
-            row = dict(case, variant=name, span_us=t["us"], busy_us=t.get("busy_us"), kernels_us=t.get("kernels_us"))
+            row = dict(case, variant=name, span_us=t["us"], busy_us=t.get("busy_us"), kernels_us=t.get("kernels_us"),
+                       timeline=t.get("timeline"))
             rows.append(row)
             print(f"H={heads:2d} N={prefix:6d} T={nodes:3d} {name:26s} span {t['us']:7.1f} us  busy "
                   f"{t.get('busy_us', float('nan')):7.1f} us  {t.get('kernels_us')}", flush=True)
+            for line, event, start, duration in t.get("timeline") or []:
+                if line == "device" or duration >= F.show_us:
+                    print(f"    {start:8.1f} +{duration:7.1f} us  {line[-28:]:28s} {event[:90]}")
     meta = dict(label=F.label, xla_flags=os.environ.get("XLA_FLAGS", ""), jax=jax.__version__,
                 device=jax.devices()[0].device_kind)
     os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)

@@ -30,6 +30,8 @@ class Call:
     events_us: dict[str, float]     # total us per GPU event name (kernels and copies)
     events: int                     # device events (kernel launches + copies)
     d2h_copies: int                 # device-to-host copies (e.g. a while loop's predicate, once per iteration)
+    timeline: list                  # [line, name, start_us, duration_us] of every host and device event in the
+                                    # call's window, times from the window's start (sorted by start)
 
 
 def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
@@ -39,7 +41,7 @@ def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
     if not files:
         return {}
     data = ProfileData.from_file(sorted(files)[-1])
-    windows, device = [], []
+    windows, device, host = [], [], []
     for plane in data.planes:
         is_device = plane.name.startswith("/device:GPU")
         for line in plane.lines:
@@ -48,8 +50,12 @@ def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
                     device.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
                 elif not is_device and ev.name.startswith("bench|"):
                     windows.append((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns))
+                elif not is_device:
+                    host.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name, f"{plane.name}/{line.name}"))
     device.sort()
+    host.sort()
     starts = np.array([d[0] for d in device])
+    host_starts = np.array([h[0] for h in host])
     calls: dict[str, list[Call]] = {}
     for name, lo, hi in windows:
         i0, i1 = np.searchsorted(starts, lo), np.searchsorted(starts, hi)
@@ -58,9 +64,13 @@ def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
             per_event: dict[str, float] = {}
             for d in inside:
                 per_event[d[2][:80]] = per_event.get(d[2][:80], 0.0) + (d[1] - d[0]) / 1e3
+            host_inside = host[np.searchsorted(host_starts, lo):np.searchsorted(host_starts, hi)]
+            timeline = sorted([["device", d[2][:120], (d[0] - lo) / 1e3, (d[1] - d[0]) / 1e3] for d in inside]
+                              + [[h[3], h[2][:120], (h[0] - lo) / 1e3, (h[1] - h[0]) / 1e3] for h in host_inside],
+                              key=lambda e: e[2])
             calls.setdefault(name.split("|")[1], []).append(Call(
                 span_us=(max(d[1] for d in inside) - inside[0][0]) / 1e3, events_us=per_event, events=len(inside),
-                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside)))
+                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside), timeline=timeline))
     return calls
 
 
@@ -81,10 +91,11 @@ class Job:
         return 2 if self.fresh_args is not None else min(2, len(self.arg_sets))
 
 
-def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
+def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, dict]:
     """Warm up every job, then time them all in one profiler session. Returns {name: timing dict}: `us` (device span,
     or wall clock when there is no device trace), `wall_us`; with a trace also `busy_us` (sum of the call's device
-    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call."""
+    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call, and with
+    `timeline` the host and device events of the call whose span is the median (`Call.timeline`)."""
     for job in jobs:
         for r in range(job.warmups()):
             jax.block_until_ready(job.fn(*job.args(r)))
@@ -122,6 +133,8 @@ def time_jobs(jobs: list[Job], reps: int) -> dict[str, dict]:
                          kernels_us=dict(top), kernel_launches=len(names),
                          device_events=float(np.median([c.events for c in dev])),
                          d2h_copies=float(np.median([c.d2h_copies for c in dev])))
+            if timeline:
+                entry["timeline"] = sorted(dev, key=lambda c: c.span_us)[len(dev) // 2].timeline
         else:
             entry.update(us=entry["wall_us"], method="wall")
         out[job.name] = entry
