@@ -1,6 +1,7 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
-against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`.
+against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`. Beside the default the kernel
+runs with one step of loads in flight (`stages_1`: what the pipelining gives) and with 64-column tiles (`cols_64`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,
@@ -54,10 +55,14 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                 continue
             args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype,
                                   -jnp.inf if normalized else attn.NEG_INF)
-            fns = {"kernel": jax.jit(lambda *a, n=normalized: combine.combine(
-                       call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n)),
-                   "xla": jax.jit(lambda *a, n=normalized: attn.combine_partials(*a, normalized=n).astype(
-                       jnp.bfloat16)[:, :rows])}
+            variants = {"kernel": {}, "stages_1": dict(stages=1),
+                        "cols_64": dict(block=(max(1, min(1 << (splits - 1).bit_length(), 4096 // (16 * 64))), 16,
+                                               64))}
+            fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(
+                       call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n, **kw))
+                   for name, kw in variants.items()}
+            fns["xla"] = jax.jit(lambda *a, n=normalized: attn.combine_partials(*a, normalized=n).astype(
+                jnp.bfloat16)[:, :rows])
             try:
                 error = rel_err(fns["kernel"](*args), fns["xla"](*args))
                 t = time_jobs([Job(n, fn, [args]) for n, fn in fns.items()], reps)
@@ -68,11 +73,14 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
             bytes_ = sum(x.size * x.dtype.itemsize for x in args) + rows * COLS * 2
             entry = dict(case, tiling=combine.tiling(splits, 1, rows, COLS), rel_err=error,
                          kernel_us=t["kernel"]["us"], xla_us=t["xla"]["us"],
+                         variants_us={name: t[name]["us"] for name in variants},
+                         variant_errors={name: rel_err(fns[name](*args), fns["xla"](*args)) for name in variants},
                          kernel_busy_us=t["kernel"].get("busy_us"), xla_busy_us=t["xla"].get("busy_us"),
                          kernel_bandwidth_fraction=bytes_ / (t["kernel"]["us"] * 1e-6) / 1e9
                          / ceil["bandwidth_GBps"], timings=t)
             results.append(entry)
             print(f"combine {name:11s} rows {rows:3d} splits {splits:3d} | kernel {entry['kernel_us']:7.1f} us "
                   f"(busy {entry['kernel_busy_us']}) | xla {entry['xla_us']:7.1f} us (busy {entry['xla_busy_us']}) | "
+                  f"stages_1 {t['stages_1']['us']:6.1f} cols_64 {t['cols_64']['us']:6.1f} | "
                   f"{entry['kernel_bandwidth_fraction']:5.1%} of copy | err {error:.1e}", flush=True)
             save()

@@ -1,5 +1,6 @@
 """bench_kernels section `moe`: int4_moe (the Triton kernels, INT4 experts dequantized in registers, launched by
-jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`) against the XLA
+jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`, and routed by XLA's
+sort instead of the routing kernel, `routing:xla`, where the kernel routes) against the XLA
 paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values (each
 implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes, with f32
 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
@@ -27,6 +28,7 @@ from pallas_kernels import int4_moe_triton as moe_triton
 
 
 LAUNCH_PEER = "launch:xla"    # the default kernels and tiling, launched through XLA's Triton custom call
+ROUTING_PEER = "routing:xla"  # the default kernels, routed by XLA's sort instead of the routing kernel
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
 INT4_KERNELS = {"triton": moe_triton.int4_moe, "reference": moe.int4_moe_reference}
@@ -215,6 +217,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
                     fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
                 fns[LAUNCH_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, launcher="xla"))   # not a tiling
+                if m * k <= moe_triton.MAX_ROUTED_PAIRS:
+                    fns[ROUTING_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, xla_routing=True))
             ref_fn = jax.jit(moe.int4_moe_reference)
             x0, _, ids0, w0 = sets[0]
             sub = min(m, 32)
@@ -245,8 +249,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
-            best = min((n for n in fns if n != LAUNCH_PEER), key=lambda n: t[n]["us"])
-            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "tokamax_", "launch:"))}
+            best = min((n for n in fns if n not in (LAUNCH_PEER, ROUTING_PEER)), key=lambda n: t[n]["us"])
+            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
             entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
                          config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
@@ -261,6 +265,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          best_config=best, best_us=t[best]["us"],
                          sweep={n: dict(us=t[n]["us"], rel_err=errors[n]) for n in fns if n != "kernel"},
                          launch_peer_over_kernel=t[LAUNCH_PEER]["us"] / k_us if LAUNCH_PEER in t else None,
+                         xla_routing_over_kernel=t[ROUTING_PEER]["us"] / k_us if ROUTING_PEER in t else None,
                          sweep_failed=failed, peers_failed=peers_failed,
                          peers_rel_err={n: errors[n] for n in errors if n.startswith("tokamax_")},
                          timing_method=t["kernel"]["method"], timings=t)

@@ -152,6 +152,11 @@ class Routing(NamedTuple):
     pair_ok: jax.Array        # [M * K] bool: the pair's expert lies in [0, E)
 
 
+def num_route_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the blocks `route_pairs` needs: every expert's last block may be partly empty."""
+    return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
 def route_pairs(topk_ids, topk_weights, num_experts: int, block_m: int) -> Routing:
     """Sort the (token, slot) pairs by expert and cut each expert's run into blocks of block_m rows."""
     m, k = topk_ids.shape
@@ -165,7 +170,7 @@ def route_pairs(topk_ids, topk_weights, num_experts: int, block_m: int) -> Routi
     block_end = jnp.cumsum(blocks)
     block_begin = block_end - blocks
     pair_begin = jnp.cumsum(counts) - counts
-    num_blocks = pl.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)        # static bound on the blocks needed
+    num_blocks = num_route_blocks(n_pairs, num_experts, block_m)
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     block_expert = jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)
     e = jnp.minimum(block_expert, num_experts - 1)

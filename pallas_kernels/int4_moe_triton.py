@@ -260,6 +260,44 @@ def _combine_kernel(pair_row_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: t
     tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _route_kernel(ids_ptr, weights_ptr, block_expert_ptr, block_token_ptr, block_weight_ptr, pair_row_ptr,
+                  NUM_PAIRS: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr,
+                  NUM_BLOCKS: tl.constexpr, BM: tl.constexpr, PAIRS_P: tl.constexpr, BINS: tl.constexpr,
+                  BLOCKS_P: tl.constexpr):
+    """One program: `int4_moe.route_pairs` of ids int32 [NUM_PAIRS] (pair = token * TOP_K + slot) and weights
+    [NUM_PAIRS] -> block_expert [NUM_BLOCKS], block_token / block_weight [NUM_BLOCKS * BM], pair_row [NUM_PAIRS]
+    (-1 for an expert outside [0, E)). PAIRS_P, BINS, BLOCKS_P: powers of two >= NUM_PAIRS, E + 1, NUM_BLOCKS."""
+    lane = tl.arange(0, PAIRS_P)
+    ids = tl.load(ids_ptr + lane, mask=lane < NUM_PAIRS, other=NUM_EXPERTS)
+    key = tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, NUM_EXPERTS)     # another device's expert, padding: E
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < NUM_EXPERTS, tl.histogram(key, BINS), 0)                 # pairs per expert [BINS]
+    blocks = (counts + BM - 1) // BM
+    block_begin = tl.cumsum(blocks, 0) - blocks
+    pair_begin = tl.cumsum(counts, 0) - counts
+    ordered = tl.sort(key * PAIRS_P + lane)          # by expert, then pair: argsort(key, stable=True)
+    pair = ordered % PAIRS_P
+    expert = ordered // PAIRS_P
+    routed = expert < NUM_EXPERTS
+    within = tl.minimum(expert, NUM_EXPERTS - 1)
+    rank = lane - tl.gather(pair_begin, within, 0)                                    # the pair's place in its run
+    row = tl.gather(block_begin, within, 0) * BM + rank
+    all_rows = tl.arange(0, BLOCKS_P * BM)
+    all_blocks = tl.arange(0, BLOCKS_P)
+    tl.store(block_token_ptr + all_rows, NUM_TOKENS, mask=all_rows < NUM_BLOCKS * BM)     # padding rows first
+    tl.store(block_weight_ptr + all_rows, 0.0, mask=all_rows < NUM_BLOCKS * BM)
+    tl.store(block_expert_ptr + all_blocks, NUM_EXPERTS, mask=all_blocks < NUM_BLOCKS)
+    tl.debug_barrier()                               # then the routed rows over them
+    tl.store(block_token_ptr + row, pair // TOP_K, mask=routed)
+    tl.store(block_weight_ptr + row, tl.load(weights_ptr + pair, mask=routed, other=0.0).to(tl.float32), mask=routed)
+    tl.store(block_expert_ptr + row // BM, expert, mask=routed & (rank % BM == 0))
+    tl.store(pair_row_ptr + pair, tl.where(routed, row, -1), mask=pair < NUM_PAIRS)
+
+
+MAX_ROUTED_PAIRS = 2048    # pairs `_route_kernel` sorts in one program (top-8: M <= 256); more go through XLA
+
+
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
 # Through XLA's Triton custom call the gate_up and down kernels ran 2-3x slower on the H200 than Triton 3.6 compiles
 # them (kernels.md, "Launching Triton kernels"): jax-triton launches them.
@@ -274,48 +312,72 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     return config
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher", "xla_routing"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
-             interpret: bool = False, launcher: str = LAUNCHER):
+             interpret: bool = False, launcher: str = LAUNCHER, xla_routing: bool = False):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
     config: the tiling (default `default_config`; f32 runs with `launch_config`'s stages).
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
     launcher: how the kernels are launched (`triton_call.LAUNCHERS`).
+    xla_routing: route through XLA at every M (`route`; the benchmark's peer of the routing kernel).
     """
     call = bound_to(launcher, interpret=interpret, op="int4_moe_triton.int4_moe",
                     reference="int4_moe.int4_moe_reference (or ops.int4_moe)")
-    return run_kernels(call, x, experts, topk_ids, topk_weights, config)
+    return run_kernels(call, x, experts, topk_ids, topk_weights, config, xla_routing)
 
 
-def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None):
-    """int4_moe's host side: check, route, and launch the three kernels through `call(*operands, kernel=,
-    out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; the tests pass Triton's
-    interpreter on the CPU)."""
+def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None,
+                xla_routing: bool = False):
+    """int4_moe's host side: check, route, and launch the kernels through `call(*operands, kernel=, out_shape=,
+    grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; the tests pass Triton's interpreter on
+    the CPU)."""
     ref.check_inputs(x, experts, topk_ids, topk_weights)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")
     m, d = x.shape
     num_experts, inter = experts.num_experts, experts.intermediate_size
     cfg = launch_config(config or default_config(topk_ids.size, num_experts), x.dtype)
-    routing = ref.route_pairs(topk_ids, topk_weights, num_experts, cfg.block_m)
-    num_blocks = routing.block_expert.shape[0]
+    block_expert, block_token, block_weight, pair_row = route(call, topk_ids, topk_weights, num_experts, cfg.block_m,
+                                                              xla_routing)
+    num_blocks = block_expert.shape[0]
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
     h = call(
-        routing.block_expert, routing.block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
+        block_expert, block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
         experts.up_scale, kernel=_gate_up_kernel, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
     y = call(
-        routing.block_expert, routing.block_token, routing.block_weight, h, experts.down_packed, experts.down_scale,
+        block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, triton.cdiv(d, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **launch)
-    pair_row = jnp.where(routing.pair_ok, routing.pair_row, -1)
     return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
                 grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
                 num_warps=4, num_stages=1)
+
+
+def route(call, topk_ids, topk_weights, num_experts: int, block_m: int, xla_routing: bool = False):
+    """`int4_moe.route_pairs` for the kernels: (block_expert [B], block_token [B * block_m], block_weight
+    [B * block_m], pair_row [M * K] with -1 for a pair whose expert is outside [0, E)). Up to MAX_ROUTED_PAIRS pairs
+    in `_route_kernel` (one launch where XLA's sort, cumsums and gathers take about ten), above (or with
+    xla_routing) through XLA."""
+    num_pairs = topk_ids.size
+    if num_pairs > MAX_ROUTED_PAIRS or xla_routing:
+        routing = ref.route_pairs(topk_ids, topk_weights, num_experts, block_m)
+        return (routing.block_expert, routing.block_token.reshape(-1), routing.block_weight.reshape(-1),
+                jnp.where(routing.pair_ok, routing.pair_row, -1))
+    num_blocks = ref.num_route_blocks(num_pairs, num_experts, block_m)
+    return call(topk_ids.reshape(num_pairs).astype(jnp.int32), topk_weights.reshape(num_pairs), kernel=_route_kernel,
+                out_shape=(jax.ShapeDtypeStruct((num_blocks,), jnp.int32),
+                           jax.ShapeDtypeStruct((num_blocks * block_m,), jnp.int32),
+                           jax.ShapeDtypeStruct((num_blocks * block_m,), jnp.float32),
+                           jax.ShapeDtypeStruct((num_pairs,), jnp.int32)),
+                grid=(1,), num_warps=4, num_stages=1, NUM_PAIRS=num_pairs, TOP_K=topk_ids.shape[1],
+                NUM_EXPERTS=num_experts, NUM_TOKENS=topk_ids.shape[0], NUM_BLOCKS=num_blocks, BM=block_m,
+                PAIRS_P=triton.next_power_of_2(num_pairs), BINS=triton.next_power_of_2(num_experts + 1),
+                BLOCKS_P=triton.next_power_of_2(num_blocks))

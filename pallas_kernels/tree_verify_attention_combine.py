@@ -30,45 +30,43 @@ MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
 MAX_KERNEL_SPLITS = 66             # measured: at 132 splits and more XLA's combine is faster (module docstring)
-
-
-@triton.jit
-def _split_step(first, s, rows, row_ok, SPLITS: tl.constexpr, STREAMS: tl.constexpr, PART_ROWS: tl.constexpr,
-                BS: tl.constexpr):
-    """Splits first .. first + BS of stream s and query rows `rows`: (in range [BS, BR], offset into max / sum
-    [BS, BR])."""
-    split = first + tl.arange(0, BS)
-    ok = (split < SPLITS)[:, None] & row_ok[None, :]
-    return ok, ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]
+STAGES = 3                         # steps of loads in flight
 
 
 @triton.jit
 def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr, STREAMS: tl.constexpr,
                     PART_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, PART_COLS: tl.constexpr,
-                    BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr):
+                    BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr,
+                    STAGES: tl.constexpr):
     """Program (row tile, column tile, stream): out [SPLITS, STREAMS, PART_ROWS, PART_COLS], max / sum [SPLITS,
-    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns), BS splits a step."""
+    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns). One pass over the
+    splits, BS a step, with a running max (the sums and outputs rescaled when it grows), the loads of STAGES steps
+    in flight."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.program_id(2)
     row_ok = rows < ROWS
     col_ok = cols < COLS
     top = tl.full((BR,), float("-inf"), tl.float32)
-    for first in range(0, SPLITS, BS):
-        ok, part = _split_step(first, s, rows, row_ok, SPLITS, STREAMS, PART_ROWS, BS)
-        top = tl.maximum(top, tl.max(tl.load(max_ptr + part, mask=ok, other=float("-inf")), axis=0))
-    top = tl.where(top == float("-inf"), 0.0, top)      # every split empty: weights 0, not NaN
     total = tl.zeros((BR,), tl.float32)
     acc = tl.zeros((BR, BC), tl.float32)
-    for first in range(0, SPLITS, BS):
-        ok, part = _split_step(first, s, rows, row_ok, SPLITS, STREAMS, PART_ROWS, BS)
-        weight = tl.exp(tl.load(max_ptr + part, mask=ok, other=float("-inf")) - top[None, :])
-        weighted_sum = weight * tl.load(sum_ptr + part, mask=ok, other=0.0)
-        total += tl.sum(weighted_sum, axis=0)
+    for first in tl.range(0, SPLITS, BS, num_stages=STAGES):
+        split = first + tl.arange(0, BS)
+        ok = (split < SPLITS)[:, None] & row_ok[None, :]
+        part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]                       # [BS, BR]
+        row_max = tl.load(max_ptr + part, mask=ok, other=float("-inf"))
+        row_sum = tl.load(sum_ptr + part, mask=ok, other=0.0)
         out = tl.load(out_ptr + part.to(tl.int64)[:, :, None] * PART_COLS + cols[None, None, :],
-                      mask=ok[:, :, None] & col_ok[None, None, :], other=0.0)    # [BS, BR, BC]
-        scale = weighted_sum if NORMALIZED else weight
-        acc += tl.sum(scale[:, :, None] * out.to(tl.float32), axis=0)
+                      mask=ok[:, :, None] & col_ok[None, None, :], other=0.0)                     # [BS, BR, BC]
+        new_top = tl.maximum(top, tl.max(row_max, axis=0))
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)    # nothing seen yet: weights 0, not NaN
+        rescale = tl.exp(top - base)
+        weight = tl.exp(row_max - base[None, :])
+        weighted_sum = weight * row_sum
+        total = total * rescale + tl.sum(weighted_sum, axis=0)
+        factor = weighted_sum if NORMALIZED else weight
+        acc = acc * rescale[:, None] + tl.sum(factor[:, :, None] * out.to(tl.float32), axis=0)
+        top = new_top
     inverse = tl.where(total > 0, 1.0 / total, 0.0)
     tl.store(result_ptr + (s * ROWS + rows).to(tl.int64)[:, None] * COLS + cols[None, :],
              (acc * inverse[:, None]).to(result_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -87,11 +85,13 @@ def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int
     return splits, block_rows, width
 
 
-def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):
+def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool,
+            block: tuple[int, int, int] | None = None, stages: int = STAGES):
     """Partials out [P, S, R, Cp] (f32 unnormalised, or `normalized` within each split in any float dtype),
     row_max / row_sum [P, S, R] f32 (R >= rows, Cp >= cols) -> [S, rows, cols] in dtype, through
     `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` bound to a
-    launcher on the GPU; Triton's interpreter in the tests)."""
+    launcher on the GPU; Triton's interpreter in the tests). block: (splits, rows, columns) per step, powers of two
+    (default `tiling`); stages: steps of loads in flight."""
     if out.ndim != 4:
         raise ValueError(f"combine: partials out {out.shape} must be [P, S, R, Cp]")
     splits, streams, part_rows, part_cols = out.shape
@@ -99,12 +99,15 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
             or part_cols < cols:
         raise ValueError(f"combine: partials out {out.shape}, max {row_max.shape}, sum {row_sum.shape} must be "
                          f"[P, S, R, Cp], [P, S, R], [P, S, R] with R >= rows={rows} and Cp >= cols={cols}")
-    block_splits, block_rows, width = tiling(splits, streams, rows, cols)
+    block_splits, block_rows, width = block or tiling(splits, streams, rows, cols)
+    if min(block_splits, block_rows, width) < 1 or any(b & (b - 1) for b in (block_splits, block_rows, width)) \
+            or stages < 1:
+        raise ValueError(f"combine: block {block} must be three powers of two and stages={stages} >= 1")
     return call(out, row_max, row_sum, kernel=_combine_kernel,
                 out_shape=jax.ShapeDtypeStruct((streams, rows, cols), dtype),
-                grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=4, num_stages=2,
-                SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols, PART_COLS=part_cols,
-                BS=block_splits, BR=block_rows, BC=width, NORMALIZED=normalized)
+                grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=4,
+                num_stages=stages, SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols,
+                PART_COLS=part_cols, BS=block_splits, BR=block_rows, BC=width, NORMALIZED=normalized, STAGES=stages)
 
 
 def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):

@@ -70,6 +70,21 @@ def test_combine_kernel_compiles_to_vector_loads(dtype):
     assert "ld.global.v4" in ptx and "add.f32" in ptx
 
 
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_route_kernel_compiles_to_one_program(tokens):
+    """The routing of M * 8 pairs over 384 experts (decode, and MAX_ROUTED_PAIRS) compiles for sm_90 with the sort
+    and the per-expert histogram in one program (its results: test_int4_moe_triton_interpreter.py)."""
+    pairs = 8 * tokens
+    blocks = MT.ref.num_route_blocks(pairs, 384, 16)
+    compiled = compile_for_h200(
+        MT._route_kernel, {"ids_ptr": "*i32", "weights_ptr": "*bf16", "block_expert_ptr": "*i32",
+                           "block_token_ptr": "*i32", "block_weight_ptr": "*fp32", "pair_row_ptr": "*i32"},
+        dict(NUM_PAIRS=pairs, TOP_K=8, NUM_EXPERTS=384, NUM_TOKENS=tokens, NUM_BLOCKS=blocks, BM=16,
+             PAIRS_P=triton.next_power_of_2(pairs), BINS=512, BLOCKS_P=triton.next_power_of_2(blocks)),
+        num_warps=4, num_stages=1)
+    assert "bar.sync" in compiled.asm["ptx"] and compiled.metadata.shared <= 227 * 1024
+
+
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):

@@ -49,3 +49,32 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m):
     if unrouted is None:
         assert rel_err(out, int4_moe_reference(x, weights, ids, topk_weights)) < 1e-5
     assert rel_err(out, numpy_moe(x, ct, ids, topk_weights)) < 1e-5
+
+
+@in_child
+@pytest.mark.parametrize("tokens,top_k,experts,block_m,foreign", [
+    (1, 8, 384, 16, 0.0),          # K2.6 decode: one pair per block
+    (37, 8, 16, 16, 0.2),          # runs longer than a block, a fifth of the ids another device's (out of range)
+    (5, 3, 4, 32, 0.5),            # blocks of 32, most experts repeated
+    (256, 8, 384, 16, 0.0),        # MAX_ROUTED_PAIRS pairs
+])
+def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreign):
+    """The one-program routing kernel gives `route_pairs`' blocks exactly: each block's expert (E past the last),
+    token (M on padding rows) and weight (0 there), and each pair's row (-1 where its expert is not on this
+    device)."""
+    from pallas_kernels import int4_moe_triton as MT
+    from pallas_kernels.int4_moe import route_pairs
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(tokens * experts + block_m)
+    ids = rng.integers(0, experts, (tokens, top_k))
+    away = rng.random(ids.shape) < foreign
+    ids = jnp.asarray(np.where(away, rng.choice([-1, experts, experts + 5], ids.shape), ids), jnp.int32)
+    weights = jnp.asarray(rng.random(ids.shape), jnp.bfloat16)
+    assert ids.size <= MT.MAX_ROUTED_PAIRS
+    got = MT.route(interpreter_call, ids, weights, experts, block_m)
+    want = route_pairs(ids, weights, experts, block_m)
+    np.testing.assert_array_equal(got[0], want.block_expert)
+    np.testing.assert_array_equal(got[1], np.asarray(want.block_token).reshape(-1))
+    np.testing.assert_array_equal(got[2], np.asarray(want.block_weight).reshape(-1))
+    np.testing.assert_array_equal(got[3], np.where(want.pair_ok, want.pair_row, -1))

@@ -32,11 +32,14 @@ def k26_experts(sharding=None) -> M.Int4Experts:
 
 
 @pytest.mark.parametrize("tokens", [1, 4096])
-def test_int4_moe_lowers_to_three_xla_triton_calls(tokens):
-    """int4_moe's kernels through XLA's launcher (a measured peer of its jax-triton default)."""
+def test_int4_moe_lowers_to_xla_triton_calls(tokens):
+    """int4_moe's kernels through XLA's launcher (a measured peer of its jax-triton default): the routing kernel up
+    to MAX_ROUTED_PAIRS pairs (XLA's sort above), then gate_up, down and the combine."""
     text = lower_for_h200(functools.partial(MT.int4_moe, launcher="xla"), spec((tokens, D), BF16), k26_experts(),
                         spec((tokens, TOP_K), I32), spec((tokens, TOP_K), F32))
-    assert text.count(XLA_TRITON_TARGET) == 3
+    routed = tokens * TOP_K <= MT.MAX_ROUTED_PAIRS
+    assert text.count(XLA_TRITON_TARGET) == 3 + routed
+    assert (f'name = "_route_kernel"' in text) == routed and ("sort" in text) != routed
     for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
         assert f'name = "{name}"' in text
 
@@ -53,7 +56,7 @@ def test_int4_moe_lowers_inside_the_expert_parallel_shard_map():
     mesh = h200_mesh((2,))
     experts = k26_experts(jax.sharding.NamedSharding(mesh, P("tp")))
     text = lower_for_h200(ep, spec((8, D), BF16), experts, spec((8, TOP_K), I32), spec((8, TOP_K), F32), mesh=mesh)
-    assert text.count(XLA_TRITON_TARGET) == 3 and "all_reduce" in text
+    assert text.count(XLA_TRITON_TARGET) == 4 and "all_reduce" in text
 
 
 def test_tree_kernels_lower_to_one_xla_triton_call_each():
