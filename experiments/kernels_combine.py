@@ -1,7 +1,8 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
 against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`. Beside the default the kernel
-runs with one step of loads in flight (`stages_1`: what the pipelining gives) and with 64-column tiles (`cols_64`).
+runs with two steps of loads in flight (`stages_2`), with 8-row tiles (`rows_8`: twice the programs) and with steps of
+twice the splits over 8 warps (`warps_8`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,
@@ -55,9 +56,10 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                 continue
             args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype,
                                   -jnp.inf if normalized else attn.NEG_INF)
-            variants = {"kernel": {}, "stages_1": dict(stages=1),
-                        "cols_64": dict(block=(max(1, min(1 << (splits - 1).bit_length(), 4096 // (16 * 64))), 16,
-                                               64))}
+            pow2 = 1 << (splits - 1).bit_length()
+            variants = {"kernel": {}, "stages_2": dict(stages=2),
+                        "rows_8": dict(block=(min(pow2, 4096 // (8 * 16)), 8, 16)),
+                        "warps_8": dict(block=(min(pow2, 8192 // (16 * 16)), 16, 16), num_warps=8)}
             fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(
                        call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n, **kw))
                    for name, kw in variants.items()}
@@ -81,6 +83,6 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
             results.append(entry)
             print(f"combine {name:11s} rows {rows:3d} splits {splits:3d} | kernel {entry['kernel_us']:7.1f} us "
                   f"(busy {entry['kernel_busy_us']}) | xla {entry['xla_us']:7.1f} us (busy {entry['xla_busy_us']}) | "
-                  f"stages_1 {t['stages_1']['us']:6.1f} cols_64 {t['cols_64']['us']:6.1f} | "
+                  + " ".join(f"{name} {t[name]['us']:6.1f}" for name in variants if name != "kernel") + " | "
                   f"{entry['kernel_bandwidth_fraction']:5.1%} of copy | err {error:.1e}", flush=True)
             save()

@@ -38,20 +38,29 @@ from pallas_kernels.triton_call import bound_to
 @dataclasses.dataclass(frozen=True)
 class TritonMoeConfig:
     """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program, `words` packed words
-    per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton."""
+    per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton. The down kernel takes
+    down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    down_block_n: int | None = None
+    down_words: int | None = None
 
     def __post_init__(self):
-        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256)):
+        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256)):
             value = getattr(self, name)
-            if not low <= value <= high or value & (value - 1):
+            if value is not None and (not low <= value <= high or value & (value - 1)):
                 raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
-        if self.words not in (16, 32):
-            raise ValueError(f"TritonMoeConfig.words={self.words} must be 16 or 32 (128 or 256 inputs per step)")
+        for name in ("words", "down_words"):
+            if getattr(self, name) not in (16, 32) and (name == "words" or getattr(self, name) is not None):
+                raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be 16 or 32 (128 or 256 inputs "
+                                 "per step)")
+
+    def down_tiling(self) -> tuple[int, int]:
+        """(rows per program, words per step) of the down kernel."""
+        return self.down_block_n or self.block_n, self.down_words or self.words
 
 
 def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
@@ -295,7 +304,10 @@ def _route_kernel(ids_ptr, weights_ptr, block_expert_ptr, block_token_ptr, block
     tl.store(pair_row_ptr + pair, tl.where(routed, row, -1), mask=pair < NUM_PAIRS)
 
 
-MAX_ROUTED_PAIRS = 2048    # pairs `_route_kernel` sorts in one program (top-8: M <= 256); more go through XLA
+# Pairs `_route_kernel` sorts in one program (top-8: M <= 64); more go through XLA. Measured on the H200 (kernels.md,
+# "Tenth session"): the kernel 2.5 / 3.2 / 6.0 / 40 us at 8 / 64 / 512 / 2048 pairs, XLA's routing ~18-25 us in ten
+# launches.
+MAX_ROUTED_PAIRS = 512
 
 
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
@@ -351,11 +363,12 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         experts.up_scale, kernel=_gate_up_kernel, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
+    down_n, down_step_words = cfg.down_tiling()
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
-        grid=(num_blocks, triton.cdiv(d, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
-        ROW_WORDS=down_words, **launch)
+        grid=(num_blocks, triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
+        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words))
     return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
                 grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
                 num_warps=4, num_stages=1)

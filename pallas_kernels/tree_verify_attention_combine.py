@@ -29,8 +29,8 @@ MAX_BLOCK_COLS = 128
 MIN_BLOCK_COLS = 16
 TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
-MAX_KERNEL_SPLITS = 66             # measured: at 132 splits and more XLA's combine is faster (module docstring)
-STAGES = 3                         # steps of loads in flight
+MAX_KERNEL_SPLITS = 132            # measured: above, XLA's combine is faster (module docstring)
+STAGES = 1                         # steps of loads in flight (2-3 measured slower: kernels.md, "Tenth session")
 
 
 @triton.jit
@@ -86,12 +86,12 @@ def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int
 
 
 def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool,
-            block: tuple[int, int, int] | None = None, stages: int = STAGES):
+            block: tuple[int, int, int] | None = None, stages: int = STAGES, num_warps: int = 4):
     """Partials out [P, S, R, Cp] (f32 unnormalised, or `normalized` within each split in any float dtype),
     row_max / row_sum [P, S, R] f32 (R >= rows, Cp >= cols) -> [S, rows, cols] in dtype, through
     `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` bound to a
     launcher on the GPU; Triton's interpreter in the tests). block: (splits, rows, columns) per step, powers of two
-    (default `tiling`); stages: steps of loads in flight."""
+    (default `tiling`); stages: steps of loads in flight; num_warps per program."""
     if out.ndim != 4:
         raise ValueError(f"combine: partials out {out.shape} must be [P, S, R, Cp]")
     splits, streams, part_rows, part_cols = out.shape
@@ -105,7 +105,7 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
         raise ValueError(f"combine: block {block} must be three powers of two and stages={stages} >= 1")
     return call(out, row_max, row_sum, kernel=_combine_kernel,
                 out_shape=jax.ShapeDtypeStruct((streams, rows, cols), dtype),
-                grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=4,
+                grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=num_warps,
                 num_stages=stages, SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols,
                 PART_COLS=part_cols, BS=block_splits, BR=block_rows, BC=width, NORMALIZED=normalized, STAGES=stages)
 

@@ -22,12 +22,13 @@ def test_in_the_interpreter():
 
 
 @in_child
-@pytest.mark.parametrize("experts,hidden,inter,ids,block_m", [
-    (3, 256, 128, [[0, 7], [1, 0], [0, -1], [1, 1]], 16),      # I = 128: the gate_up grid covers 256 rows
-    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16),       # D, I off the 64-row block
-    (4, 256, 256, [[3, 1], [1, 1], [9, 0], [3, 2], [0, 3]], 32),
+@pytest.mark.parametrize("experts,hidden,inter,ids,block_m,down", [
+    (3, 256, 128, [[0, 7], [1, 0], [0, -1], [1, 1]], 16, {}),      # I = 128: the gate_up grid covers 256 rows
+    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, {}),       # D, I off the 64-row block
+    (4, 256, 256, [[3, 1], [1, 1], [9, 0], [3, 2], [0, 3]], 32, {}),
+    (3, 320, 256, [[0, 2], [2, 0], [1, -1]], 16, dict(down_block_n=128, down_words=16)),   # the down kernel's own tiles
 ])
-def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m):
+def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, down):
     from conftest import rel_err
     from pallas_kernels import int4_moe_triton as MT
     from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
@@ -43,7 +44,7 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m):
     x = jnp.asarray(rng.standard_normal((len(ids), hidden)), jnp.float32)
     ids = jnp.asarray(ids, jnp.int32)
     topk_weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
-    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32)
+    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32, **down)
     out = MT.run_kernels(interpreter_call, x, weights, ids, topk_weights, config)
     assert np.isfinite(np.asarray(out)).all()
     if unrouted is None:
@@ -56,7 +57,7 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m):
     (1, 8, 384, 16, 0.0),          # K2.6 decode: one pair per block
     (37, 8, 16, 16, 0.2),          # runs longer than a block, a fifth of the ids another device's (out of range)
     (5, 3, 4, 32, 0.5),            # blocks of 32, most experts repeated
-    (256, 8, 384, 16, 0.0),        # MAX_ROUTED_PAIRS pairs
+    (64, 8, 384, 16, 0.0),         # MAX_ROUTED_PAIRS pairs
 ])
 def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreign):
     """The one-program routing kernel gives `route_pairs`' blocks exactly: each block's expert (E past the last),
