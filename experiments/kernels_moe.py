@@ -49,10 +49,10 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     Config = moe_triton.TritonMoeConfig
     per_expert = n_pairs / num_experts
     if per_expert < 16:
-        candidates = [Config(block_m=16, block_n=128, words=32, num_warps=8), Config(block_m=16, block_n=128, words=32),
-                      Config(block_m=16, block_n=64, words=32, num_stages=3), Config(block_m=16, block_n=64, words=16)]
-        candidates += [dataclasses.replace(base, down_block_n=n, down_words=w) for n, w in ((128, 16), (64, 16),
-                                                                                              (128, 32), (256, 16))]
+        candidates = [Config(block_m=16, block_n=64, words=32, num_stages=4),
+                      Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=128),
+                      Config(block_m=16, block_n=128, words=32, num_stages=3),
+                      Config(block_m=16, block_n=128, words=32, num_warps=8, num_stages=3)]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8)]

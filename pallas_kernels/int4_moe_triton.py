@@ -63,12 +63,20 @@ class TritonMoeConfig:
         return self.down_block_n or self.block_n, self.down_words or self.words
 
 
+WIDE_ROWS_PAIRS = 32      # from this many pairs the small-block tiling takes 128-row programs (measured at M = 1, 8)
+
+
 def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
     """Blocks of 16 tokens while a touched expert sees a handful of them, of 32 while it sees a few dozen (each
-    expert's weights still streamed about once), of 128 once the GEMMs are dense."""
+    expert's weights still streamed about once), of 128 once the GEMMs are dense. With 16-token blocks: 128 output
+    rows per program once there are WIDE_ROWS_PAIRS pairs (M = 8: 487 against 585 us with 64 rows); below, the few
+    experts' gate_up rows need 64-row programs to cover the SMs (M = 1: 128 rows left gate_up at 77 against 48 us),
+    4 stages, and 128-row programs for down (30 against 34 us). kernels.md, "Tenth session"."""
     per_expert = num_pairs / num_experts
+    if per_expert < 16 and num_pairs >= WIDE_ROWS_PAIRS:
+        return TritonMoeConfig(block_m=16, block_n=128, words=32, num_warps=4, num_stages=3)
     if per_expert < 16:
-        return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=4)
+        return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=4, down_block_n=128)
     if per_expert < 48:
         return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3)
     return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3)

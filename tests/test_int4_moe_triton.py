@@ -16,9 +16,10 @@ from triton_h200 import compile_for_h200
 K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 
 
-def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig):
-    """`compile_for_h200` with the config's tiles and launch parameters."""
-    constants = dict(constants, BM=config.block_m, BN=config.block_n, WORDS=config.words)
+def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
+    """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
+    rows, words = config.down_tiling() if down else (config.block_n, config.words)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, config.num_stages)
 
 
@@ -31,13 +32,15 @@ def gate_up(dtype: str, config):
 def down(dtype: str, config):
     pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "block_weight_ptr": "*fp32",
                 "h_ptr": f"*{dtype}", "down_q_ptr": "*i32", "down_s_ptr": "*bf16", "y_ptr": f"*{dtype}"}
-    return compile_tiled(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config)
+    return compile_tiled(MT._down_kernel, pointers, dict(K26, ROW_WORDS=256), config, down=True)
 
 
-SMALL, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 1024, 4096))
+SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE],
+               ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks"])
 
 
-@pytest.mark.parametrize("config", [SMALL, MEDIUM, LARGE], ids=["small_blocks", "medium_blocks", "large_blocks"])
+@pytest.mark.parametrize("config", **CONFIGS)
 @pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
 def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     """bf16: the weights are dequantized two at a time (bf16x2 sub and mul) and multiplied on the Hopper tensor cores
@@ -48,7 +51,7 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     assert compiled.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("config", [SMALL, MEDIUM, LARGE], ids=["small_blocks", "medium_blocks", "large_blocks"])
+@pytest.mark.parametrize("config", **CONFIGS)
 def test_f32_kernels_compile_with_ieee_dots(config):
     """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32, with
     the stages int4_moe launches them with (`launch_config`) within the H200's shared memory."""
