@@ -8,12 +8,12 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
   o_p = out[p, s, r] (unnormalised) or l_p * out[p, s, r] (normalised)
 
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
-(XLA: three launches). One program combines a tile of rows and columns of one stream over every split, `tiling`'s
-BS splits per step. The first version took one split per step and was slow at many splits (69 us at 256 against
-XLA's 7-14, kernels.md, "Eighth session"); this one (2-64 splits per step) measured on the H200 (device time, bf16
-partials of 64 rows): 2.2 / 3.3 / 6.4 / 11.2 / 19.0 us at 16 / 32 / 66 / 132 / 256 splits against XLA's 3.4 / 5.4 /
-7.3 / 8.8 / 10.0 (kernels.md, "Ninth session"). So `merge` runs the kernel up to MAX_KERNEL_SPLITS = 66 splits and
-XLA's combine above.
+(XLA: three launches). One program combines a tile of rows and columns of one stream over every split in one pass,
+`tiling`'s BS splits per step, rescaling its sums when the running max grows. Measured on the H200 (device time,
+bf16 partials of 64 rows, kernels.md "Tenth session"): 1.7 / 2.7 / 4.9 / 7.9 / 12.6 us at 8 / 32 / 66 / 132 / 256
+splits against XLA's busy 2.3 / 5.5 / 7.4 / 9.0 / 9.9 (the two-pass version before it: 11.2 us at 132, 19.0 at
+256); loads kept in flight over 2-3 steps made it slower. So `merge` runs the kernel up to MAX_KERNEL_SPLITS = 132
+splits and XLA's combine above.
 """
 from __future__ import annotations
 
