@@ -81,6 +81,12 @@ class Job:
     arg_sets: list = dataclasses.field(default_factory=list)   # argument tuples, rotated
     fresh_args: object = None   # or () -> a new argument tuple for every call (donated arguments), made and waited
                                 # for outside the timed window
+    calls: int = 1              # calls issued back to back in one timed window (the host ahead of the device, as in
+                                # a decode step); its times are per call: the window's span / calls
+
+    def __post_init__(self):
+        if self.calls < 1 or (self.calls > 1 and self.fresh_args is not None):
+            raise ValueError(f"Job {self.name}: calls={self.calls} must be >= 1, and 1 with fresh_args")
 
     def args(self, r: int):
         if self.fresh_args is not None:
@@ -94,8 +100,9 @@ class Job:
 def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, dict]:
     """Warm up every job, then time them all in one profiler session. Returns {name: timing dict}: `us` (device span,
     or wall clock when there is no device trace), `wall_us`; with a trace also `busy_us` (sum of the call's device
-    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call, and with
-    `timeline` the host and device events of the call whose span is the median (`Call.timeline`)."""
+    events), `kernels_us` (the 8 longest event names), `device_events` and `d2h_copies` per call (per timed window
+    divided by `Job.calls`), and with `timeline` the host and device events of the window whose span is the median
+    (`Call.timeline`)."""
     for job in jobs:
         for r in range(job.warmups()):
             jax.block_until_ready(job.fn(*job.args(r)))
@@ -109,12 +116,12 @@ def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, d
     try:
         for job in jobs:
             for r in range(reps):
-                args = job.args(r)
+                arg_list = [job.args(r * job.calls + c) for c in range(job.calls)]
                 time.sleep(GAP_S)
                 with jax.profiler.TraceAnnotation(f"bench|{job.name}|{r}"):
                     t0 = time.perf_counter()
-                    jax.block_until_ready(job.fn(*args))
-                    wall[job.name].append((time.perf_counter() - t0) * 1e6)
+                    jax.block_until_ready([job.fn(*args) for args in arg_list])
+                    wall[job.name].append((time.perf_counter() - t0) * 1e6 / job.calls)
     finally:
         if traced:
             jax.profiler.stop_trace()
@@ -124,15 +131,16 @@ def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, d
         dev = calls.get(job.name, [])
         entry = {"wall_us": float(np.median(wall[job.name]))}
         if len(dev) >= max(1, reps // 2):  # a device trace of (most of) the calls
-            names = {k for c in dev for k in c.events_us}
-            per_name = {k: float(np.median([c.events_us.get(k, 0.0) for c in dev])) for k in names}
+            k = job.calls                  # a window's numbers per call
+            names = {name for c in dev for name in c.events_us}
+            per_name = {name: float(np.median([c.events_us.get(name, 0.0) for c in dev])) / k for name in names}
             top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
-            entry.update(us=float(np.median([c.span_us for c in dev])), method="device",
-                         device_spread_us=float(np.std([c.span_us for c in dev])),
-                         busy_us=float(np.median([sum(c.events_us.values()) for c in dev])),
+            entry.update(us=float(np.median([c.span_us for c in dev])) / k, method="device",
+                         device_spread_us=float(np.std([c.span_us for c in dev])) / k,
+                         busy_us=float(np.median([sum(c.events_us.values()) for c in dev])) / k,
                          kernels_us=dict(top), kernel_launches=len(names),
-                         device_events=float(np.median([c.events for c in dev])),
-                         d2h_copies=float(np.median([c.d2h_copies for c in dev])))
+                         device_events=float(np.median([c.events for c in dev])) / k,
+                         d2h_copies=float(np.median([c.d2h_copies for c in dev])) / k)
             if timeline:
                 entry["timeline"] = sorted(dev, key=lambda c: c.span_us)[len(dev) // 2].timeline
         else:
