@@ -15,6 +15,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import triton
 
 from experiments.timing import Job, rel_err, time_jobs
 from pallas_kernels import tree_verify_attention as attn
@@ -56,27 +57,30 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                 continue
             args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype,
                                   -jnp.inf if normalized else attn.NEG_INF)
-            pow2 = 1 << (splits - 1).bit_length()
+            pow2 = triton.next_power_of_2(splits)
             variants = {"kernel": {}, "stages_2": dict(stages=2),
-                        "rows_8": dict(block=(min(pow2, 4096 // (8 * 16)), 8, 16)),
-                        "warps_8": dict(block=(min(pow2, 8192 // (16 * 16)), 16, 16), num_warps=8)}
+                        "rows_8": dict(block=(min(pow2, combine.TILE_ELEMENTS // (8 * 16)), 8, 16)),
+                        "warps_8": dict(block=(min(pow2, 2 * combine.TILE_ELEMENTS // (16 * 16)), 16, 16),
+                                        num_warps=8)}
             fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(
                        call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n, **kw))
                    for name, kw in variants.items()}
             fns["xla"] = jax.jit(lambda *a, n=normalized: attn.combine_partials(*a, normalized=n).astype(
                 jnp.bfloat16)[:, :rows])
             try:
-                error = rel_err(fns["kernel"](*args), fns["xla"](*args))
+                want = fns["xla"](*args)
+                errors = {name: rel_err(fns[name](*args), want) for name in variants}
                 t = time_jobs([Job(n, fn, [args]) for n, fn in fns.items()], reps)
             except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on
                 results.append(dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}"))
                 save()
                 continue
             bytes_ = sum(x.size * x.dtype.itemsize for x in args) + rows * COLS * 2
+            error = errors["kernel"]
             entry = dict(case, tiling=combine.tiling(splits, 1, rows, COLS), rel_err=error,
                          kernel_us=t["kernel"]["us"], xla_us=t["xla"]["us"],
                          variants_us={name: t[name]["us"] for name in variants},
-                         variant_errors={name: rel_err(fns[name](*args), fns["xla"](*args)) for name in variants},
+                         variant_errors=errors,
                          kernel_busy_us=t["kernel"].get("busy_us"), xla_busy_us=t["xla"].get("busy_us"),
                          kernel_bandwidth_fraction=bytes_ / (t["kernel"]["us"] * 1e-6) / 1e9
                          / ceil["bandwidth_GBps"], timings=t)

@@ -252,7 +252,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
             best = min((n for n in fns if n not in (LAUNCH_PEER, ROUTING_PEER)), key=lambda n: t[n]["us"])
-            baselines = {n: t[n]["us"] for n in t if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
+            baselines = {n: t[n]["us"] for n in t
+                         if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
             entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
                          config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,

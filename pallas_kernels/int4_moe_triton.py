@@ -63,7 +63,8 @@ class TritonMoeConfig:
         return self.down_block_n or self.block_n, self.down_words or self.words
 
 
-WIDE_ROWS_PAIRS = 32      # from this many pairs the small-block tiling takes 128-row programs (measured at M = 1, 8)
+WIDE_ROWS_PAIRS = 32      # from this many pairs the small-block tiling takes 128-row programs (measured at 8 pairs,
+                          # M = 1, and 64, M = 8; the threshold between them is not measured)
 
 
 def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
