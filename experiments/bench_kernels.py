@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 
 import numpy as np
@@ -42,6 +43,9 @@ flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M who
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
+flags.DEFINE_bool("merge", False, "keep the sections of an existing --out that this run does not measure (their "
+                  "own run's meta and ceilings recorded under meta.merged): one JSON from runs split over device "
+                  "calls")
 flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
 flags.DEFINE_bool("quick", False, "small shapes in interpret mode, to smoke-test the script on a CPU")
 F = flags.FLAGS
@@ -65,10 +69,12 @@ def main(_):
             raise ValueError(f"--{flag}: unknown {sorted(unknown)}; choose from {list(allowed)} ('' for none)")
     dev = jax.devices()[0]
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
-                             host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), reps=F.reps,
-                             quick=F.quick, sweep=F.sweep, attention_splits=F.attention_splits,
-                             moe_sweep_tokens=F.moe_sweep_tokens), ceilings={}, checks={}, attention=[],
-                   attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
+                             host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), code=code_version(),
+                             sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
+                             attention_splits=F.attention_splits, moe_sweep_tokens=F.moe_sweep_tokens),
+                   ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
+    if F.merge:
+        merge_earlier_run(F.out)
     if "ceilings" in F.sections:
         RESULTS["ceilings"] = measure_ceilings(F.reps, F.quick)
     else:   # H200_FACTS.md leads, used only when the ceilings are not measured
@@ -103,6 +109,45 @@ def main(_):
     print(f"wrote {F.out} in {time.time() - start:.0f} s", flush=True)
     if F.plot:
         plot_results(RESULTS, os.path.splitext(F.out)[0] + ".png")
+
+
+SECTION_KEYS = {"attention": ("attention",), "mgpu": ("attention_mgpu",), "combine": ("attention_combine",),
+                "moe": ("int4_moe",), "tree": ("tree",)}
+
+
+def merge_earlier_run(path: str) -> None:
+    """--merge: copy into RESULTS the sections of the JSON at `path` that this run does not measure, with their
+    checks, and record that run's meta and ceilings under meta.merged (each section's fractions stay those of the
+    ceilings measured in its own run)."""
+    if not os.path.exists(path):
+        raise ValueError(f"--merge: {path} does not exist; run without --merge first")
+    with open(path) as f:
+        earlier = json.load(f)
+    kept = [name for name, keys in SECTION_KEYS.items()
+            if name not in F.sections and any(earlier.get(key) for key in keys)]
+    for name in kept:
+        for key in SECTION_KEYS[name]:
+            RESULTS[key] = earlier[key]
+    RESULTS["checks"].update(earlier.get("checks", {}))
+    RESULTS["meta"]["merged"] = dict(sections=kept, meta=earlier.get("meta"), ceilings=earlier.get("ceilings"))
+
+
+def code_version() -> str:
+    """The code's revision: a REV file at the root (a copy of the tree made for a device run, without git), else git's
+    short HEAD (with '+changes' when the tree differs from it), else 'unknown'."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rev = os.path.join(root, "REV")
+    if os.path.exists(rev):
+        with open(rev) as f:
+            return f.read().strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def plot_results(results: dict, path: str) -> None:

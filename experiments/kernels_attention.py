@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import BACK_TO_BACK, BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import ops
 from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
@@ -32,7 +32,6 @@ from pallas_kernels.tree import random_tree_visible
 K26_LAT, K26_ROPE = 512, 64
 K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
 CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many (kdtree_jax.decode's cache_len)
-BACK_TO_BACK = 8         # calls of the op and the reference also timed back to back (the host ahead, as in a step)
 
 
 def attention_cases(quick: bool) -> list[dict]:

@@ -9,6 +9,9 @@ the Triton one up to results/kernels.json of the sixth session, then removed.
 
     cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
     cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction
+    times      device span of one call after an idle device (`kernel_us`: the host's launch of each kernel counts
+               where the device waits for it), and up to M = 256 per call of BACK_TO_BACK calls issued back to back
+               (`back_to_back_us`, `bandwidth_fraction_back_to_back`: the host ahead, as in a decode step)
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from experiments.timing import BF16, Job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import BACK_TO_BACK, BF16, Job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
 
@@ -52,7 +55,10 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
         candidates = [Config(block_m=16, block_n=64, words=32, num_stages=4),
                       Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=128),
                       Config(block_m=16, block_n=128, words=32, num_stages=3),
-                      Config(block_m=16, block_n=128, words=32, num_warps=8, num_stages=3)]
+                      Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=64, down_by_token=True),
+                      Config(block_m=16, block_n=64, words=32, num_stages=6, down_block_n=64, down_by_token=True),
+                      Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=128, down_by_token=True),
+                      Config(block_m=16, block_n=128, words=32, num_stages=3, down_block_n=64, down_by_token=True)]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8)]
@@ -227,6 +233,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             ref = ref_fn(x0[:sub], experts, ids0[:sub], w0[:sub]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0])[:sub].astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in fns.items()]
+            if m <= 256:
+                jobs.append(Job("kernel:back_to_back", fns["kernel"], sets, calls=BACK_TO_BACK))
             if m <= 64:
                 jobs.append(Job("reference_int4", ref_fn, sets))
             if m <= 256 and not interpret:
@@ -251,6 +259,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
+            b2b_us = t["kernel:back_to_back"]["us"] if "kernel:back_to_back" in t else None
             best = min((n for n in fns if n not in (LAUNCH_PEER, ROUTING_PEER)), key=lambda n: t[n]["us"])
             baselines = {n: t[n]["us"] for n in t
                          if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
@@ -261,6 +270,9 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
                          touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
                          bandwidth_fraction=bytes_ / (k_us * 1e-6) / 1e9 / ceil["bandwidth_GBps"],
+                         back_to_back_us=b2b_us,
+                         bandwidth_fraction_back_to_back=(bytes_ / (b2b_us * 1e-6) / 1e9 / ceil["bandwidth_GBps"]
+                                                          if b2b_us else None),
                          TFLOPs=flops / (k_us * 1e-6) / 1e12,
                          matmul_fraction=flops / (k_us * 1e-6) / 1e12 / ceil["matmul_TFLOPs"],
                          roofline_us=floor, roofline_fraction=floor / k_us,
@@ -298,7 +310,9 @@ def _print_moe_row(r):
         print(f"int4_moe M={r['tokens']}: {r.get('error') or r.get('skipped')}", flush=True)
         return
     base = " ".join(f"{k}={v:.1f}" for k, v in r["baselines_us"].items())
-    print(f"int4_moe M={r['tokens']:5d} experts {r['touched_experts']:3d} | kernel {r['kernel_us']:9.1f} us | "
+    b2b = (f" (back to back {r['back_to_back_us']:.1f} us, {r['bandwidth_fraction_back_to_back']:5.1%})"
+           if r.get("back_to_back_us") else "")
+    print(f"int4_moe M={r['tokens']:5d} experts {r['touched_experts']:3d} | kernel {r['kernel_us']:9.1f} us{b2b} | "
           f"{r['touched_GBps']:6.0f} GB/s ({r['bandwidth_fraction']:5.1%}) {r['TFLOPs']:6.1f} TF/s "
           f"({r['matmul_fraction']:5.1%}) | best {r['best_us']:9.1f} | {base} | err "
           f"{r['rel_err_bf16_first_tokens']:.1e}", flush=True)

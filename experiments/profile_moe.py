@@ -9,12 +9,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from absl import flags
 
+from pallas_kernels.int4_moe_triton import TritonMoeConfig
 from pallas_kernels.triton_call import LAUNCHERS
 
 from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
@@ -24,21 +26,48 @@ flags.DEFINE_enum("kernel", "triton", sorted(INT4_KERNELS), "which int4_moe")
 flags.DEFINE_integer("tokens", 8, "tokens M")
 flags.DEFINE_integer("calls", 3, "calls of the kernel (the first compiles)")
 flags.DEFINE_enum("launcher", None, LAUNCHERS, "the Triton kernel's launcher (default: int4_moe_triton.LAUNCHER)")
+flags.DEFINE_list("tiling", [], "the Triton kernel's TritonMoeConfig as field=value pairs, e.g. "
+                  "block_n=64,down_by_token=True (default: default_config)")
+flags.DEFINE_integer("experts", 0, "experts E (0: K2.6's 384); fewer keep the profiler's memory save and restore "
+                     "short (each call touches only its M x top-k experts' weights either way)")
 F = flags.FLAGS
 
 
 def main(_):
     shape, _ = moe_shapes(quick=False)
-    experts = random_experts(jax.random.key(3), shape["experts"], shape["hidden"], shape["inter"])
-    ids, w = moe_routing(jax.random.key(4), F.tokens, shape["experts"], shape["top_k"])
+    num_experts = F.experts or shape["experts"]
+    if num_experts < shape["top_k"]:
+        cli.fail(f"--experts={num_experts}: top-{shape['top_k']} routing needs at least {shape['top_k']} experts")
+    experts = random_experts(jax.random.key(3), num_experts, shape["hidden"], shape["inter"])
+    ids, w = moe_routing(jax.random.key(4), F.tokens, num_experts, shape["top_k"])
     x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
-    if F.launcher and F.kernel != "triton":
-        cli.fail(f"--launcher applies to --kernel=triton, not {F.kernel}")
+    if (F.launcher or F.tiling) and F.kernel != "triton":
+        cli.fail(f"--launcher and --tiling apply to --kernel=triton, not {F.kernel}")
     launch = {"launcher": F.launcher} if F.launcher else {}
+    if F.tiling:
+        launch["config"] = parse_tiling(F.tiling)
     kernel = jax.jit(functools.partial(INT4_KERNELS[F.kernel], **launch))
     for _ in range(F.calls):
         jax.block_until_ready(kernel(x, experts, ids, w))
-    print(f"ran {F.kernel} int4_moe ({F.launcher or 'default launcher'}) at M={F.tokens} {F.calls} times")
+    print(f"ran {F.kernel} int4_moe ({F.launcher or 'default launcher'}, {launch.get('config', 'default tiling')}) "
+          f"at M={F.tokens} over {num_experts} experts {F.calls} times")
+
+
+def parse_tiling(pairs: list[str]) -> TritonMoeConfig:
+    """['block_n=64', 'down_by_token=True'] -> TritonMoeConfig (ints, bools); a clear error for a bad pair."""
+    fields = {f.name: f for f in dataclasses.fields(TritonMoeConfig)}
+    values = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            cli.fail(f"--tiling: {pair!r} is not field=value with a field of TritonMoeConfig: {sorted(fields)}")
+        if text in ("True", "False"):
+            values[name] = text == "True"
+        elif text.isdigit():
+            values[name] = int(text)
+        else:
+            cli.fail(f"--tiling: {pair!r}: the value must be an integer or True / False")
+    return TritonMoeConfig(**values)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import numpy as np
 
 ROTATE_BYTES = 200e6     # bytes of the input sets rotated over: several times the H200's 60 MB L2
 GAP_S = 0.002            # host pause between timed calls, so calls never overlap on the device
+BACK_TO_BACK = 8         # calls issued back to back where a section also times a steady state (`Job.calls`: the host
+                         # ahead of the device, as in a decode step)
 BF16 = jnp.bfloat16
 
 
