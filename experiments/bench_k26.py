@@ -29,7 +29,8 @@ What runs:
   ancestors; positions prefix + depth), argmax per node. Drafting, tree build, accept and compaction are not in it.
 - Time: wall clock of the compiled step with `jax.block_until_ready`, the cache donated and fed back, median of
   --reps calls after --warmup calls (at these step sizes, milliseconds, the host's dispatch is a small part).
-  --profile_dir also writes a profiler trace with one annotation per call ("k26|case|rep").
+  --profile_dir also writes a profiler trace with one annotation per call ("k26|case|rep") and records each case's
+  device span, busy time and longest kernels per step (`device_profile` in the JSON).
 - Bytes per device: the params and the cache each device actually holds, and `compiled.memory_analysis()`.
 - Collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in the compiled HLO,
   counted by (op, dtype, elements); each distinct one is timed standalone on the mesh (a chain of 16 inside one
@@ -64,7 +65,7 @@ from absl import flags
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from experiments.timing import wall_us
+from experiments.timing import annotation_calls, wall_us
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
@@ -451,6 +452,23 @@ def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, labe
                 floor_ms={k: v * 1e3 for k, v in floors.items()})
 
 
+def device_profile(trace_dir: str, top: int = 24) -> dict:
+    """Per case of the trace in trace_dir (--profile_dir): the median step's device span and busy time (ms), its
+    device events, and its `top` longest kernels by name (ms per step): where a step's time goes."""
+    out = {}
+    for name, calls in annotation_calls(trace_dir, prefix="k26|").items():
+        per_kernel: dict[str, list[float]] = {}
+        for c in calls:
+            for kernel, us in c.events_us.items():
+                per_kernel.setdefault(kernel, []).append(us)
+        kernels = {k: float(np.sum(v)) / len(calls) / 1e3 for k, v in per_kernel.items()}
+        out[name] = dict(span_ms=float(np.median([c.span_us for c in calls])) / 1e3,
+                         busy_ms=float(np.median([sum(c.events_us.values()) for c in calls])) / 1e3,
+                         device_events=float(np.median([c.events for c in calls])),
+                         top_kernels_ms=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]))
+    return out
+
+
 # -------------------------------------------------------------------------------------------------------- main
 def define_flags() -> None:
     """The script's flags (defined only when run as a script, so tests can import its functions)."""
@@ -609,6 +627,8 @@ def main(argv):
     finally:
         if f.profile_dir:
             jax.profiler.stop_trace()
+    if f.profile_dir:
+        results["device_profile"] = device_profile(f.profile_dir)
     results["meta"]["wall_s"] = time.time() - start
     dump()
     print(f"wrote {f.out} in {time.time() - start:.0f} s", flush=True)

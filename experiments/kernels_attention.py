@@ -9,8 +9,8 @@ and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of i
                tree (attention_inputs), bf16
     cost       useful FLOPs, fewest HBM bytes (attention_cost) -> roofline fraction
     times      device span of one call after an idle device (`kernel_us`, `reference_us`: the host's launch time
-               counts wherever a short kernel runs before a long one), and per call of BACK_TO_BACK calls issued back
-               to back (`back_to_back_us`: the host ahead of the device, as in a decode step)
+               counts wherever a short kernel runs before a long one), and per call of timing.BACK_TO_BACK calls in one
+               jitted function (`back_to_back_us`: one dispatch, the kernels enqueued one after another, as in a step)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import BACK_TO_BACK, BF16, ROTATE_BYTES, Job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import BF16, ROTATE_BYTES, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import ops
 from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
@@ -129,7 +129,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             peers = attention_peers(sets[0], interpret)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in {**fns, **peers}.items()] + [Job("reference", ref_fn, sets)]
-            jobs += [Job(f"{name}:back_to_back", fn, sets, calls=BACK_TO_BACK)
+            jobs += [back_to_back_job(f"{name}:back_to_back", fn, sets)
                      for name, fn in (("kernel", fns["kernel"]), ("reference", ref_fn))]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)

@@ -10,8 +10,8 @@ the Triton one up to results/kernels.json of the sixth session, then removed.
     cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
     cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction
     times      device span of one call after an idle device (`kernel_us`: the host's launch of each kernel counts
-               where the device waits for it), and up to M = 256 per call of BACK_TO_BACK calls issued back to back
-               (`back_to_back_us`, `bandwidth_fraction_back_to_back`: the host ahead, as in a decode step)
+               where the device waits for it), and up to M = 256 per call of timing.BACK_TO_BACK calls in one jitted
+               function (`back_to_back_us`, `bandwidth_fraction_back_to_back`: one dispatch, as in a decode step)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from experiments.timing import BACK_TO_BACK, BF16, Job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
 
@@ -54,11 +54,7 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     if per_expert < 16:
         candidates = [Config(block_m=16, block_n=64, words=32, num_stages=4),
                       Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=128),
-                      Config(block_m=16, block_n=128, words=32, num_stages=3),
-                      Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=64, down_by_token=True),
-                      Config(block_m=16, block_n=64, words=32, num_stages=6, down_block_n=64, down_by_token=True),
-                      Config(block_m=16, block_n=64, words=32, num_stages=4, down_block_n=128, down_by_token=True),
-                      Config(block_m=16, block_n=128, words=32, num_stages=3, down_block_n=64, down_by_token=True)]
+                      Config(block_m=16, block_n=128, words=32, num_stages=3)]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8)]
@@ -234,7 +230,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             errors, failed = try_candidates(fns, lambda fn: fn(*sets[0])[:sub].astype(jnp.float32), ref)
             jobs = [Job(name, fn, sets) for name, fn in fns.items()]
             if m <= 256:
-                jobs.append(Job("kernel:back_to_back", fns["kernel"], sets, calls=BACK_TO_BACK))
+                jobs.append(back_to_back_job("kernel:back_to_back", fns["kernel"], sets))
             if m <= 64:
                 jobs.append(Job("reference_int4", ref_fn, sets))
             if m <= 256 and not interpret:

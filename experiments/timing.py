@@ -20,8 +20,8 @@ import numpy as np
 
 ROTATE_BYTES = 200e6     # bytes of the input sets rotated over: several times the H200's 60 MB L2
 GAP_S = 0.002            # host pause between timed calls, so calls never overlap on the device
-BACK_TO_BACK = 8         # calls issued back to back where a section also times a steady state (`Job.calls`: the host
-                         # ahead of the device, as in a decode step)
+BACK_TO_BACK = 8         # calls of the op in one jitted function where a section also times a steady state
+                         # (`back_to_back_job`: one dispatch, the kernels enqueued one after another, as in a step)
 BF16 = jnp.bfloat16
 
 
@@ -36,8 +36,9 @@ class Call:
                                     # call's window, times from the window's start (sorted by start)
 
 
-def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
-    """From the trace in trace_dir: {job: [Call of each timed call]}."""
+def annotation_calls(trace_dir: str, prefix: str = "bench|") -> dict[str, list[Call]]:
+    """From the trace in trace_dir: {job: [Call of each timed call]}, the calls being the host annotations named
+    `<prefix><job>|<rep>`."""
     from jax.profiler import ProfileData
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
@@ -50,7 +51,7 @@ def _annotation_calls(trace_dir: str) -> dict[str, list[Call]]:
             for ev in line.events:
                 if is_device and ev.duration_ns > 0:
                     device.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
-                elif not is_device and ev.name.startswith("bench|"):
+                elif not is_device and ev.name.startswith(prefix):
                     windows.append((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns))
                 elif not is_device:
                     host.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name, f"{plane.name}/{line.name}"))
@@ -83,8 +84,8 @@ class Job:
     arg_sets: list = dataclasses.field(default_factory=list)   # argument tuples, rotated
     fresh_args: object = None   # or () -> a new argument tuple for every call (donated arguments), made and waited
                                 # for outside the timed window
-    calls: int = 1              # calls issued back to back in one timed window (the host ahead of the device, as in
-                                # a decode step); its times are per call: the window's span / calls
+    calls: int = 1              # calls of the op that one call of fn makes (`back_to_back_job`); the job's times are
+                                # per call of the op: the window's numbers / calls
 
     def __post_init__(self):
         if self.calls < 1 or (self.calls > 1 and self.fresh_args is not None):
@@ -97,6 +98,15 @@ class Job:
 
     def warmups(self) -> int:
         return 2 if self.fresh_args is not None else min(2, len(self.arg_sets))
+
+
+def back_to_back_job(name: str, fn, arg_sets: list, calls: int = BACK_TO_BACK) -> Job:
+    """A Job whose every call runs fn on `calls` of arg_sets (rotated) inside one jitted function: one host dispatch
+    and the kernels enqueued one after another, as in a decode step's executable, so that the host's per-call launch
+    time before the first kernel is not counted; its times are per call of fn."""
+    chained = jax.jit(lambda *groups: [fn(*group) for group in groups])
+    groups = [tuple(arg_sets[(i * calls + c) % len(arg_sets)] for c in range(calls)) for i in range(len(arg_sets))]
+    return Job(name, chained, groups, calls=calls)
 
 
 def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, dict]:
@@ -118,16 +128,16 @@ def time_jobs(jobs: list[Job], reps: int, timeline: bool = False) -> dict[str, d
     try:
         for job in jobs:
             for r in range(reps):
-                arg_list = [job.args(r * job.calls + c) for c in range(job.calls)]
+                args = job.args(r)
                 time.sleep(GAP_S)
                 with jax.profiler.TraceAnnotation(f"bench|{job.name}|{r}"):
                     t0 = time.perf_counter()
-                    jax.block_until_ready([job.fn(*args) for args in arg_list])
+                    jax.block_until_ready(job.fn(*args))
                     wall[job.name].append((time.perf_counter() - t0) * 1e6 / job.calls)
     finally:
         if traced:
             jax.profiler.stop_trace()
-    calls = _annotation_calls(trace_dir) if traced else {}
+    calls = annotation_calls(trace_dir) if traced else {}
     out = {}
     for job in jobs:
         dev = calls.get(job.name, [])

@@ -47,7 +47,6 @@ class TritonMoeConfig:
     num_stages: int = 3
     down_block_n: int | None = None
     down_words: int | None = None
-    down_by_token: bool = False
 
     def __post_init__(self):
         for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256)):
@@ -152,21 +151,15 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc, act_rows=None):
+def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
     """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
-    pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide; where
-    act_rows [BM] (bool) is given, only those rows are loaded, the others are 0. The loads are masked along the
-    columns only where the width is not a whole number of 256-input blocks (then they cannot be vectorized)."""
+    pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide. The
+    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized)."""
     for i in tl.static_range(8):
-        if act_rows is None and ACT_WIDTH % 256 == 0:
+        if ACT_WIDTH % 256 == 0:
             act = tl.load(act_ptr + 32 * i)
-        elif act_rows is None:
-            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
-        elif ACT_WIDTH % 256 == 0:
-            act = tl.load(act_ptr + 32 * i, mask=act_rows[:, None], other=0.0)
         else:
-            act = tl.load(act_ptr + 32 * i, mask=act_rows[:, None] & (act_cols + 32 * i < ACT_WIDTH)[None, :],
-                          other=0.0)
+            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
         acc = tl.dot(tiles[i], tl.trans(act), acc)
     return acc
 
@@ -269,51 +262,6 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         y = acc * weight[None, :]
         tl.store(y_ptr + pair_rows[None, :].to(tl.int64) * HIDDEN + rows[:, None], y.to(dtype),
                  mask=tok_ok[None, :] & (rows < HIDDEN)[:, None])
-
-
-@triton.jit
-def _down_by_token_kernel(topk_ids_ptr, topk_weights_ptr, pair_row_ptr, h_ptr, down_q_ptr, down_s_ptr, out_ptr,
-                          NUM_EXPERTS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                          TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr):
-    """Program (token m, rows n): out[m, n's BN columns] = sum over m's pairs whose expert is in [0, E) of weight *
-    (h[pair's row] W_down^T), f32 (the down kernel and the combine in one). One pipelined loop runs over the valid
-    pairs' steps, so the weights stream without a refill per expert; pair slot j accumulates in column j of the
-    [BN, BM] tile (BM >= TOP_K), and the weighted sum of the columns is taken at the end."""
-    m = tl.program_id(0)
-    n = tl.program_id(1)
-    dtype = h_ptr.dtype.element_ty
-    h_cols: tl.constexpr = ROW_WORDS * 8
-    steps: tl.constexpr = ROW_WORDS // WORDS
-    slot = tl.arange(0, BM)
-    ids = tl.load(topk_ids_ptr + m * TOP_K + slot, mask=slot < TOP_K, other=-1)
-    ok = (slot < TOP_K) & (ids >= 0) & (ids < NUM_EXPERTS)
-    h_row = tl.load(pair_row_ptr + m * TOP_K + slot, mask=ok, other=0).to(tl.int64)
-    rank = tl.cumsum(ok.to(tl.int32), 0) - 1                                   # place among the valid pairs
-    rows = n * BN + tl.arange(0, BN)
-    rows_in = _clamped_rows(rows, HIDDEN, HIDDEN)
-    word = tl.arange(0, WORDS)
-    group = tl.arange(0, 8)
-    acc = tl.zeros((BN, BM), tl.float32)
-    for t in tl.range(0, tl.sum(ok.to(tl.int32), 0) * steps):
-        step = t % steps
-        block = step * WORDS // 32
-        this = ok & (rank == t // steps)                                      # [BM]: the pair of this step
-        e = tl.sum(tl.where(this, ids, 0), 0).to(tl.int64)
-        w = tl.load(down_q_ptr + e * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + step * WORDS + word[None, :])
-        expert_scales = e * (ROW_WORDS // 4) * HIDDEN
-        if dtype == tl.bfloat16:
-            cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                      # nibble 0
-            act_at = h_ptr + h_row[:, None] * h_cols + cols[None, :]                                  # [BM, W]
-            tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
-            acc = _nibble_dots(tiles, act_at, cols, h_cols, acc, this)
-        else:
-            scale = tl.load(down_s_ptr + expert_scales + (block * 8 + group)[None, :] * HIDDEN + rows_in[:, None])
-            cols = _block_columns(step, WORDS)
-            act = tl.load(h_ptr + h_row[None, :] * h_cols + cols[:, None], mask=this[None, :], other=0.0)  # [8 W, BM]
-            acc = tl.dot(_dequantize(w, scale, dtype, BN, WORDS), act, acc, input_precision="ieee")
-    weight = tl.load(topk_weights_ptr + m * TOP_K + slot, mask=ok, other=0.0).to(tl.float32)
-    y = tl.sum(acc * weight[None, :], axis=1)
-    tl.store(out_ptr + m.to(tl.int64) * HIDDEN + rows, y.to(out_ptr.dtype.element_ty), mask=rows < HIDDEN)
 
 
 @triton.jit
@@ -425,20 +373,13 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
     down_n, down_step_words = cfg.down_tiling()
-    top_k = topk_ids.shape[1]
-    if cfg.down_by_token:
-        return call(topk_ids.reshape(-1).astype(jnp.int32), topk_weights.reshape(-1), pair_row, h,
-                    experts.down_packed, experts.down_scale, kernel=_down_by_token_kernel,
-                    out_shape=jax.ShapeDtypeStruct((m, d), x.dtype), grid=(m, triton.cdiv(d, down_n)),
-                    NUM_EXPERTS=num_experts, HIDDEN=d, ROW_WORDS=down_words, TOP_K=top_k,
-                    **dict(launch, BM=max(16, triton.next_power_of_2(top_k)), BN=down_n, WORDS=down_step_words))
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=(num_blocks, triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words))
     return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
-                grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=top_k, HIDDEN=d, BD=COMBINE_COLUMNS,
+                grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
                 num_warps=4, num_stages=1)
 
 

@@ -63,20 +63,6 @@ def test_f32_kernels_compile_with_ieee_dots(config):
         assert compiled.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("dtype,stages", [("bf16", 4), ("bf16", 6), ("fp32", 2)])
-def test_down_by_token_kernel_compiles_to_a_pipelined_loop(dtype, stages):
-    """The down kernel per token (`down_by_token`): one loop over its pairs' steps, the weights copied ahead
-    asynchronously (cp.async), wgmma for bf16 and IEEE dots for f32, within the H200's shared memory."""
-    compiled = compile_for_h200(
-        MT._down_by_token_kernel, {"topk_ids_ptr": "*i32", "topk_weights_ptr": "*bf16", "pair_row_ptr": "*i32",
-                                   "h_ptr": f"*{dtype}", "down_q_ptr": "*i32", "down_s_ptr": "*bf16",
-                                   "out_ptr": f"*{dtype}"},
-        dict(NUM_EXPERTS=384, HIDDEN=7168, ROW_WORDS=256, TOP_K=8, BM=16, BN=64, WORDS=32), 4, stages)
-    ptx = compiled.asm["ptx"]
-    assert "cp.async" in ptx and compiled.metadata.shared <= 227 * 1024
-    assert ("wgmma.mma_async" in ptx) if dtype == "bf16" else ("tf32" not in ptx and "fma.rn.f32" in ptx)
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_combine_kernel_compiles_to_vector_loads(dtype):
     """The sum of each token's pairs: 16-byte loads of y's rows (bf16: 8 columns per load), f32 adds."""

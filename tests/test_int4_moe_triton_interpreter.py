@@ -27,8 +27,6 @@ def test_in_the_interpreter():
     (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, {}),       # D, I off the 64-row block
     (4, 256, 256, [[3, 1], [1, 1], [9, 0], [3, 2], [0, 3]], 32, {}),
     (3, 320, 256, [[0, 2], [2, 0], [1, -1]], 16, dict(down_block_n=128, down_words=16)),   # the down kernel's own tiles
-    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, dict(down_by_token=True)),   # down and combine per token
-    (4, 256, 256, [[-1, 3, 9, 1]], 16, dict(down_by_token=True, down_words=16)),   # one token, half its pairs away
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, down):
     from conftest import rel_err
