@@ -52,6 +52,31 @@ def test_bench_kernels_tree_section(tmp_path):
         assert {"kernel_from_topk", "kernel_from_logits", "accept_kernel", "topk"} <= set(r["timings"])
     assert "peer/kernel" in stdout
 
+    run_script("bench_kernels.py", "--quick", "--sections=ceilings", "--reps=2", "--merge", "--noplot", f"--out={out}")
+    merged = json.loads(out.read_text())
+    assert merged["tree"] == rows and merged["checks"]["tree_identical"] is True
+    assert merged["meta"]["merged"]["sections"] == ["tree"]
+    assert merged["meta"]["merged"]["meta"]["date"] == result["meta"]["date"]
+
+
+def test_bench_kernels_merge_needs_an_earlier_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_kernels.py"), "--quick",
+                           "--sections=ceilings", "--merge", f"--out={tmp_path / 'none.json'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "run without --merge first" in proc.stderr
+
+
+def test_back_to_back_job_runs_the_calls_in_one_jitted_call():
+    import jax.numpy as jnp
+    from experiments.timing import back_to_back_job
+
+    sets = [(jnp.full((2,), float(i)),) for i in range(3)]
+    job = back_to_back_job("double", lambda x: 2 * x, sets, calls=4)
+    assert job.calls == 4 and len(job.arg_sets) == 3
+    outs = job.fn(*job.args(1))                        # the second window: sets 4..7 mod 3
+    assert [float(o[0]) for o in outs] == [2.0, 4.0, 0.0, 2.0]
+
 
 def test_bench_round_tiny(tmp_path):
     out = tmp_path / "round.json"
