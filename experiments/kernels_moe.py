@@ -28,6 +28,7 @@ from jax import lax
 from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_triton as moe_triton
+from pallas_kernels.triton_call import bound_to
 
 
 LAUNCH_PEER = "launch:xla"    # the default kernels and tiling, launched through XLA's Triton custom call
@@ -178,6 +179,13 @@ def gather_einsum_moe(x, gate_up, down, ids, weights):
     return out.astype(x.dtype)
 
 
+def routed_by_xla(x, experts: moe.Int4Experts, topk_ids, topk_weights):
+    """The routing kernel's peer: int4_moe's default kernels and tiling with the pairs routed by XLA's sort."""
+    call = bound_to(moe_triton.LAUNCHER, interpret=False, op="kernels_moe.routed_by_xla",
+                    reference="int4_moe.int4_moe_reference")
+    return moe_triton.run_kernels(call, x, experts, topk_ids, topk_weights, None, xla_routing=True)
+
+
 def moe_routing(key, m, num_experts, top_k):
     """Distinct top-k experts per token (random scores), normalised weights."""
     k1, k2 = jax.random.split(key)
@@ -222,7 +230,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                     fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
                 fns[LAUNCH_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, launcher="xla"))   # not a tiling
                 if m * k <= moe_triton.MAX_ROUTED_PAIRS:
-                    fns[ROUTING_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, xla_routing=True))
+                    fns[ROUTING_PEER] = jax.jit(routed_by_xla)
             ref_fn = jax.jit(moe.int4_moe_reference)
             x0, _, ids0, w0 = sets[0]
             sub = min(m, 32)

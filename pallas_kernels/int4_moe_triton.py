@@ -333,27 +333,26 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     return config
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher", "xla_routing"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
-             interpret: bool = False, launcher: str = LAUNCHER, xla_routing: bool = False):
+             interpret: bool = False, launcher: str = LAUNCHER):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
     config: the tiling (default `default_config`; f32 runs with `launch_config`'s stages).
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
     launcher: how the kernels are launched (`triton_call.LAUNCHERS`).
-    xla_routing: route through XLA at every M (`route`; the benchmark's peer of the routing kernel).
     """
     call = bound_to(launcher, interpret=interpret, op="int4_moe_triton.int4_moe",
                     reference="int4_moe.int4_moe_reference (or ops.int4_moe)")
-    return run_kernels(call, x, experts, topk_ids, topk_weights, config, xla_routing)
+    return run_kernels(call, x, experts, topk_ids, topk_weights, config)
 
 
 def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, config: TritonMoeConfig | None,
                 xla_routing: bool = False):
     """int4_moe's host side: check, route, and launch the kernels through `call(*operands, kernel=, out_shape=,
     grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; the tests pass Triton's interpreter on
-    the CPU)."""
+    the CPU). xla_routing: route through XLA at every M (`route`; the benchmark's peer of the routing kernel)."""
     ref.check_inputs(x, experts, topk_ids, topk_weights)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")
