@@ -75,7 +75,9 @@ from kdtree_jax.decode import pick_tokens
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.training.target_objective import expert_loads
+from pallas_kernels import int4_moe_triton
 from pallas_kernels.tree import random_tree_visible
+from pallas_kernels.triton_call import LAUNCHERS
 
 GB = 1e9
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -487,6 +489,9 @@ def define_flags() -> None:
     flags.DEFINE_float("matmul_TFLOPs", 780.0, "bf16 matmul rate of one device for the compute floor")
     flags.DEFINE_float("time_budget_s", 0.0, "start no new case after this many seconds (0: no limit)")
     flags.DEFINE_string("profile_dir", "", "also write a profiler trace of the timed calls here")
+    flags.DEFINE_enum("moe_launcher", int4_moe_triton.LAUNCHER, LAUNCHERS,
+                      "how the GPU's int4_moe kernels are launched (pallas_kernels/triton_call.py); 'ffi' can go into "
+                      "XLA's command buffers with the fusions around it")
     flags.DEFINE_bool("compile_only", False, "abstract params and cache (nothing allocated): compile every case and "
                       "report its collectives, memory analysis and floors, no times (e.g. the full model on 8 fake "
                       "CPU devices)")
@@ -524,9 +529,10 @@ def previous_results(path: str, meta: dict) -> dict | None:
         return None
     with open(path) as fh:
         previous = json.load(fh)
-    for field in ("config", "mesh", "prefix"):
-        if previous["meta"][field] != json.loads(json.dumps(meta[field])):
-            raise ValueError(f"--append: {path} holds a run with another {field} ({previous['meta'][field]}); "
+    earlier = {"moe_launcher": "jax_triton", **previous["meta"]}      # runs before --moe_launcher used jax-triton
+    for field in ("config", "mesh", "prefix", "moe_launcher"):
+        if earlier[field] != json.loads(json.dumps(meta[field])):
+            raise ValueError(f"--append: {path} holds a run with another {field} ({earlier[field]}); "
                              f"choose another --out or drop --append")
     return previous
 
@@ -552,6 +558,7 @@ def main(argv):
     cfg = bench_config(f.config, f.scale, f.layers)
     mesh = bench_mesh(f.mesh)
     cases = cases_from_flags(f, cfg.max_position_embeddings, mesh.shape[sharding.DATA])
+    int4_moe_triton.set_default_launcher(f.moe_launcher)
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
@@ -560,7 +567,7 @@ def main(argv):
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
-                prefix=f.prefix, reps=f.reps, warmup=f.warmup, bandwidth_GBps=f.bandwidth_GBps,
+                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, bandwidth_GBps=f.bandwidth_GBps,
                 matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})

@@ -1,6 +1,7 @@
 """bench_kernels section `moe`: int4_moe (the Triton kernels, INT4 experts dequantized in registers, launched by
-jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`, and routed by XLA's
-sort instead of the routing kernel, `routing:xla`, where the kernel routes) against the XLA
+jax-triton; beside them the same kernels launched through XLA's Triton custom call, `launch:xla`, and through this
+project's FFI handler, `launch:ffi` (also back to back), and routed by XLA's sort instead of the routing kernel,
+`routing:xla`, where the kernel routes) against the XLA
 paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over the same INT4 values (each
 implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes, with f32
 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
@@ -31,7 +32,8 @@ from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels.triton_call import bound_to
 
 
-LAUNCH_PEER = "launch:xla"    # the default kernels and tiling, launched through XLA's Triton custom call
+# The default kernels and tiling through the other launchers of `triton_call` (not tilings: kept out of best_config).
+LAUNCH_PEERS = {"launch:xla": "xla", "launch:ffi": "ffi"}
 ROUTING_PEER = "routing:xla"  # the default kernels, routed by XLA's sort instead of the routing kernel
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
@@ -228,7 +230,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 fns = {"kernel": jax.jit(moe_triton.int4_moe)}
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
                     fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
-                fns[LAUNCH_PEER] = jax.jit(functools.partial(moe_triton.int4_moe, launcher="xla"))   # not a tiling
+                for name, launcher in LAUNCH_PEERS.items():
+                    fns[name] = jax.jit(functools.partial(moe_triton.int4_moe, launcher=launcher))
                 if m * k <= moe_triton.MAX_ROUTED_PAIRS:
                     fns[ROUTING_PEER] = jax.jit(routed_by_xla)
             ref_fn = jax.jit(moe.int4_moe_reference)
@@ -239,6 +242,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             jobs = [Job(name, fn, sets) for name, fn in fns.items()]
             if m <= 256:
                 jobs.append(back_to_back_job("kernel:back_to_back", fns["kernel"], sets))
+                if "launch:ffi" in fns:
+                    jobs.append(back_to_back_job("launch:ffi:back_to_back", fns["launch:ffi"], sets))
             if m <= 64:
                 jobs.append(Job("reference_int4", ref_fn, sets))
             if m <= 256 and not interpret:
@@ -264,7 +269,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             floor = roofline(flops, bytes_, ceil)
             k_us = t["kernel"]["us"]
             b2b_us = t["kernel:back_to_back"]["us"] if "kernel:back_to_back" in t else None
-            best = min((n for n in fns if n not in (LAUNCH_PEER, ROUTING_PEER)), key=lambda n: t[n]["us"])
+            best = min((n for n in fns if n not in (*LAUNCH_PEERS, ROUTING_PEER)), key=lambda n: t[n]["us"])
             baselines = {n: t[n]["us"] for n in t
                          if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
@@ -283,7 +288,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          rel_err_bf16_first_tokens=errors["kernel"], checked_tokens=sub,
                          best_config=best, best_us=t[best]["us"],
                          sweep={n: dict(us=t[n]["us"], rel_err=errors[n]) for n in fns if n != "kernel"},
-                         launch_peer_over_kernel=t[LAUNCH_PEER]["us"] / k_us if LAUNCH_PEER in t else None,
+                         launch_peers_over_kernel={n: t[n]["us"] / k_us for n in LAUNCH_PEERS if n in t},
                          xla_routing_over_kernel=t[ROUTING_PEER]["us"] / k_us if ROUTING_PEER in t else None,
                          sweep_failed=failed, peers_failed=peers_failed,
                          peers_rel_err={n: errors[n] for n in errors if n.startswith("tokamax_")},

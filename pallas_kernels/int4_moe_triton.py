@@ -32,7 +32,7 @@ import triton.language as tl
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from pallas_kernels.triton_call import bound_to
+from pallas_kernels.triton_call import LAUNCHERS, bound_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +321,17 @@ MAX_ROUTED_PAIRS = 512
 
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
 # Through XLA's Triton custom call the gate_up and down kernels ran 2-3x slower on the H200 than Triton 3.6 compiles
-# them (kernels.md, "Launching Triton kernels"): jax-triton launches them.
+# them (kernels.md, "Launching Triton kernels"): jax-triton launches them unless `set_default_launcher` says otherwise
+# (experiments: bench_k26.py --moe_launcher).
 LAUNCHER = "jax_triton"
+_default = {"launcher": LAUNCHER}
+
+
+def set_default_launcher(launcher: str = LAUNCHER) -> None:
+    """The launcher of int4_moe calls that name none (`triton_call.LAUNCHERS`), from the next trace on."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")
+    _default["launcher"] = launcher
 
 
 def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
@@ -333,16 +342,21 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     return config
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
-             interpret: bool = False, launcher: str = LAUNCHER):
+             interpret: bool = False, launcher: str | None = None):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
 
     x [M, D] (bf16 or f32), topk_ids [M, K] int, topk_weights [M, K] -> [M, D] in x's dtype (f32 accumulation).
     config: the tiling (default `default_config`; f32 runs with `launch_config`'s stages).
     interpret: not available for Triton kernels (a ValueError: use the reference on the CPU).
-    launcher: how the kernels are launched (`triton_call.LAUNCHERS`).
+    launcher: how the kernels are launched (`triton_call.LAUNCHERS`; default LAUNCHER or `set_default_launcher`'s).
     """
+    return _int4_moe(x, experts, topk_ids, topk_weights, config=config, interpret=interpret,
+                     launcher=launcher or _default["launcher"])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "launcher"))
+def _int4_moe(x, experts, topk_ids, topk_weights, *, config, interpret, launcher):
     call = bound_to(launcher, interpret=interpret, op="int4_moe_triton.int4_moe",
                     reference="int4_moe.int4_moe_reference (or ops.int4_moe)")
     return run_kernels(call, x, experts, topk_ids, topk_weights, config)

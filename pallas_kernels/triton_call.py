@@ -1,6 +1,6 @@
 """`triton_call`: a Triton kernel (`@triton.jit`, pointers and constexprs only) called from JAX on the GPU.
 
-Two launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"); each
+Three launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"); each
 kernel module picks its default by that measurement:
 - "xla": Triton 3.6 turns the kernel into Triton IR (TTIR) at lowering time; the IR goes into the
   program as XLA's own Triton custom call (`__gpu$xla.gpu.triton`), which XLA compiles into its executable and
@@ -8,14 +8,16 @@ kernel module picks its default by that measurement:
   and it made the int4_moe kernels 2-3x slower on the H200.
 - "jax_triton": `jax_triton.triton_call` (jax-triton 0.3.1), which launches from a host callback that looks its
   kernel up per call: 20-45 us of idle GPU between calls on the H200; Triton 3.6 itself compiles the kernel.
+- "ffi": Triton 3.6 compiles the kernel to a cubin at lowering time; the program launches it through this project's
+  XLA FFI handler (`triton_ffi.py`): jax-triton's device code with a typed, command-buffer compatible custom call.
 
 Both are usable inside `jax.shard_map` (check_vma). Neither primitive types its outputs with varying manual axes; a
 kernel fed per-device operands gives per-device outputs, and a later psum over a value typed "the same on every
 device" would multiply it by the axis size. So the operands are cast to the union of the axes any of them varies
 over and the outputs are stated to vary over it (a type cast, no data moves).
 
-The "xla" launcher uses jax internals (`jax._src.interpreters.mlir`, jaxlib's Triton dialect), pinned with
-jax==0.11.2; tests/test_triton_call.py lowers every Triton kernel through it on the CPU.
+The "xla" and "ffi" launchers use jax internals (`jax._src.interpreters.mlir`, jaxlib's Triton dialect), pinned with
+jax==0.11.2; tests/test_triton_call.py lowers every Triton kernel through them on the CPU.
 
 Kernel arguments: every operand, then every output, as 16-byte-aligned pointers (XLA's buffers are), then the
 constexprs by keyword. Outputs start uninitialised: a kernel writes every element.
@@ -33,9 +35,9 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax.extend import core as jex_core
 
-from pallas_kernels import varying_axes, vary_over
+from pallas_kernels import triton_ffi, varying_axes, vary_over
 
-LAUNCHERS = ("xla", "jax_triton")
+LAUNCHERS = ("xla", "jax_triton", "ffi")
 XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"
 TRITON_POINTER_TYPES = {np.dtype(jax.numpy.bfloat16): "*bf16", np.dtype(np.float16): "*fp16",
                         np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32", np.dtype(np.uint32): "*u32",
@@ -64,8 +66,9 @@ def triton_call(*operands, kernel, out_shape, grid, num_warps: int, num_stages: 
             raise ValueError(f"grid {grid} must have one to three dimensions")
         grid += (1,) * (3 - len(grid))
         typed = tuple(sorted((name, type(value), value) for name, value in constexprs.items()))   # 1, 1.0, True
-        outs = xla_triton_call_p.bind(*operands, kernel=kernel, out_avals=out_avals, grid=grid, num_warps=num_warps,
-                                      num_stages=num_stages, constexprs=typed)
+        outs = triton_kernel_call_p.bind(*operands, kernel=kernel, out_avals=out_avals, grid=grid,
+                                         num_warps=num_warps, num_stages=num_stages, constexprs=typed,
+                                         launcher=launcher)
         outs = outs[0] if single else tuple(outs)
     return jax.tree.map(lambda y: vary_over(y, varying), outs)
 
@@ -97,9 +100,9 @@ def _jax_triton(*operands, kernel, **kwargs):
     return jax_triton.triton_call(*operands, kernel=kernel, **kwargs)
 
 
-xla_triton_call_p = jex_core.Primitive("xla_triton_call")
-xla_triton_call_p.multiple_results = True
-xla_triton_call_p.def_abstract_eval(lambda *avals, out_avals, **_: out_avals)
+triton_kernel_call_p = jex_core.Primitive("triton_kernel_call")     # the "xla" and "ffi" launchers
+triton_kernel_call_p.multiple_results = True
+triton_kernel_call_p.def_abstract_eval(lambda *avals, out_avals, **_: out_avals)
 
 
 def pointer_types(avals) -> tuple[str, ...]:
@@ -113,15 +116,10 @@ def pointer_types(avals) -> tuple[str, ...]:
     return tuple(types)
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_ttir(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, compute_capability: int) -> str:
-    """The kernel as Triton IR text after Triton's own TTIR passes (inlining, canonicalisation), its pointers
-    16-byte aligned. constexprs: (name, type, value) triples (the type keeps 1, 1.0 and True apart in the cache).
-    Runs on any machine: nothing here needs a GPU."""
-    from triton._C import libtriton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
-    from triton.backends.compiler import GPUTarget   # noqa: PLC0415
-    from triton.backends.nvidia.compiler import CUDABackend   # noqa: PLC0415
-    from triton.compiler import ASTSource   # noqa: PLC0415
+def kernel_source(kernel, pointers: tuple[str, ...], constexprs: tuple):
+    """Triton's ASTSource of kernel with these argument types: pointers (its first arguments, 16-byte aligned), then
+    constexprs, (name, type, value) triples (the type keeps 1, 1.0 and True apart in the caches)."""
+    from triton.compiler import ASTSource   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
 
     names = kernel.arg_names
     given = [name for name, _, _ in constexprs]
@@ -129,12 +127,23 @@ def kernel_ttir(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps:
         raise TypeError(f"{kernel.__name__} takes {len(names)} arguments {names}; it was given {len(pointers)} "
                         f"arrays and constexprs {given} (the arrays must be its first arguments, the constexprs the "
                         "rest)")
+    signature = dict(zip(names, pointers)) | {name: "constexpr" for name in given}
+    return ASTSource(fn=kernel, signature=signature, constexprs={name: value for name, _, value in constexprs},
+                     attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_ttir(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, compute_capability: int) -> str:
+    """The kernel as Triton IR text after Triton's own TTIR passes (inlining, canonicalisation), its pointers
+    16-byte aligned (`kernel_source`). Runs on any machine: nothing here needs a GPU."""
+    from triton._C import libtriton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
+    from triton.backends.compiler import GPUTarget   # noqa: PLC0415
+    from triton.backends.nvidia.compiler import CUDABackend   # noqa: PLC0415
+
     target = GPUTarget("cuda", compute_capability, 32)
     backend = CUDABackend(target)
     options = backend.parse_options({"num_warps": num_warps})
-    signature = dict(zip(names, pointers)) | {name: "constexpr" for name in given}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={name: value for name, _, value in constexprs},
-                       attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})
+    source = kernel_source(kernel, pointers, constexprs)
     context = libtriton.ir.context()
     libtriton.ir.load_dialects(context)
     backend.load_dialects(context)
@@ -173,15 +182,34 @@ def _ttir_bytecode(text: str) -> bytes:
     return buffer.getvalue()
 
 
-def _xla_triton_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num_stages, constexprs):
+@functools.lru_cache(maxsize=None)
+def kernel_cubin(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps: int, num_stages: int,
+                 compute_capability: int) -> triton_ffi.CompiledCubin:
+    """The kernel compiled by Triton for sm_<compute_capability> (`kernel_source`'s arguments), as the "ffi" launcher
+    loads it. Runs on any machine: Triton's ptxas needs no GPU."""
+    return triton_ffi.compile_cubin(kernel_source(kernel, pointers, constexprs), num_warps, num_stages,
+                                    compute_capability)
+
+
+def _triton_kernel_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num_stages, constexprs, launcher):
     pointers = pointer_types([*ctx.avals_in, *ctx.avals_out])
-    text = kernel_ttir(kernel, pointers, constexprs, num_warps, _compute_capability())
-    backend_config = dict(name=ir.StringAttr.get(_entry_name(text)), ir=ir.StringAttr.get(_ttir_bytecode(text)),
-                          num_stages=mlir.i32_attr(num_stages), num_warps=mlir.i32_attr(num_warps),
-                          grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
-                          debug=ir.BoolAttr.get(False))
+    grid_attrs = dict(grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
+                      num_warps=mlir.i32_attr(num_warps))
+    if launcher == "ffi":
+        compiled = kernel_cubin(kernel, pointers, constexprs, num_warps, num_stages, _compute_capability())
+        target = triton_ffi.target_name()
+        backend_config = dict(grid_attrs, name=ir.StringAttr.get(compiled.name),
+                              cubin=ir.StringAttr.get(compiled.cubin),
+                              cubin_hash=ir.IntegerAttr.get(ir.IntegerType.get_signless(64), compiled.cubin_hash),
+                              shared_mem=mlir.i32_attr(compiled.shared_mem))
+    else:
+        text = kernel_ttir(kernel, pointers, constexprs, num_warps, _compute_capability())
+        target = XLA_TRITON_TARGET
+        backend_config = dict(grid_attrs, name=ir.StringAttr.get(_entry_name(text)),
+                              ir=ir.StringAttr.get(_ttir_bytecode(text)), num_stages=mlir.i32_attr(num_stages),
+                              debug=ir.BoolAttr.get(False))
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals]
-    return mlir.custom_call(XLA_TRITON_TARGET, result_types=result_types, operands=list(operands),
+    return mlir.custom_call(target, result_types=result_types, operands=list(operands),
                             backend_config=backend_config, api_version=4, operand_layouts=_row_major(ctx.avals_in),
                             result_layouts=_row_major(out_avals)).results
 
@@ -190,4 +218,4 @@ def _row_major(avals) -> list[list[int]]:
     return [list(reversed(range(a.ndim))) for a in avals]
 
 
-mlir.register_lowering(xla_triton_call_p, _xla_triton_lowering, platform="cuda")
+mlir.register_lowering(triton_kernel_call_p, _triton_kernel_lowering, platform="cuda")

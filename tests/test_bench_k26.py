@@ -156,8 +156,11 @@ def test_flag_errors_and_append_guard(tmp_path):
     assert bench.bench_config("kimi_k2_6", "full", 4).num_layers == 4
     path = tmp_path / "old.json"
     meta = dict(config={"num_layers": 4}, mesh={"data": 1, "tp": 1}, prefix=4096)
-    path.write_text(json.dumps({"meta": meta, "cases": []}))
+    path.write_text(json.dumps({"meta": meta, "cases": []}))      # a run from before --moe_launcher: jax-triton's
+    meta["moe_launcher"] = "jax_triton"
     assert bench.previous_results(str(path), meta) is not None
     with pytest.raises(ValueError, match="another mesh"):
         bench.previous_results(str(path), dict(meta, mesh={"data": 1, "tp": 8}))
+    with pytest.raises(ValueError, match="another moe_launcher"):
+        bench.previous_results(str(path), dict(meta, moe_launcher="ffi"))
     assert bench.previous_results(str(tmp_path / "none.json"), meta) is None

@@ -1,6 +1,6 @@
 """The GPU kernels compiled on the GPU at Kimi K2.6 shapes == their references (skipped elsewhere): tree-verify
-attention (Triton, Mosaic GPU, and the op that picks), tree build and accept (Triton, through both launchers),
-int4_moe (Triton).
+attention (Triton, Mosaic GPU, and the op that picks), tree build and accept (Triton, through every launcher),
+int4_moe (Triton, through every launcher, also chained in one jit).
 
 Run on the H200 through the device tool: `PYTHONPATH=. python3 -m pytest -q tests/test_kernels_gpu.py` (int4_moe
 needs the jax-triton wheel, BUILD_NOTES). The CPU suite covers the Mosaic GPU kernel in interpret mode and the Triton
@@ -142,8 +142,10 @@ def test_int4_moe_code_target_shapes():
 
 @pytest.mark.parametrize("kernel", [MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
                                     functools.partial(MT.int4_moe, config=LARGE_BLOCKS),
-                                    functools.partial(MT.int4_moe, launcher="xla")],
-                         ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_xla_launch"])
+                                    functools.partial(MT.int4_moe, launcher="xla"),
+                                    functools.partial(MT.int4_moe, launcher="ffi")],
+                         ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_xla_launch",
+                              "triton_ffi_launch"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
 def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
@@ -159,6 +161,26 @@ def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
     assert rel_err(out, M.int4_moe_reference(x, k26_experts, ids, weights)) < tol
 
 
+@pytest.mark.parametrize("launcher", ["jax_triton", "ffi"])
+def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
+    """Four int4_moe calls, each fed the previous output through a fusion, in one jitted function (where XLA may put
+    the "ffi" launches into a command buffer with the fusions): equal to the reference chain."""
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, K26.num_experts, (8, 4, K26.num_experts_per_tok)), jnp.int32)
+    weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, K26.hidden_size)), jnp.bfloat16)
+
+    def chain(moe, x):
+        for i in range(4):
+            x = moe(x * 0.5 + 1.0, k26_experts, ids[:, i], weights[:, i]).astype(x.dtype)
+        return x
+
+    out = jax.jit(functools.partial(chain, functools.partial(MT.int4_moe, launcher=launcher)))(x)
+    want = jax.jit(functools.partial(chain, M.int4_moe_reference))(x)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, want) < 2e-2
+
+
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
@@ -171,11 +193,13 @@ def test_tree_build_and_accept_k26(budget):
     assert_topk_matches_reference(logits[8:], k, T.draft_topk(jnp.asarray(logits[8:]), k), exact_ids=True)
     want = T.build_tree_heapq(logits, root, budget)
     top = T.reference_topk(logits, k)
-    for build in (TT.tree_build_from_topk, functools.partial(TT.tree_build_from_topk, launcher="jax_triton")):
+    for build in (TT.tree_build_from_topk, functools.partial(TT.tree_build_from_topk, launcher="jax_triton"),
+                  functools.partial(TT.tree_build_from_topk, launcher="ffi")):
         got = build(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
         assert_same(got, want, T.TreeArrays._fields)
     target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
     tree = T.TreeArrays(*map(jnp.asarray, want))
-    for accept in (TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton")):
+    for accept in (TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton"),
+                   functools.partial(TT.tree_accept, launcher="ffi")):
         assert_same(accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
                     T.AcceptResult._fields)

@@ -1,6 +1,7 @@
 """`pallas_kernels.triton_call` on the CPU: every Triton kernel lowers, for an H200, to XLA's own Triton custom call
-(Triton IR that jaxlib's Triton dialect parses), alone and inside the expert-parallel shard_map with check_vma; bad
-calls are refused with errors that name the fix.
+(Triton IR that jaxlib's Triton dialect parses), alone and inside the expert-parallel shard_map with check_vma; the
+int4_moe kernels also to the "ffi" launcher's custom calls (Triton's cubins); bad calls are refused with errors that
+name the fix.
 
 The lowering is what the GPU compiles (XLA turns the custom call's Triton IR into its executable); the GPU runs are in
 tests/test_kernels_gpu.py and experiments/kernels_moe.py / kernels_tree.py.
@@ -19,7 +20,8 @@ from pallas_kernels import tree_verify_attention as A
 from pallas_kernels import tree_verify_attention_combine as AC
 from pallas_kernels import tree_verify_attention_triton as AT
 from pallas_kernels.tree import TreeArrays
-from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_ttir, triton_call
+from pallas_kernels import triton_ffi
+from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_cubin, kernel_ttir, triton_call
 from triton_h200 import h200_mesh, lower_for_h200, spec
 
 BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
@@ -44,19 +46,39 @@ def test_int4_moe_lowers_to_xla_triton_calls(tokens):
         assert f'name = "{name}"' in text
 
 
-def test_int4_moe_lowers_inside_the_expert_parallel_shard_map():
+def test_int4_moe_lowers_to_ffi_launches_of_triton_cubins():
+    """The "ffi" launcher: each kernel compiled by Triton for sm_90 (an ELF cubin in the custom call), launched by
+    this project's FFI handler with the launch parameters Triton's compile chose (shared memory per program)."""
+    text = lower_for_h200(functools.partial(MT.int4_moe, launcher="ffi"), spec((8, D), BF16), k26_experts(),
+                          spec((8, TOP_K), I32), spec((8, TOP_K), F32))
+    assert text.count(f"@{triton_ffi.TARGET}(") == 4 and text.count('cubin = "\\7FELF') == 4
+    assert XLA_TRITON_TARGET not in text
+    for name in ("_route_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"):
+        assert f'name = "{name}"' in text
+    config = MT.default_config(8 * TOP_K, E)
+    gate_up = kernel_cubin(MT._gate_up_kernel, ("*i32", "*i32", "*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16"),
+                           tuple(sorted((k, int, v) for k, v in dict(
+                               NUM_EXPERTS=E, NUM_TOKENS=8, HIDDEN=D, INTER=I, ROW_WORDS=D // 8, H_COLS=I,
+                               BM=config.block_m, BN=config.block_n, WORDS=config.words).items())),
+                           config.num_warps, config.num_stages, 90)
+    assert gate_up.shared_mem > 48 * 1024 and f"shared_mem = {gate_up.shared_mem} : i32" in text
+    assert f"cubin_hash = {gate_up.cubin_hash} : i64" in text
+
+
+@pytest.mark.parametrize("launcher,target", [("xla", XLA_TRITON_TARGET), ("ffi", triton_ffi.TARGET)])
+def test_int4_moe_lowers_inside_the_expert_parallel_shard_map(launcher, target):
     """Two H200s, 192 experts each: the shard_map keeps check_vma on and the psum is over per-device outputs."""
     def ep(x, experts, ids, weights):
         def local(x, experts, ids, weights):
             first = jax.lax.axis_index("tp") * (E // 2)
-            return jax.lax.psum(MT.int4_moe(x, experts, ids - first, weights, launcher="xla"), "tp")
+            return jax.lax.psum(MT.int4_moe(x, experts, ids - first, weights, launcher=launcher), "tp")
         return jax.shard_map(local, in_specs=(P(), P("tp"), P(), P()), out_specs=P(), check_vma=True)(
             x, experts, ids, weights)
 
     mesh = h200_mesh((2,))
     experts = k26_experts(jax.sharding.NamedSharding(mesh, P("tp")))
     text = lower_for_h200(ep, spec((8, D), BF16), experts, spec((8, TOP_K), I32), spec((8, TOP_K), F32), mesh=mesh)
-    assert text.count(XLA_TRITON_TARGET) == 4 and "all_reduce" in text
+    assert text.count(target) == 4 and "all_reduce" in text
 
 
 def test_tree_kernels_lower_to_one_xla_triton_call_each():
