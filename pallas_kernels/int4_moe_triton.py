@@ -4,7 +4,8 @@ The op of `int4_moe.py` (its semantics, the repacked compressed-tensors layout `
 `int4_moe_reference` and the routing of (token, slot) pairs into blocks of one expert, `route_pairs`); `ops.int4_moe`
 runs it on the GPU. Three kernels: gate and up for a block of pairs in one pass over x, writing silu(gate) * up; down,
 scaled by each pair's routing weight; the sum of each token's pairs (`_combine_kernel`, in slot order: deterministic,
-like the reference).
+like the reference). With `gate_up_splits` > 1 the gate and up pass is split along D and a fourth kernel adds the
+splits' f32 partial sums (`_gate_up_reduce_kernel`, in split order) before silu(gate) * up.
 
 The step (bf16): a program holds block_n output rows; per step it loads `words` packed words of each row (of the 32
 words of a 256-input block) and turns them, two words at a time, into eight bf16 tiles [block_n, words], one per
@@ -39,7 +40,9 @@ from pallas_kernels.triton_call import LAUNCHERS, bound_to
 class TritonMoeConfig:
     """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program, `words` packed words
     per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton. The down kernel takes
-    down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words."""
+    down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words.
+    gate_up_splits: programs along D per gate_up tile (split-K: each writes f32 partial sums of gate and up, which
+    `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle)."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -47,9 +50,11 @@ class TritonMoeConfig:
     num_stages: int = 3
     down_block_n: int | None = None
     down_words: int | None = None
+    gate_up_splits: int = 1
 
     def __post_init__(self):
-        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256)):
+        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
+                                ("gate_up_splits", 1, 8)):
             value = getattr(self, name)
             if value is not None and (not low <= value <= high or value & (value - 1)):
                 raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
@@ -178,10 +183,16 @@ def _clamped_rows(rows, NUM_ROWS: tl.constexpr, GRID_ROWS: tl.constexpr):
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr):
-    """Program (block b, rows n): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its expert's."""
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr):
+    """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
+    expert's; with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
+    h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
     b = tl.program_id(0)
     n = tl.program_id(1)
+    steps: tl.constexpr = ROW_WORDS // WORDS // SPLITS
+    first = tl.program_id(2) * steps
+    if SPLITS == 1:
+        first = 0
     e = tl.load(block_expert_ptr + b)
     if e < NUM_EXPERTS:
         dtype = x_ptr.dtype.element_ty
@@ -198,7 +209,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER
         acc_g = tl.zeros((BN, BM), tl.float32)
         acc_u = tl.zeros((BN, BM), tl.float32)
-        for step in tl.range(0, ROW_WORDS // WORDS):
+        for step in tl.range(first, first + steps):
             block = step * WORDS // 32
             w_gate = tl.load(gate_q + step * WORDS)
             w_up = tl.load(up_q + step * WORDS)
@@ -218,10 +229,35 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                 acc_g = tl.dot(w_g, act, acc_g, input_precision="ieee")
                 w_u = _dequantize(w_up, tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
                 acc_u = tl.dot(w_u, act, acc_u, input_precision="ieee")
-        h = acc_g * tl.sigmoid(acc_g) * acc_u                                                  # [BN, BM]
         out_rows = b * BM + tl.arange(0, BM)
-        tl.store(h_ptr + out_rows[None, :].to(tl.int64) * H_COLS + rows[:, None], h.to(dtype),
-                 mask=(rows < H_COLS)[:, None])
+        if SPLITS == 1:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u                                              # [BN, BM]
+            tl.store(h_ptr + out_rows[None, :].to(tl.int64) * H_COLS + rows[:, None], h.to(dtype),
+                     mask=(rows < H_COLS)[:, None])
+        else:
+            part = h_ptr + ((tl.program_id(2) * ROWS + out_rows[None, :]).to(tl.int64) * 2) * H_COLS + rows[:, None]
+            tl.store(part, acc_g, mask=(rows < H_COLS)[:, None])
+            tl.store(part + H_COLS, acc_u, mask=(rows < H_COLS)[:, None])
+
+
+@triton.jit
+def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.constexpr, ROWS: tl.constexpr,
+                           H_COLS: tl.constexpr, SPLITS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    """Program (rows r, columns c): h[r's RB rows, c's CB columns] = silu(g) * u, g and u the sums over the splits
+    (in split order) of the f32 partials part [SPLITS, ROWS, 2, H_COLS]; padding rows (token NUM_TOKENS) read nothing
+    and get 0."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    ok = (tl.load(block_token_ptr + rows) < NUM_TOKENS)[:, None] & (cols < H_COLS)[None, :]
+    at = part_ptr + rows[:, None].to(tl.int64) * 2 * H_COLS + cols[None, :]
+    g = tl.zeros((RB, CB), tl.float32)
+    u = tl.zeros((RB, CB), tl.float32)
+    for s in tl.static_range(SPLITS):
+        g += tl.load(at + s * ROWS * 2 * H_COLS, mask=ok, other=0.0)
+        u += tl.load(at + s * ROWS * 2 * H_COLS + H_COLS, mask=ok, other=0.0)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * H_COLS + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=(cols < H_COLS)[None, :])
 
 
 @triton.jit
@@ -320,6 +356,7 @@ MAX_ROUTED_PAIRS = 512
 
 
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
+REDUCE_COLUMNS = 256       # columns of h per split-K reduce program (block_m rows)
 # Through XLA's Triton custom call the gate_up and down kernels ran 2-3x slower on the H200 than Triton 3.6 compiles
 # them (kernels.md, "Launching Triton kernels"): jax-triton launches them unless `set_default_launcher` says otherwise
 # (experiments: bench_k26.py --moe_launcher).
@@ -380,11 +417,23 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
+    splits = cfg.gate_up_splits
+    if (gate_words // cfg.words) % splits:
+        raise ValueError(f"gate_up_splits={splits} does not divide the {gate_words // cfg.words} steps of "
+                         f"{cfg.words} words over D={d}: choose a divisor")
     h = call(
         block_expert, block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
-        experts.up_scale, kernel=_gate_up_kernel, out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
-        grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
-        INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, **launch)
+        experts.up_scale, kernel=_gate_up_kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, inter_padded) if splits == 1 else (splits, rows, 2, inter_padded),
+                                       x.dtype if splits == 1 else jnp.float32),
+        grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n), splits), NUM_EXPERTS=num_experts, NUM_TOKENS=m,
+        HIDDEN=d, INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, SPLITS=splits, ROWS=rows, **launch)
+    if splits > 1:
+        columns = min(REDUCE_COLUMNS, inter_padded)
+        h = call(block_token, h, kernel=_gate_up_reduce_kernel,
+                 out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
+                 grid=(num_blocks, triton.cdiv(inter_padded, columns)), NUM_TOKENS=m, ROWS=rows,
+                 H_COLS=inter_padded, SPLITS=splits, RB=cfg.block_m, CB=columns, num_warps=4, num_stages=1)
     down_n, down_step_words = cfg.down_tiling()
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,

@@ -1,6 +1,7 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+import functools
 import os
 
 import jax
@@ -24,9 +25,12 @@ def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeC
 
 
 def gate_up(dtype: str, config):
+    splits = config.gate_up_splits
     pointers = {"block_expert_ptr": "*i32", "block_token_ptr": "*i32", "x_ptr": f"*{dtype}", "gate_q_ptr": "*i32",
-                "gate_s_ptr": "*bf16", "up_q_ptr": "*i32", "up_s_ptr": "*bf16", "h_ptr": f"*{dtype}"}
-    return compile_tiled(MT._gate_up_kernel, pointers, dict(K26, INTER=2048, ROW_WORDS=896, H_COLS=2048), config)
+                "gate_s_ptr": "*bf16", "up_q_ptr": "*i32", "up_s_ptr": "*bf16",
+                "h_ptr": f"*{dtype}" if splits == 1 else "*fp32"}
+    constants = dict(K26, INTER=2048, ROW_WORDS=896, H_COLS=2048, SPLITS=splits, ROWS=1024)
+    return compile_tiled(MT._gate_up_kernel, pointers, constants, config)
 
 
 def down(dtype: str, config):
@@ -36,8 +40,9 @@ def down(dtype: str, config):
 
 
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE],
-               ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks"])
+SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K],
+               ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k"])
 
 
 @pytest.mark.parametrize("config", **CONFIGS)
@@ -73,6 +78,17 @@ def test_combine_kernel_compiles_to_vector_loads(dtype):
     assert "ld.global.v4" in ptx and "add.f32" in ptx
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_split_k_reduce_kernel_compiles_to_vector_loads(dtype):
+    """The sum of gate_up's f32 partials over 4 splits, then silu(gate) * up: 16-byte loads, one sigmoid per element."""
+    compiled = compile_for_h200(MT._gate_up_reduce_kernel, {"block_token_ptr": "*i32", "part_ptr": "*fp32",
+                                                            "h_ptr": f"*{dtype}"},
+                                dict(NUM_TOKENS=1, ROWS=128, H_COLS=2048, SPLITS=4, RB=16, CB=MT.REDUCE_COLUMNS),
+                                num_warps=4, num_stages=1)
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4" in ptx and "ex2.approx" in ptx
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_route_kernel_compiles_to_one_program(tokens):
     """The routing of M * 8 pairs over 384 experts (decode, and MAX_ROUTED_PAIRS) compiles for sm_90 with the sort
@@ -89,10 +105,24 @@ def test_route_kernel_compiles_to_one_program(tokens):
 
 
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8),
-                                 dict(down_block_n=96), dict(down_words=64)])
+                                 dict(down_block_n=96), dict(down_words=64), dict(gate_up_splits=3),
+                                 dict(gate_up_splits=16)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):
         MT.TritonMoeConfig(**bad)
+
+
+def test_split_k_must_divide_the_steps_over_d():
+    """D = 7168 in steps of 32 words (256 inputs) is 28 steps: 8 splits do not divide them."""
+    experts = Int4Experts(*(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((4, 256, 896), jnp.int32), ((4, 224, 256), jnp.bfloat16), ((4, 256, 896), jnp.int32),
+        ((4, 224, 256), jnp.bfloat16), ((4, 7168, 32), jnp.int32), ((4, 8, 7168), jnp.bfloat16))))
+    config = MT.TritonMoeConfig(gate_up_splits=8)
+    with pytest.raises(ValueError, match="gate_up_splits=8 does not divide the 28 steps"):
+        call = functools.partial(triton_call, launcher="xla")
+        jax.eval_shape(lambda x, e, i, w: MT.run_kernels(call, x, e, i, w, config),
+                       jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16), experts,
+                       jax.ShapeDtypeStruct((1, 2), jnp.int32), jax.ShapeDtypeStruct((1, 2), jnp.float32))
 
 
 def test_interpret_mode_is_refused_with_the_alternatives_named():

@@ -22,13 +22,15 @@ def test_in_the_interpreter():
 
 
 @in_child
-@pytest.mark.parametrize("experts,hidden,inter,ids,block_m,down", [
+@pytest.mark.parametrize("experts,hidden,inter,ids,block_m,tiling", [
     (3, 256, 128, [[0, 7], [1, 0], [0, -1], [1, 1]], 16, {}),      # I = 128: the gate_up grid covers 256 rows
     (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, {}),       # D, I off the 64-row block
     (4, 256, 256, [[3, 1], [1, 1], [9, 0], [3, 2], [0, 3]], 32, {}),
     (3, 320, 256, [[0, 2], [2, 0], [1, -1]], 16, dict(down_block_n=128, down_words=16)),   # the down kernel's own tiles
+    (3, 512, 128, [[0, 2], [2, 0], [1, -1]], 16, dict(gate_up_splits=2)),          # split-K over D, 2 steps
+    (4, 1024, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(gate_up_splits=4)),           # 4 steps, I off the block
 ])
-def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, down):
+def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err
     from pallas_kernels import int4_moe_triton as MT
     from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
@@ -44,7 +46,7 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, d
     x = jnp.asarray(rng.standard_normal((len(ids), hidden)), jnp.float32)
     ids = jnp.asarray(ids, jnp.int32)
     topk_weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
-    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32, **down)
+    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32, **tiling)
     out = MT.run_kernels(interpreter_call, x, weights, ids, topk_weights, config)
     assert np.isfinite(np.asarray(out)).all()
     if unrouted is None:
