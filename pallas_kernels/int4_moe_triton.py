@@ -42,7 +42,8 @@ class TritonMoeConfig:
     per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton. The down kernel takes
     down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words.
     gate_up_splits: programs along D per gate_up tile (split-K: each writes f32 partial sums of gate and up, which
-    `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle)."""
+    `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle). The
+    partials take splits x rows x 2 x I x 4 bytes (rows: the routed blocks' pairs): meant for small M."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -229,12 +230,13 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                 acc_g = tl.dot(w_g, act, acc_g, input_precision="ieee")
                 w_u = _dequantize(w_up, tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
                 acc_u = tl.dot(w_u, act, acc_u, input_precision="ieee")
-        out_rows = b * BM + tl.arange(0, BM)
         if SPLITS == 1:
             h = acc_g * tl.sigmoid(acc_g) * acc_u                                              # [BN, BM]
+            out_rows = b * BM + tl.arange(0, BM)
             tl.store(h_ptr + out_rows[None, :].to(tl.int64) * H_COLS + rows[:, None], h.to(dtype),
                      mask=(rows < H_COLS)[:, None])
         else:
+            out_rows = b * BM + tl.arange(0, BM)
             part = h_ptr + ((tl.program_id(2) * ROWS + out_rows[None, :]).to(tl.int64) * 2) * H_COLS + rows[:, None]
             tl.store(part, acc_g, mask=(rows < H_COLS)[:, None])
             tl.store(part + H_COLS, acc_u, mask=(rows < H_COLS)[:, None])
@@ -356,7 +358,8 @@ MAX_ROUTED_PAIRS = 512
 
 
 COMBINE_COLUMNS = 1024     # hidden columns per combine program
-REDUCE_COLUMNS = 256       # columns of h per split-K reduce program (block_m rows)
+REDUCE_COLUMNS = 256       # columns of h per split-K reduce program,
+REDUCE_ROWS = 32           # and at most this many rows (more spill registers: 12 KB of stack at 128)
 # Through XLA's Triton custom call the gate_up and down kernels ran 2-3x slower on the H200 than Triton 3.6 compiles
 # them (kernels.md, "Launching Triton kernels"): jax-triton launches them unless `set_default_launcher` says otherwise
 # (experiments: bench_k26.py --moe_launcher).
@@ -429,11 +432,11 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n), splits), NUM_EXPERTS=num_experts, NUM_TOKENS=m,
         HIDDEN=d, INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, SPLITS=splits, ROWS=rows, **launch)
     if splits > 1:
-        columns = min(REDUCE_COLUMNS, inter_padded)
+        columns, row_block = min(REDUCE_COLUMNS, inter_padded), min(REDUCE_ROWS, cfg.block_m)
         h = call(block_token, h, kernel=_gate_up_reduce_kernel,
                  out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
-                 grid=(num_blocks, triton.cdiv(inter_padded, columns)), NUM_TOKENS=m, ROWS=rows,
-                 H_COLS=inter_padded, SPLITS=splits, RB=cfg.block_m, CB=columns, num_warps=4, num_stages=1)
+                 grid=(rows // row_block, triton.cdiv(inter_padded, columns)), NUM_TOKENS=m, ROWS=rows,
+                 H_COLS=inter_padded, SPLITS=splits, RB=row_block, CB=columns, num_warps=4, num_stages=1)
     down_n, down_step_words = cfg.down_tiling()
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,

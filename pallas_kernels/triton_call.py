@@ -11,7 +11,7 @@ kernel module picks its default by that measurement:
 - "ffi": Triton 3.6 compiles the kernel to a cubin at lowering time; the program launches it through this project's
   XLA FFI handler (`triton_ffi.py`): jax-triton's device code with a typed, command-buffer compatible custom call.
 
-Both are usable inside `jax.shard_map` (check_vma). Neither primitive types its outputs with varying manual axes; a
+All three are usable inside `jax.shard_map` (check_vma). No primitive types its outputs with varying manual axes; a
 kernel fed per-device operands gives per-device outputs, and a later psum over a value typed "the same on every
 device" would multiply it by the axis size. So the operands are cast to the union of the axes any of them varies
 over and the outputs are stated to vary over it (a type cast, no data moves).
@@ -193,12 +193,12 @@ def kernel_cubin(kernel, pointers: tuple[str, ...], constexprs: tuple, num_warps
 
 def _triton_kernel_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, num_stages, constexprs, launcher):
     pointers = pointer_types([*ctx.avals_in, *ctx.avals_out])
-    grid_attrs = dict(grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]),
-                      num_warps=mlir.i32_attr(num_warps))
+    grid_attrs = dict(grid_x=mlir.i32_attr(grid[0]), grid_y=mlir.i32_attr(grid[1]), grid_z=mlir.i32_attr(grid[2]))
     if launcher == "ffi":
         compiled = kernel_cubin(kernel, pointers, constexprs, num_warps, num_stages, _compute_capability())
         target = triton_ffi.target_name()
         backend_config = dict(grid_attrs, name=ir.StringAttr.get(compiled.name),
+                              num_warps=mlir.i32_attr(compiled.num_warps),
                               cubin=ir.StringAttr.get(compiled.cubin),
                               cubin_hash=ir.IntegerAttr.get(ir.IntegerType.get_signless(64), compiled.cubin_hash),
                               shared_mem=mlir.i32_attr(compiled.shared_mem))
@@ -207,6 +207,7 @@ def _triton_kernel_lowering(ctx, *operands, kernel, out_avals, grid, num_warps, 
         target = XLA_TRITON_TARGET
         backend_config = dict(grid_attrs, name=ir.StringAttr.get(_entry_name(text)),
                               ir=ir.StringAttr.get(_ttir_bytecode(text)), num_stages=mlir.i32_attr(num_stages),
+                              num_warps=mlir.i32_attr(num_warps),
                               debug=ir.BoolAttr.get(False))
     result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in out_avals]
     return mlir.custom_call(target, result_types=result_types, operands=list(operands),

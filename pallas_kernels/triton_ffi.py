@@ -25,6 +25,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -39,11 +40,12 @@ SOURCE = pathlib.Path(__file__).with_name("triton_ffi_launch.cc")
 @dataclasses.dataclass(frozen=True)
 class CompiledCubin:
     """A Triton kernel compiled for one GPU: its entry `name`, the `cubin` bytes, `shared_mem` (dynamic shared memory
-    bytes per program) and `cubin_hash` (the handler's key for the loaded module: the first 8 bytes of the cubin's
-    SHA-256, as a signed int64)."""
+    bytes per program), `num_warps` (of the compiled kernel: the block is 32 * num_warps threads) and `cubin_hash` (the
+    handler's key for the loaded module: the first 8 bytes of the cubin's SHA-256, as a signed int64)."""
     name: str
     cubin: bytes
     shared_mem: int
+    num_warps: int
     cubin_hash: int
 
 
@@ -67,7 +69,7 @@ def compile_cubin(source, num_warps: int, num_stages: int, compute_capability: i
                                   "launcher='jax_triton'")
     binary = compiled.asm["cubin"]
     digest = int.from_bytes(hashlib.sha256(binary).digest()[:8], "little", signed=True)
-    return CompiledCubin(meta.name, binary, int(meta.shared), digest)
+    return CompiledCubin(meta.name, binary, int(meta.shared), int(meta.num_warps), digest)
 
 
 def target_name() -> str:
@@ -98,14 +100,14 @@ def library_path() -> pathlib.Path:
     path = directory / f"libkdtree_triton_ffi-{key}.so"
     if path.exists():
         return path
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
+    compiler = shlex.split(os.environ.get("CXX") or "c++")
+    if shutil.which(compiler[0]) is None:
         raise RuntimeError(f"the 'ffi' Triton launcher compiles {SOURCE.name} on first use and found no C++ compiler "
-                           f"({compiler!r}): install one (g++), set CXX, or launch with launcher='jax_triton'")
+                           f"({compiler[0]!r}): install one (g++), set CXX, or launch with launcher='jax_triton'")
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as partial:
         pass
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
+    command = [*compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
                "-o", partial.name, "-ldl"]
     build = subprocess.run(command, capture_output=True, text=True, check=False)
     if build.returncode:

@@ -6,7 +6,8 @@
 // grid_x / grid_y / grid_z, num_warps, shared_mem (dynamic shared memory bytes, Triton's metadata.shared).
 //
 // The handler is bound to the initialize stage (which loads the cubin into the stream's context before XLA records or
-// runs anything) and to the execute stage (one cuLaunchKernel, nothing else: no allocation, no host sync), and is
+// runs anything; it runs on every execution, so its usual path is one lookup) and to the execute stage (a lookup by
+// cubin and device ordinal, then one cuLaunchKernel: no other driver call, no allocation, no host sync), and is
 // declared command-buffer compatible, so that XLA may record it into a CUDA graph with the fusions around it.
 // The CUDA driver is opened with dlopen: no CUDA headers or libraries are needed to build this file.
 #include <dlfcn.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -37,6 +39,7 @@ constexpr CUresult kCudaSuccess = 0;
 constexpr int kFuncAttributeSharedSizeBytes = 1;            // CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
 constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kDeviceAttributeMaxSharedPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+constexpr int kFuncCachePreferShared = 1;                   // CU_FUNC_CACHE_PREFER_SHARED
 constexpr int kDefaultSharedLimit = 48 * 1024;              // a block's shared memory before opting in
 
 struct Driver {
@@ -46,9 +49,11 @@ struct Driver {
   CUresult (*CtxGetDevice)(CUdevice*);
   CUresult (*DeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*ModuleLoadData)(CUmodule*, const void*);
+  CUresult (*ModuleUnload)(CUmodule);
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*FuncGetAttribute)(int*, int, CUfunction);
   CUresult (*FuncSetAttribute)(CUfunction, int, int);
+  CUresult (*FuncSetCacheConfig)(CUfunction, int);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                            void**, void**);
   CUresult (*GetErrorString)(CUresult, const char**);
@@ -77,9 +82,11 @@ const Driver& GetDriver() {
     Resolve(library, "cuCtxGetDevice", &d.CtxGetDevice, &d.missing);
     Resolve(library, "cuDeviceGetAttribute", &d.DeviceGetAttribute, &d.missing);
     Resolve(library, "cuModuleLoadData", &d.ModuleLoadData, &d.missing);
+    Resolve(library, "cuModuleUnload", &d.ModuleUnload, &d.missing);
     Resolve(library, "cuModuleGetFunction", &d.ModuleGetFunction, &d.missing);
     Resolve(library, "cuFuncGetAttribute", &d.FuncGetAttribute, &d.missing);
     Resolve(library, "cuFuncSetAttribute", &d.FuncSetAttribute, &d.missing);
+    Resolve(library, "cuFuncSetCacheConfig", &d.FuncSetCacheConfig, &d.missing);
     Resolve(library, "cuLaunchKernel", &d.LaunchKernel, &d.missing);
     Resolve(library, "cuGetErrorString", &d.GetErrorString, &d.missing);
     Resolve(library, "cuStreamIsCapturing", &d.StreamIsCapturing, &d.missing);
@@ -96,22 +103,24 @@ ffi::Error DriverError(const Driver& driver, CUresult status, std::string_view w
                               " (CUresult " + std::to_string(status) + ")");
 }
 
-// Loaded kernels, one per (cubin, context): loaded once, never unloaded (a process holds a few dozen variants).
-std::mutex loaded_mutex;
-std::map<std::tuple<int64_t, CUcontext>, CUfunction>* loaded = new std::map<std::tuple<int64_t, CUcontext>, CUfunction>;
+// Loaded kernels, one per (cubin, device): loaded once, never unloaded (a process holds a few dozen variants). Looked
+// up under a shared lock on every launch; written under the exclusive one.
+std::shared_mutex loaded_mutex;
+std::map<std::tuple<int64_t, int32_t>, CUfunction>* loaded = new std::map<std::tuple<int64_t, int32_t>, CUfunction>;
 
-// The kernel of `cubin` in `stream`'s context, loaded on first use; not while `stream` is being captured into a CUDA
-// graph (the initialize stage loads it before XLA records anything): an error there, rather than a module load
-// inside a capture.
-ffi::ErrorOr<CUfunction> Kernel(const Driver& driver, CUstream stream, std::string_view name, std::string_view cubin,
-                                int64_t cubin_hash, int32_t shared_mem) {
-  CUcontext context = nullptr;
-  if (CUresult s = driver.StreamGetCtx(stream, &context); s != kCudaSuccess) {
-    return DriverError(driver, s, "cuStreamGetCtx", name);
-  }
-  std::lock_guard<std::mutex> lock(loaded_mutex);
-  auto key = std::make_tuple(cubin_hash, context);
-  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+// The loaded kernel of `cubin_hash` on device `ordinal`, or null.
+CUfunction Find(int64_t cubin_hash, int32_t ordinal) {
+  std::shared_lock<std::shared_mutex> lock(loaded_mutex);
+  auto it = loaded->find(std::make_tuple(cubin_hash, ordinal));
+  return it == loaded->end() ? nullptr : it->second;
+}
+
+// Loads `cubin` into `stream`'s context for device `ordinal`, as Triton's own loader does (the function loaded now,
+// not lazily at its first launch; the shared-memory carveout and limit raised past 48 KB). Never while `stream` is
+// being captured into a CUDA graph: XLA's initialize stage runs before any capture, and a module load (or
+// cuStreamGetCtx, which a CUDA bug breaks there) inside a capture is refused with an error instead.
+ffi::ErrorOr<CUfunction> Load(const Driver& driver, CUstream stream, std::string_view name, std::string_view cubin,
+                              int64_t cubin_hash, int32_t ordinal, int32_t shared_mem) {
   int capturing = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
   if (CUresult s = driver.StreamIsCapturing(stream, &capturing); s != kCudaSuccess) {
     return DriverError(driver, s, "cuStreamIsCapturing", name);
@@ -121,6 +130,13 @@ ffi::ErrorOr<CUfunction> Kernel(const Driver& driver, CUstream stream, std::stri
                                 "capture, before XLA's initialize stage loaded its cubin; it must be registered with "
                                 "both stages (pallas_kernels/triton_ffi.py)");
   }
+  CUcontext context = nullptr;
+  if (CUresult s = driver.StreamGetCtx(stream, &context); s != kCudaSuccess) {
+    return DriverError(driver, s, "cuStreamGetCtx", name);
+  }
+  std::unique_lock<std::shared_mutex> lock(loaded_mutex);
+  auto key = std::make_tuple(cubin_hash, ordinal);
+  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
   if (CUresult s = driver.CtxPushCurrent(context); s != kCudaSuccess) {
     return DriverError(driver, s, "cuCtxPushCurrent", name);
   }
@@ -132,9 +148,7 @@ ffi::ErrorOr<CUfunction> Kernel(const Driver& driver, CUstream stream, std::stri
   CUresult s = driver.ModuleLoadData(&module, cubin.data());
   std::string_view failed = "cuModuleLoadData";
   if (s == kCudaSuccess) s = driver.ModuleGetFunction(&function, module, entry.c_str()), failed = "cuModuleGetFunction";
-  if (s == kCudaSuccess && driver.FuncLoad != nullptr) {
-    s = driver.FuncLoad(function), failed = "cuFuncLoad";  // loaded now, not lazily at a launch inside a capture
-  }
+  if (s == kCudaSuccess && driver.FuncLoad != nullptr) s = driver.FuncLoad(function), failed = "cuFuncLoad";
   if (s == kCudaSuccess) s = driver.CtxGetDevice(&device), failed = "cuCtxGetDevice";
   if (s == kCudaSuccess) {
     s = driver.DeviceGetAttribute(&shared_optin, kDeviceAttributeMaxSharedPerBlockOptin, device);
@@ -143,33 +157,42 @@ ffi::ErrorOr<CUfunction> Kernel(const Driver& driver, CUstream stream, std::stri
   if (s == kCudaSuccess) {
     s = driver.FuncGetAttribute(&shared_static, kFuncAttributeSharedSizeBytes, function), failed = "cuFuncGetAttribute";
   }
-  if (s == kCudaSuccess && shared_mem > kDefaultSharedLimit) {
-    if (shared_mem > shared_optin) {
-      CUcontext popped;
-      driver.CtxPopCurrent(&popped);
-      return ffi::Error::InvalidArgument("Triton kernel " + entry + " asks " + std::to_string(shared_mem) +
-                                         " bytes of shared memory; this GPU gives a block at most " +
-                                         std::to_string(shared_optin) + ": choose a smaller tiling or fewer stages");
+  bool too_large = s == kCudaSuccess && shared_mem > shared_optin;
+  if (s == kCudaSuccess && !too_large && shared_mem > kDefaultSharedLimit) {
+    s = driver.FuncSetCacheConfig(function, kFuncCachePreferShared), failed = "cuFuncSetCacheConfig";
+    if (s == kCudaSuccess) {
+      s = driver.FuncSetAttribute(function, kFuncAttributeMaxDynamicSharedSizeBytes, shared_optin - shared_static);
+      failed = "cuFuncSetAttribute";
     }
-    s = driver.FuncSetAttribute(function, kFuncAttributeMaxDynamicSharedSizeBytes, shared_optin - shared_static);
-    failed = "cuFuncSetAttribute";
   }
+  if ((s != kCudaSuccess || too_large) && module != nullptr) driver.ModuleUnload(module);
   CUcontext popped;
   driver.CtxPopCurrent(&popped);
+  if (too_large) {
+    return ffi::Error::InvalidArgument("Triton kernel " + entry + " asks " + std::to_string(shared_mem) +
+                                       " bytes of shared memory; this GPU gives a block at most " +
+                                       std::to_string(shared_optin) + ": choose a smaller tiling or fewer stages");
+  }
   if (s != kCudaSuccess) return DriverError(driver, s, failed, name);
   loaded->emplace(key, function);
   return function;
 }
 
 template <bool kExecute>
-ffi::Error LaunchImpl(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view name,
-                      std::string_view cubin, int64_t cubin_hash, int32_t grid_x, int32_t grid_y, int32_t grid_z,
-                      int32_t num_warps, int32_t shared_mem) {
+ffi::Error LaunchImpl(CUstream stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      std::string_view name, std::string_view cubin, int64_t cubin_hash, int32_t grid_x,
+                      int32_t grid_y, int32_t grid_z, int32_t num_warps, int32_t shared_mem) {
   const Driver& driver = GetDriver();
-  if (!driver.missing.empty()) return ffi::Error::Internal("Triton kernel " + std::string(name) + ": " + driver.missing);
-  ffi::ErrorOr<CUfunction> function = Kernel(driver, stream, name, cubin, cubin_hash, shared_mem);
-  if (!function.has_value()) return function.error();
-  if (!kExecute) return ffi::Error::Success();
+  if (!driver.missing.empty()) {
+    return ffi::Error::Internal("Triton kernel " + std::string(name) + ": " + driver.missing);
+  }
+  CUfunction function = Find(cubin_hash, ordinal);  // the execute stage's only lookup: no driver call
+  if (function == nullptr) {
+    ffi::ErrorOr<CUfunction> loaded_now = Load(driver, stream, name, cubin, cubin_hash, ordinal, shared_mem);
+    if (!loaded_now.has_value()) return loaded_now.error();
+    function = *loaded_now;
+  }
+  if (!kExecute || grid_x == 0 || grid_y == 0 || grid_z == 0) return ffi::Error::Success();
   // The kernel's parameters: one device pointer per operand and output, then Triton's global and profile scratch
   // pointers (triton_ffi.py refuses kernels that need either, so both are null).
   std::vector<CUdeviceptr> pointers;
@@ -188,7 +211,7 @@ ffi::Error LaunchImpl(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRe
   pointers.push_back(0);
   std::vector<void*> params(pointers.size());
   for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
-  CUresult s = driver.LaunchKernel(*function, grid_x, grid_y, grid_z, 32 * num_warps, 1, 1, shared_mem, stream,
+  CUresult s = driver.LaunchKernel(function, grid_x, grid_y, grid_z, 32 * num_warps, 1, 1, shared_mem, stream,
                                    params.data(), nullptr);
   if (s != kCudaSuccess) return DriverError(driver, s, "cuLaunchKernel", name);
   return ffi::Error::Success();
@@ -198,6 +221,7 @@ template <ffi::ExecutionStage kStage>
 auto Binding() {
   return ffi::Ffi::Bind<kStage>()
       .template Ctx<ffi::PlatformStream<CUstream>>()
+      .template Ctx<ffi::DeviceOrdinal>()
       .RemainingArgs()
       .RemainingRets()
       .template Attr<std::string_view>("name")

@@ -166,7 +166,8 @@ def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):
 @pytest.mark.parametrize("launcher", ["jax_triton", "ffi"])
 def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
     """Four int4_moe calls, each fed the previous output through a fusion, in one jitted function (where XLA may put
-    the "ffi" launches into a command buffer with the fusions): equal to the reference chain."""
+    the "ffi" launches into a command buffer with the fusions), called three times (the first execution of a command
+    buffer runs its thunks one by one; later ones replay the recorded graph): equal to the reference chain each time."""
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(0, K26.num_experts, (8, 4, K26.num_experts_per_tok)), jnp.int32)
     weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
@@ -177,10 +178,13 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
             x = moe(x * 0.5 + 1.0, k26_experts, ids[:, i], weights[:, i]).astype(x.dtype)
         return x
 
-    out = jax.jit(functools.partial(chain, functools.partial(MT.int4_moe, launcher=launcher)))(x)
-    want = jax.jit(functools.partial(chain, M.int4_moe_reference))(x)
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, want) < 2e-2
+    kernel_chain = jax.jit(functools.partial(chain, functools.partial(MT.int4_moe, launcher=launcher)))
+    reference_chain = jax.jit(functools.partial(chain, M.int4_moe_reference))
+    for call in range(3):
+        x = x + call
+        out, want = kernel_chain(x), reference_chain(x)
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        assert rel_err(out, want) < 2e-2, call
 
 
 @pytest.mark.parametrize("budget", [16, 512])
