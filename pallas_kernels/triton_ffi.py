@@ -104,9 +104,13 @@ def library_path() -> pathlib.Path:
     if shutil.which(compiler[0]) is None:
         raise RuntimeError(f"the 'ffi' Triton launcher compiles {SOURCE.name} on first use and found no C++ compiler "
                            f"({compiler[0]!r}): install one (g++), set CXX, or launch with launcher='jax_triton'")
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as partial:
-        pass
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as partial:
+            pass
+    except OSError as e:
+        raise RuntimeError(f"the 'ffi' Triton launcher builds its handler into {directory}, which is not writable "
+                           f"({e}): set KDTREE_BUILD_DIR to a writable directory") from e
     command = [*compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
                "-o", partial.name, "-ldl"]
     build = subprocess.run(command, capture_output=True, text=True, check=False)

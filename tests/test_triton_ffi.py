@@ -63,3 +63,11 @@ def test_a_missing_compiler_is_named_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(RuntimeError, match="found no C\\+\\+ compiler.*set CXX, or launch with launcher='jax_triton'"):
         triton_ffi.library_path()
+
+
+def test_an_unwritable_build_directory_is_named_with_the_fix(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("KDTREE_BUILD_DIR", str(blocker / "build"))
+    with pytest.raises(RuntimeError, match="not writable.*set KDTREE_BUILD_DIR"):
+        triton_ffi.library_path()
