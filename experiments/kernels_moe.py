@@ -69,7 +69,9 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=64, block_n=128, words=32, num_warps=8),
                       Config(block_m=128, block_n=64, words=16, num_warps=4),
                       Config(block_m=128, block_n=128, words=32, num_warps=8),
-                      Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4)]
+                      Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4),
+                      Config(block_m=128, block_n=128, words=32, num_warps=8, num_stages=3, one_dot=True)]
+    candidates.insert(0, dataclasses.replace(base, one_dot=True))      # the default tiling, a step in one dot
     return [c for c in candidates if c != base]
 
 

@@ -43,7 +43,8 @@ class TritonMoeConfig:
     down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words.
     gate_up_splits: programs along D per gate_up tile (split-K: each writes f32 partial sums of gate and up, which
     `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle). The
-    partials take splits x rows x 2 x I x 4 bytes (rows: the routed blocks' pairs): meant for small M."""
+    partials take splits x rows x 2 x I x 4 bytes (rows: the routed blocks' pairs): meant for small M.
+    one_dot: a step's 8 nibble tiles in one dot (bf16; `_nibble_dots`), where each has its own."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -52,6 +53,7 @@ class TritonMoeConfig:
     down_block_n: int | None = None
     down_words: int | None = None
     gate_up_splits: int = 1
+    one_dot: bool = False
 
     def __post_init__(self):
         for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
@@ -157,16 +159,41 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
+def _side_by_side(tiles):
+    """The 8 nibble tiles [BN, W] of `_dequantize_bf16` as one [BN, 8 W]: column i W + w is tile i's column w."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = tiles
+    joined = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+    bn: tl.constexpr = t0.shape[0]
+    w: tl.constexpr = t0.shape[1]
+    by_nibble = tl.reshape(joined, (bn, w, 8))        # the joins' last three axes index nibble 4 a + 2 b + c
+    return tl.reshape(tl.permute(by_nibble, (0, 2, 1)), (bn, 8 * w))
+
+
+@triton.jit
+def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc, ONE_DOT: tl.constexpr):
     """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
     pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide. The
-    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized)."""
-    for i in tl.static_range(8):
+    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized).
+    ONE_DOT: the 8 tiles side by side (`_side_by_side`) against the [BM, 8 W] inputs in one dot: Triton 3.6 waits for
+    each dot whose operand is a register tile before the next (8 wgmma, 8 waits per step); one dot issues its wgmma
+    instructions back to back and waits once, at the price of the tiles' shuffle through shared memory."""
+    if ONE_DOT:
+        bm: tl.constexpr = act_ptr.shape[0]
+        w: tl.constexpr = act_ptr.shape[1]
+        nibble = 32 * tl.arange(0, 8)[None, :, None]
+        ptrs = tl.reshape(act_ptr[:, None, :] + nibble, (bm, 8 * w))
         if ACT_WIDTH % 256 == 0:
-            act = tl.load(act_ptr + 32 * i)
+            act = tl.load(ptrs)
         else:
-            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
-        acc = tl.dot(tiles[i], tl.trans(act), acc)
+            act = tl.load(ptrs, mask=tl.reshape(act_cols[None, None, :] + nibble < ACT_WIDTH, (1, 8 * w)), other=0.0)
+        acc = tl.dot(_side_by_side(tiles), tl.trans(act), acc)
+    else:
+        for i in tl.static_range(8):
+            if ACT_WIDTH % 256 == 0:
+                act = tl.load(act_ptr + 32 * i)
+            else:
+                act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
+            acc = tl.dot(tiles[i], tl.trans(act), acc)
     return acc
 
 
@@ -184,7 +211,7 @@ def _clamped_rows(rows, NUM_ROWS: tl.constexpr, GRID_ROWS: tl.constexpr):
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr):
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, ONE_DOT: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's; with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
     h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
@@ -219,8 +246,9 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]       # [BM, W]; padding rows repeat a token
                 tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, rows_in, INTER)
-                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g)
-                acc_u = _nibble_dots(_dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER), act_at, cols, HIDDEN, acc_u)
+                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g, ONE_DOT)
+                tiles = _dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER)
+                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_u, ONE_DOT)
             else:
                 scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
                 cols = _block_columns(step, WORDS)
@@ -265,7 +293,7 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 @triton.jit
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, ONE_DOT: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's."""
     b = tl.program_id(0)
     n = tl.program_id(1)
@@ -288,7 +316,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
                 tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
-                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc)
+                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc, ONE_DOT)
             else:
                 scale_rows = block * 8 + group
                 scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
@@ -419,7 +447,8 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
+                  ONE_DOT=cfg.one_dot)
     splits = cfg.gate_up_splits
     if (gate_words // cfg.words) % splits:
         raise ValueError(f"gate_up_splits={splits} does not divide the {gate_words // cfg.words} steps of "

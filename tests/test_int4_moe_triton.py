@@ -1,6 +1,7 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
 16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+import dataclasses
 import functools
 import os
 
@@ -20,7 +21,7 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words = config.down_tiling() if down else (config.block_n, config.words)
-    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, ONE_DOT=config.one_dot)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, config.num_stages)
 
 
@@ -54,6 +55,21 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
     assert compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small_blocks", "large_blocks"])
+@pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
+def test_one_dot_waits_once_per_dot(make, config):
+    """Triton 3.6 waits for each wgmma whose operand is a register tile before issuing the next: the 8 nibble dots
+    of a step wait 8 times (per matrix), the tiles side by side in one dot (`one_dot`) once, and the dequantized
+    weights still reach the tensor cores."""
+    waits = {}
+    for one_dot in (False, True):
+        ptx = make("bf16", dataclasses.replace(config, one_dot=one_dot)).asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx
+        waits[one_dot] = ptx.count("wgmma.wait_group")
+    dots = 2 if make is gate_up else 1
+    assert waits[False] >= 8 * dots - 1 and waits[True] <= 2 * dots, waits
 
 
 @pytest.mark.parametrize("config", **CONFIGS)

@@ -9,8 +9,11 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import triton
+import triton.language as tl
 
 from conftest import run_in_child
+from pallas_kernels import int4_moe_triton as MT
 
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
@@ -81,3 +84,43 @@ def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreig
     np.testing.assert_array_equal(got[1], np.asarray(want.block_token).reshape(-1))
     np.testing.assert_array_equal(got[2], np.asarray(want.block_weight).reshape(-1))
     np.testing.assert_array_equal(got[3], np.where(want.pair_ok, want.pair_row, -1))
+
+
+@triton.jit
+def _both_nibble_dots(tiles_ptr, act_ptr, eight_ptr, one_ptr, BN: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
+                      WIDTH: tl.constexpr, FIRST: tl.constexpr):
+    """`_nibble_dots` of 8 tiles [BN, W] (tiles_ptr [8, BN, W]) and inputs act_ptr [BM, WIDTH] from column FIRST,
+    without ONE_DOT into eight_ptr and with it into one_ptr, both [BN, BM]."""
+    at = tiles_ptr + tl.arange(0, BN)[:, None] * W + tl.arange(0, W)[None, :]
+    tiles = (tl.load(at), tl.load(at + BN * W), tl.load(at + 2 * BN * W), tl.load(at + 3 * BN * W),
+             tl.load(at + 4 * BN * W), tl.load(at + 5 * BN * W), tl.load(at + 6 * BN * W), tl.load(at + 7 * BN * W))
+    cols = FIRST + tl.arange(0, W)
+    act_at = act_ptr + tl.arange(0, BM)[:, None] * WIDTH + cols[None, :]
+    out = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+    zero = tl.zeros((BN, BM), tl.float32)
+    tl.store(eight_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, zero, False))
+    tl.store(one_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, zero, True))
+
+
+@in_child
+@pytest.mark.parametrize("width,first_col,words", [(512, 256, 32), (512, 16, 16), (320, 272, 16)])
+def test_one_dot_equals_the_nibble_dots(width, first_col, words):
+    """`_nibble_dots` with ONE_DOT (the 8 tiles side by side, the inputs gathered to match, one dot) equals the 8
+    dots on random f32 tiles, for a step's first column at a block start, inside a block (16-word steps), and past
+    the end of a row 320 wide (the masked loads: nibbles whose inputs pass the width add nothing)."""
+    import jax
+
+    from triton_interpreter import interpreter_call
+
+    bn, bm = 64, 16
+    rng = np.random.default_rng(width + first_col)
+    tiles = jnp.asarray(rng.standard_normal((8, bn, words)), jnp.float32)
+    act = jnp.asarray(rng.standard_normal((bm, width)), jnp.float32)
+    out = jax.ShapeDtypeStruct((bn, bm), jnp.float32)
+    eight, one = interpreter_call(tiles, act, kernel=_both_nibble_dots, out_shape=(out, out), grid=(1,), BN=bn, BM=bm, W=words,
+                                  WIDTH=width, FIRST=first_col)
+    cols = first_col + 32 * np.arange(8)[:, None] + np.arange(words)[None, :]             # [8, W]
+    padded = np.concatenate([np.asarray(act), np.zeros((bm, 256), np.float32)], axis=1)
+    want = np.einsum("inw,miw->nm", np.asarray(tiles, np.float64), padded[:, cols] * (cols < width))
+    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(eight, want, rtol=1e-4, atol=1e-4)
