@@ -60,7 +60,9 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=16, block_n=128, words=32, num_stages=3)]
         if n_pairs < moe_triton.WIDE_ROWS_PAIRS:       # few experts: split-K gate_up for more programs in flight
             candidates += [Config(block_m=16, block_n=64, words=32, num_stages=stages, down_block_n=128,
-                                  gate_up_splits=splits) for splits, stages in ((2, 4), (2, 3), (4, 3), (4, 2))]
+                                  gate_up_splits=splits, one_dot=one_dot)
+                           for splits, stages, one_dot in ((2, 4, False), (2, 3, False), (4, 3, False), (4, 2, False),
+                                                           (2, 4, True), (4, 3, True))]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8)]
