@@ -66,6 +66,22 @@ def test_int4_moe_lowers_to_ffi_launches_of_triton_cubins():
     assert f"cubin_hash = {gate_up.cubin_hash} : i64" in text
 
 
+def test_the_default_int4_moe_launcher_is_settable_and_checked():
+    """`set_default_launcher` (bench_k26 --moe_launcher) changes the launcher of calls that name none, from the next
+    trace on; a launcher that does not exist is refused."""
+    args = (spec((1, D), BF16), k26_experts(), spec((1, TOP_K), I32), spec((1, TOP_K), F32))
+    assert MT.LAUNCHER == "jax_triton"
+    try:
+        MT.set_default_launcher("ffi")
+        assert lower_for_h200(MT.int4_moe, *args).count(f"@{triton_ffi.TARGET}(") == 4
+        MT.set_default_launcher("xla")
+        assert lower_for_h200(MT.int4_moe, *args).count(XLA_TRITON_TARGET) == 4
+        with pytest.raises(ValueError, match="launcher 'pallas' is not one of"):
+            MT.set_default_launcher("pallas")
+    finally:
+        MT.set_default_launcher()
+
+
 @pytest.mark.parametrize("launcher,target", [("xla", XLA_TRITON_TARGET), ("ffi", triton_ffi.TARGET)])
 def test_int4_moe_lowers_inside_the_expert_parallel_shard_map(launcher, target):
     """Two H200s, 192 experts each: the shard_map keeps check_vma on and the psum is over per-device outputs."""
