@@ -68,14 +68,15 @@ def test_int4_moe_lowers_to_ffi_launches_of_triton_cubins():
 
 def test_the_default_int4_moe_launcher_is_settable_and_checked():
     """`set_default_launcher` (bench_k26 --moe_launcher) changes the launcher of calls that name none, from the next
-    trace on; a launcher that does not exist is refused."""
+    trace on (a function jitted before keeps its trace, as with `ops.set_implementation`); a launcher that does not
+    exist is refused."""
     args = (spec((1, D), BF16), k26_experts(), spec((1, TOP_K), I32), spec((1, TOP_K), F32))
     assert MT.LAUNCHER == "jax_triton"
     try:
         MT.set_default_launcher("ffi")
-        assert lower_for_h200(MT.int4_moe, *args).count(f"@{triton_ffi.TARGET}(") == 4
+        assert lower_for_h200(lambda *a: MT.int4_moe(*a), *args).count(f"@{triton_ffi.TARGET}(") == 4
         MT.set_default_launcher("xla")
-        assert lower_for_h200(MT.int4_moe, *args).count(XLA_TRITON_TARGET) == 4
+        assert lower_for_h200(lambda *a: MT.int4_moe(*a), *args).count(XLA_TRITON_TARGET) == 4
         with pytest.raises(ValueError, match="launcher 'pallas' is not one of"):
             MT.set_default_launcher("pallas")
     finally:
