@@ -54,14 +54,16 @@ def main(_):
 
 
 def parse_tiling(pairs: list[str]) -> TritonMoeConfig:
-    """['block_n=64', 'num_stages=3'] -> TritonMoeConfig (integer fields); a clear error for a bad pair."""
-    fields = {f.name for f in dataclasses.fields(TritonMoeConfig)}
+    """['block_n=64', 'num_stages=3', 'one_dot=1'] -> TritonMoeConfig (integer fields; 0 / 1 for the boolean ones); a
+    clear error for a bad pair."""
+    fields = {f.name: f.type for f in dataclasses.fields(TritonMoeConfig)}
     values = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if not sep or name not in fields or not text.isdigit():
-            cli.fail(f"--tiling: {pair!r} is not field=integer with a field of TritonMoeConfig: {sorted(fields)}")
-        values[name] = int(text)
+        if not sep or name not in fields or not text.isdigit() or (fields[name] == "bool" and text not in "01"):
+            cli.fail(f"--tiling: {pair!r} is not field=integer (0 or 1 for a boolean) with a field of "
+                     f"TritonMoeConfig: {sorted(fields)}")
+        values[name] = bool(int(text)) if fields[name] == "bool" else int(text)
     return TritonMoeConfig(**values)
 
 

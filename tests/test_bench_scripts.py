@@ -129,3 +129,15 @@ def test_bench_decode_small_table(tmp_path):
                "--temperatures=0,1", "--time_budget_s=0", f"--out={skipped}", "--plot=")
     result = json.loads(skipped.read_text())
     assert result["runs"] == [] and len(result["meta"]["skipped_groups"]) == 2
+
+
+def test_profile_moe_tiling_flag(capsys):
+    """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones; anything else exits with a named error."""
+    from experiments.profile_moe import parse_tiling
+
+    config = parse_tiling(["block_n=128", "gate_up_splits=2", "one_dot=1"])
+    assert (config.block_n, config.gate_up_splits, config.one_dot) == (128, 2, True)
+    for bad in ("one_dot=2", "block_n=wide", "no_such_field=1", "block_n"):
+        with pytest.raises(SystemExit):
+            parse_tiling([bad])
+        assert "is not field=integer" in capsys.readouterr().err
