@@ -100,7 +100,7 @@ def _jax_triton(*operands, kernel, **kwargs):
     return jax_triton.triton_call(*operands, kernel=kernel, **kwargs)
 
 
-triton_kernel_call_p = jex_core.Primitive("triton_kernel_call")     # the "xla" and "ffi" launchers
+triton_kernel_call_p = jex_core.Primitive("kdtree_triton_call")   # "xla" and "ffi" (not jax-triton's primitive)
 triton_kernel_call_p.multiple_results = True
 triton_kernel_call_p.def_abstract_eval(lambda *avals, out_avals, **_: out_avals)
 
