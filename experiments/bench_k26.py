@@ -567,8 +567,8 @@ def main(argv):
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
-                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, bandwidth_GBps=f.bandwidth_GBps,
-                matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
+                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup,
+                bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
     results = dict(meta=meta, runs=[], floors={}, weights={}, params={}, cases=[])

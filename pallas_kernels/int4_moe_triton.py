@@ -453,17 +453,16 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     if (gate_words // cfg.words) % splits:
         raise ValueError(f"gate_up_splits={splits} does not divide the {gate_words // cfg.words} steps of "
                          f"{cfg.words} words over D={d}: choose a divisor")
+    h_shape = jax.ShapeDtypeStruct((rows, inter_padded), x.dtype)
+    partials = jax.ShapeDtypeStruct((splits, rows, 2, inter_padded), jnp.float32)     # split-K's gate and up sums
     h = call(
         block_expert, block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
-        experts.up_scale, kernel=_gate_up_kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, inter_padded) if splits == 1 else (splits, rows, 2, inter_padded),
-                                       x.dtype if splits == 1 else jnp.float32),
+        experts.up_scale, kernel=_gate_up_kernel, out_shape=h_shape if splits == 1 else partials,
         grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n), splits), NUM_EXPERTS=num_experts, NUM_TOKENS=m,
         HIDDEN=d, INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, SPLITS=splits, ROWS=rows, **launch)
     if splits > 1:
         columns, row_block = min(REDUCE_COLUMNS, inter_padded), min(REDUCE_ROWS, cfg.block_m)
-        h = call(block_token, h, kernel=_gate_up_reduce_kernel,
-                 out_shape=jax.ShapeDtypeStruct((rows, inter_padded), x.dtype),
+        h = call(block_token, h, kernel=_gate_up_reduce_kernel, out_shape=h_shape,
                  grid=(rows // row_block, triton.cdiv(inter_padded, columns)), NUM_TOKENS=m, ROWS=rows,
                  H_COLS=inter_padded, SPLITS=splits, RB=row_block, CB=columns, num_warps=4, num_stages=1)
     down_n, down_step_words = cfg.down_tiling()

@@ -117,8 +117,8 @@ def test_one_dot_equals_the_nibble_dots(width, first_col, words):
     tiles = jnp.asarray(rng.standard_normal((8, bn, words)), jnp.float32)
     act = jnp.asarray(rng.standard_normal((bm, width)), jnp.float32)
     out = jax.ShapeDtypeStruct((bn, bm), jnp.float32)
-    eight, one = interpreter_call(tiles, act, kernel=_both_nibble_dots, out_shape=(out, out), grid=(1,), BN=bn, BM=bm, W=words,
-                                  WIDTH=width, FIRST=first_col)
+    eight, one = interpreter_call(tiles, act, kernel=_both_nibble_dots, out_shape=(out, out), grid=(1,), BN=bn, BM=bm,
+                                  W=words, WIDTH=width, FIRST=first_col)
     cols = first_col + 32 * np.arange(8)[:, None] + np.arange(words)[None, :]             # [8, W]
     padded = np.concatenate([np.asarray(act), np.zeros((bm, 256), np.float32)], axis=1)
     want = np.einsum("inw,miw->nm", np.asarray(tiles, np.float64), padded[:, cols] * (cols < width))

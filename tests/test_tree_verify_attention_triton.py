@@ -30,7 +30,7 @@ def test_combine_kernel_compiles_for_h200(part, normalized):
     pointers = {"out_ptr": part, "max_ptr": "*fp32", "sum_ptr": "*fp32", "result_ptr": "*bf16"}
     block_splits, block_rows, width = AC.tiling(132, 1, 8, 512)
     constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=8, COLS=512, PART_COLS=512, BS=block_splits,
-                     BR=block_rows, BC=width, NORMALIZED=normalized)
+                     BR=block_rows, BC=width, NORMALIZED=normalized, STAGES=AC.STAGES)
     ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, 2).asm["ptx"]
     assert "ex2.approx" in ptx and "st.global" in ptx
 

@@ -4,7 +4,8 @@ import jax
 import triton
 from triton.backends.compiler import GPUTarget
 from jax.sharding import AbstractDevice, AbstractMesh
-from triton.compiler import ASTSource
+
+from pallas_kernels.triton_call import kernel_source
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -12,10 +13,10 @@ H200 = GPUTarget("cuda", 90, 32)
 def compile_for_h200(kernel, pointers: dict, constants: dict, num_warps: int, num_stages: int):
     """Triton's compile of `kernel` to PTX and SASS for sm_90: `pointers` {name: '*dtype'} in the kernel's argument
     order, 16-byte aligned (jax-triton passes its buffers so), then `constants` {name: value} (constexpr)."""
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
-    signature = dict(pointers, **{name: "constexpr" for name in constants})
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs), target=H200,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    assert list(pointers) == kernel.arg_names[:len(pointers)], (list(pointers), kernel.arg_names)
+    source = kernel_source(kernel, tuple(pointers.values()),
+                           tuple(sorted((name, type(value), value) for name, value in constants.items())))
+    return triton.compile(source, target=H200, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def h200_mesh(shape: tuple[int, ...] = (1,), axes: tuple[str, ...] = ("tp",)) -> AbstractMesh:
