@@ -24,6 +24,7 @@ from pallas_kernels import ops
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
+from pallas_kernels.triton_call import LAUNCHERS
 from pallas_kernels import tree_verify_attention_mgpu as AM
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels import tree_verify_attention_triton as AT
@@ -196,7 +197,7 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
-    top-K, the Triton build kernel (through both launchers) from that top-K the heapq specification's arrays and
+    top-K, the Triton build kernel (through every launcher) from that top-K the heapq specification's arrays and
     the accept kernels the python walk's, bit for bit."""
     rng = np.random.default_rng(budget)
     logits, root = random_draft(rng, 16, 16, K26.vocab_size)
@@ -205,13 +206,11 @@ def test_tree_build_and_accept_k26(budget):
     assert_topk_matches_reference(logits[8:], k, T.draft_topk(jnp.asarray(logits[8:]), k), exact_ids=True)
     want = T.build_tree_heapq(logits, root, budget)
     top = T.reference_topk(logits, k)
-    for build in (TT.tree_build_from_topk, functools.partial(TT.tree_build_from_topk, launcher="jax_triton"),
-                  functools.partial(TT.tree_build_from_topk, launcher="ffi")):
-        got = build(*map(jnp.asarray, top), jnp.asarray(root), budget=budget)
+    for launcher in LAUNCHERS:
+        got = TT.tree_build_from_topk(*map(jnp.asarray, top), jnp.asarray(root), budget=budget, launcher=launcher)
         assert_same(got, want, T.TreeArrays._fields)
     target = random_targets(rng, want, K26.vocab_size, hit_rate=0.7)
     tree = T.TreeArrays(*map(jnp.asarray, want))
-    for accept in (TT.tree_accept, functools.partial(TT.tree_accept, launcher="jax_triton"),
-                   functools.partial(TT.tree_accept, launcher="ffi")):
-        assert_same(accept(tree, jnp.asarray(target), 15), T.accept_tree_python(want, target, 15),
-                    T.AcceptResult._fields)
+    for launcher in LAUNCHERS:
+        assert_same(TT.tree_accept(tree, jnp.asarray(target), 15, launcher=launcher),
+                    T.accept_tree_python(want, target, 15), T.AcceptResult._fields)
