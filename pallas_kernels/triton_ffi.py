@@ -55,8 +55,11 @@ def compile_cubin(source, num_warps: int, num_stages: int, compute_capability: i
     import triton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
     from triton.backends.compiler import GPUTarget   # noqa: PLC0415
 
-    compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    with triton.knobs.cache.scope():
+        if not triton.knobs.cache.dir:      # TRITON_CACHE_DIR set empty (the H200 image): Triton's compile fails
+            triton.knobs.cache.dir = str(writable_build_directory() / "triton")
+        compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
     meta = compiled.metadata
     for field in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, field):
@@ -92,25 +95,37 @@ def register(platform: str, target: str = TARGET) -> None:
                  "execute": jax.ffi.pycapsule(library.KdtreeTritonLaunch)}, platform=platform, api_version=1)
 
 
+def build_directory() -> pathlib.Path:
+    """$KDTREE_BUILD_DIR, else ~/.cache/kdtree_jax: the handler library and, where Triton has no cache directory of
+    its own, Triton's compile cache."""
+    return pathlib.Path(os.environ.get("KDTREE_BUILD_DIR") or pathlib.Path.home() / ".cache" / "kdtree_jax")
+
+
+def writable_build_directory() -> pathlib.Path:
+    """`build_directory()`, created; a clear error where it cannot be written."""
+    directory = build_directory()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as e:
+        raise RuntimeError(f"the 'ffi' Triton launcher writes its handler and compile cache into {directory}, "
+                           f"which is not writable ({e}): set KDTREE_BUILD_DIR to a writable directory") from e
+    return directory
+
+
 def library_path() -> pathlib.Path:
     """The handler library for this source and jaxlib, compiled on first use (atomic: concurrent builds are safe)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + jaxlib.__version__.encode()).hexdigest()[:16]
-    directory = pathlib.Path(os.environ.get("KDTREE_BUILD_DIR") or pathlib.Path.home() / ".cache" / "kdtree_jax")
-    path = directory / f"libkdtree_triton_ffi-{key}.so"
+    path = build_directory() / f"libkdtree_triton_ffi-{key}.so"
     if path.exists():
         return path
     compiler = shlex.split(os.environ.get("CXX") or "c++")
     if shutil.which(compiler[0]) is None:
         raise RuntimeError(f"the 'ffi' Triton launcher compiles {SOURCE.name} on first use and found no C++ compiler "
                            f"({compiler[0]!r}): install one (g++), set CXX, or launch with launcher='jax_triton'")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, suffix=".so", delete=False) as partial:
-            pass
-    except OSError as e:
-        raise RuntimeError(f"the 'ffi' Triton launcher builds its handler into {directory}, which is not writable "
-                           f"({e}): set KDTREE_BUILD_DIR to a writable directory") from e
+    with tempfile.NamedTemporaryFile(dir=writable_build_directory(), suffix=".so", delete=False) as partial:
+        pass
     command = [*compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(SOURCE),
                "-o", partial.name, "-ldl"]
     build = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
+from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import triton_ffi
+from pallas_kernels.triton_call import kernel_source
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler to build the handler")
@@ -71,3 +73,15 @@ def test_an_unwritable_build_directory_is_named_with_the_fix(tmp_path, monkeypat
     monkeypatch.setenv("KDTREE_BUILD_DIR", str(blocker / "build"))
     with pytest.raises(RuntimeError, match="not writable.*set KDTREE_BUILD_DIR"):
         triton_ffi.library_path()
+
+
+def test_triton_without_a_cache_directory_compiles_into_the_build_directory(tmp_path, monkeypatch):
+    """TRITON_CACHE_DIR set empty (as on the H200 image) makes Triton's own compile fail ("Could not create or locate
+    cache dir"); the launcher gives that compile a cache under the build directory and leaves the setting as it was."""
+    monkeypatch.setenv("KDTREE_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    source = kernel_source(MT._combine_kernel, ("*i32", "*bf16", "*bf16"),
+                           (("TOP_K", int, 8), ("HIDDEN", int, 2048), ("BD", int, 1024)))
+    compiled = triton_ffi.compile_cubin(source, num_warps=4, num_stages=1, compute_capability=90)
+    assert compiled.cubin.startswith(b"\x7fELF") and compiled.name == "_combine_kernel"
+    assert list((tmp_path / "triton").iterdir()) and os.environ["TRITON_CACHE_DIR"] == ""
