@@ -56,7 +56,7 @@ def compile_cubin(source, num_warps: int, num_stages: int, compute_capability: i
     from triton.backends.compiler import GPUTarget   # noqa: PLC0415
 
     with triton.knobs.cache.scope():
-        if not triton.knobs.cache.dir:      # TRITON_CACHE_DIR set empty (the H200 image): Triton's compile fails
+        if not triton.knobs.cache.dir:      # importing jax-triton sets TRITON_CACHE_DIR empty: Triton's compile fails
             triton.knobs.cache.dir = str(writable_build_directory() / "triton")
         compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
                                   options=dict(num_warps=num_warps, num_stages=num_stages))

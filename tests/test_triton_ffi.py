@@ -76,8 +76,9 @@ def test_an_unwritable_build_directory_is_named_with_the_fix(tmp_path, monkeypat
 
 
 def test_triton_without_a_cache_directory_compiles_into_the_build_directory(tmp_path, monkeypatch):
-    """TRITON_CACHE_DIR set empty (as on the H200 image) makes Triton's own compile fail ("Could not create or locate
-    cache dir"); the launcher gives that compile a cache under the build directory and leaves the setting as it was."""
+    """TRITON_CACHE_DIR set empty (jax-triton 0.3.1 does it on import) makes Triton's own compile fail ("Could not
+    create or locate cache dir"); the launcher gives that compile a cache under the build directory and leaves the
+    setting as it was."""
     monkeypatch.setenv("KDTREE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", "")
     source = kernel_source(MT._combine_kernel, ("*i32", "*bf16", "*bf16"),
