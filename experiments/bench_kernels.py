@@ -71,7 +71,8 @@ def main(_):
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), code=code_version(),
                              sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
-                             attention_splits=F.attention_splits, moe_sweep_tokens=F.moe_sweep_tokens),
+                             attention_splits=F.attention_splits, moe_sweep_tokens=F.moe_sweep_tokens,
+                             xla_flags=os.environ.get("XLA_FLAGS", "")),
                    ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
     if F.merge:
         merge_earlier_run(F.out)

@@ -60,20 +60,19 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=16, block_n=128, words=32, num_stages=3)]
         if n_pairs < moe_triton.WIDE_ROWS_PAIRS:       # few experts: split-K gate_up for more programs in flight
             candidates += [Config(block_m=16, block_n=64, words=32, num_stages=stages, down_block_n=128,
-                                  gate_up_splits=splits, one_dot=one_dot)
-                           for splits, stages, one_dot in ((2, 4, False), (2, 3, False), (4, 3, False), (4, 2, False),
-                                                           (2, 4, True), (4, 3, True))]
+                                  gate_up_splits=splits)
+                           for splits, stages in ((2, 4), (2, 3), (4, 3), (4, 2))]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
-                      Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8)]
+                      Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),
+                      dataclasses.replace(base, group_by_block=True)]
     else:
         candidates = [Config(block_m=64, block_n=128, words=16, num_warps=8),
                       Config(block_m=64, block_n=128, words=32, num_warps=8),
                       Config(block_m=128, block_n=64, words=16, num_warps=4),
-                      Config(block_m=128, block_n=128, words=32, num_warps=8),
                       Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4),
-                      Config(block_m=128, block_n=128, words=32, num_warps=8, num_stages=3, one_dot=True)]
-    candidates.insert(0, dataclasses.replace(base, one_dot=True))      # the default tiling, a step in one dot
+                      dataclasses.replace(base, group_by_block=True),
+                      Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True)]
     return [c for c in candidates if c != base]
 
 

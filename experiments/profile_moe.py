@@ -54,8 +54,8 @@ def main(_):
 
 
 def parse_tiling(pairs: list[str]) -> TritonMoeConfig:
-    """['block_n=64', 'num_stages=3', 'one_dot=1'] -> TritonMoeConfig (integer fields; 0 / 1 for the boolean ones); a
-    clear error for a bad pair."""
+    """['block_n=64', 'num_stages=3', 'group_by_block=1'] -> TritonMoeConfig (integer fields; 0 / 1 for the boolean
+    ones); a clear error for a bad pair."""
     fields = {f.name: f.type for f in dataclasses.fields(TritonMoeConfig)}
     values = {}
     for pair in pairs:

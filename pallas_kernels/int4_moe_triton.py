@@ -44,7 +44,10 @@ class TritonMoeConfig:
     gate_up_splits: programs along D per gate_up tile (split-K: each writes f32 partial sums of gate and up, which
     `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle). The
     partials take splits x rows x 2 x I x 4 bytes (rows: the routed blocks' pairs): meant for small M.
-    one_dot: a step's 8 nibble tiles in one dot (bf16; `_nibble_dots`), where each has its own."""
+    group_by_block: launch a block's programs (its row tiles) next to each other (grid [tiles, blocks]) instead of
+    one row tile of every block after another ([blocks, tiles]): the block's inputs (x rows for gate_up, h rows for
+    down) are then read from DRAM once and from L2 by the rest (ncu at M=4096: down moved 14.9 GB for 3.2 GB of
+    weights; kernels.md, "Thirteenth session")."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -53,7 +56,7 @@ class TritonMoeConfig:
     down_block_n: int | None = None
     down_words: int | None = None
     gate_up_splits: int = 1
-    one_dot: bool = False
+    group_by_block: bool = False
 
     def __post_init__(self):
         for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
@@ -71,6 +74,7 @@ class TritonMoeConfig:
         return self.down_block_n or self.block_n, self.down_words or self.words
 
 
+MAX_GRID_Y = 65535        # CUDA's limit on a grid's second and third axes
 WIDE_ROWS_PAIRS = 32      # from this many pairs the small-block tiling takes 128-row programs (measured at 8 pairs,
                           # M = 1, and 64, M = 8; the threshold between them is not measured)
 
@@ -159,41 +163,16 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _side_by_side(tiles):
-    """The 8 nibble tiles [BN, W] of `_dequantize_bf16` as one [BN, 8 W]: column i W + w is tile i's column w."""
-    t0, t1, t2, t3, t4, t5, t6, t7 = tiles
-    joined = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
-    bn: tl.constexpr = t0.shape[0]
-    w: tl.constexpr = t0.shape[1]
-    by_nibble = tl.reshape(joined, (bn, w, 8))        # the joins' last three axes index nibble 4 a + 2 b + c
-    return tl.reshape(tl.permute(by_nibble, (0, 2, 1)), (bn, 8 * w))
-
-
-@triton.jit
-def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc, ONE_DOT: tl.constexpr):
+def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc):
     """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
     pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide. The
-    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized).
-    ONE_DOT: the 8 tiles side by side (`_side_by_side`) against the [BM, 8 W] inputs in one dot: Triton 3.6 waits for
-    each dot whose operand is a register tile before the next (8 wgmma, 8 waits per step); one dot issues its wgmma
-    instructions back to back and waits once, at the price of the tiles' shuffle through shared memory."""
-    if ONE_DOT:
-        bm: tl.constexpr = act_ptr.shape[0]
-        w: tl.constexpr = act_ptr.shape[1]
-        nibble = 32 * tl.arange(0, 8)[None, :, None]
-        ptrs = tl.reshape(act_ptr[:, None, :] + nibble, (bm, 8 * w))
+    loads are masked only where the width is not a whole number of 256-input blocks (then they cannot be vectorized)."""
+    for i in tl.static_range(8):
         if ACT_WIDTH % 256 == 0:
-            act = tl.load(ptrs)
+            act = tl.load(act_ptr + 32 * i)
         else:
-            act = tl.load(ptrs, mask=tl.reshape(act_cols[None, None, :] + nibble < ACT_WIDTH, (1, 8 * w)), other=0.0)
-        acc = tl.dot(_side_by_side(tiles), tl.trans(act), acc)
-    else:
-        for i in tl.static_range(8):
-            if ACT_WIDTH % 256 == 0:
-                act = tl.load(act_ptr + 32 * i)
-            else:
-                act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
-            acc = tl.dot(tiles[i], tl.trans(act), acc)
+            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
+        acc = tl.dot(tiles[i], tl.trans(act), acc)
     return acc
 
 
@@ -208,15 +187,22 @@ def _clamped_rows(rows, NUM_ROWS: tl.constexpr, GRID_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _block_and_tile(GROUP_BY_BLOCK: tl.constexpr):
+    """(block b, row tile n) of this program, from grid [blocks, tiles] or, GROUP_BY_BLOCK, [tiles, blocks]."""
+    if GROUP_BY_BLOCK:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, ONE_DOT: tl.constexpr):
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's; with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
     h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
-    b = tl.program_id(0)
-    n = tl.program_id(1)
+    b, n = _block_and_tile(GROUP_BY_BLOCK)
     steps: tl.constexpr = ROW_WORDS // WORDS // SPLITS
     first = tl.program_id(2) * steps
     if SPLITS == 1:
@@ -246,9 +232,9 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]       # [BM, W]; padding rows repeat a token
                 tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, rows_in, INTER)
-                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g, ONE_DOT)
+                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g)
                 tiles = _dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER)
-                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_u, ONE_DOT)
+                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_u)
             else:
                 scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
                 cols = _block_columns(step, WORDS)
@@ -293,10 +279,9 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 @triton.jit
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, ONE_DOT: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's."""
-    b = tl.program_id(0)
-    n = tl.program_id(1)
+    b, n = _block_and_tile(GROUP_BY_BLOCK)
     e = tl.load(block_expert_ptr + b)
     if e < NUM_EXPERTS:
         dtype = h_ptr.dtype.element_ty
@@ -316,7 +301,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
                 tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
-                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc, ONE_DOT)
+                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc)
             else:
                 scale_rows = block * 8 + group
                 scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
@@ -448,7 +433,14 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
-                  ONE_DOT=cfg.one_dot)
+                  GROUP_BY_BLOCK=cfg.group_by_block)
+    if cfg.group_by_block and num_blocks > MAX_GRID_Y:
+        raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
+                         f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")
+
+    def grid(tiles: int, *more: int) -> tuple[int, ...]:
+        return (tiles, num_blocks, *more) if cfg.group_by_block else (num_blocks, tiles, *more)
+
     splits = cfg.gate_up_splits
     if (gate_words // cfg.words) % splits:
         raise ValueError(f"gate_up_splits={splits} does not divide the {gate_words // cfg.words} steps of "
@@ -458,7 +450,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     h = call(
         block_expert, block_token, x, experts.gate_packed, experts.gate_scale, experts.up_packed,
         experts.up_scale, kernel=_gate_up_kernel, out_shape=h_shape if splits == 1 else partials,
-        grid=(num_blocks, triton.cdiv(inter_padded, cfg.block_n), splits), NUM_EXPERTS=num_experts, NUM_TOKENS=m,
+        grid=grid(triton.cdiv(inter_padded, cfg.block_n), splits), NUM_EXPERTS=num_experts, NUM_TOKENS=m,
         HIDDEN=d, INTER=inter, ROW_WORDS=gate_words, H_COLS=inter_padded, SPLITS=splits, ROWS=rows, **launch)
     if splits > 1:
         columns, row_block = min(REDUCE_COLUMNS, inter_padded), min(REDUCE_ROWS, cfg.block_m)
@@ -469,7 +461,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
-        grid=(num_blocks, triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
+        grid=grid(triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words))
     return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
                 grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,

@@ -31,6 +31,7 @@ def test_bench_kernels_tree_section(tmp_path):
     stdout = run_script("bench_kernels.py", "--quick", "--sections=tree", "--reps=2", f"--out={out}")
     result = json.loads(out.read_text())
     assert result["checks"]["tree_identical"] is True
+    assert result["meta"]["xla_flags"] == FAST_COMPILE       # XLA's flags change what is timed (command buffers)
     assert result["attention"] == [] and result["int4_moe"] == []
     rows = result["tree"]
     assert [r["budget"] for r in rows] == [7, 40]
@@ -135,9 +136,9 @@ def test_profile_moe_tiling_flag(capsys):
     """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones; anything else exits with a named error."""
     from experiments.profile_moe import parse_tiling
 
-    config = parse_tiling(["block_n=128", "gate_up_splits=2", "one_dot=1"])
-    assert (config.block_n, config.gate_up_splits, config.one_dot) == (128, 2, True)
-    for bad in ("one_dot=2", "block_n=wide", "no_such_field=1", "block_n"):
+    config = parse_tiling(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
+    assert (config.block_n, config.gate_up_splits, config.group_by_block) == (128, 2, True)
+    for bad in ("group_by_block=2", "block_n=wide", "no_such_field=1", "block_n"):
         with pytest.raises(SystemExit):
             parse_tiling([bad])
         assert "is not field=integer" in capsys.readouterr().err

@@ -21,7 +21,7 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words = config.down_tiling() if down else (config.block_n, config.words)
-    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, ONE_DOT=config.one_dot)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, config.num_stages)
 
 
@@ -42,8 +42,10 @@ def down(dtype: str, config):
 
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K],
-               ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k"])
+LARGE_GROUPED = dataclasses.replace(LARGE, group_by_block=True)
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_GROUPED],
+               ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
+                    "large_blocks_grouped_by_block"])
 
 
 @pytest.mark.parametrize("config", **CONFIGS)
@@ -55,21 +57,6 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
     assert compiled.metadata.shared <= 227 * 1024
-
-
-@pytest.mark.parametrize("config", [SMALL, LARGE], ids=["small_blocks", "large_blocks"])
-@pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
-def test_one_dot_waits_once_per_dot(make, config):
-    """Triton 3.6 waits for each wgmma whose operand is a register tile before issuing the next: the 8 nibble dots
-    of a step wait 8 times (per matrix), the tiles side by side in one dot (`one_dot`) once, and the dequantized
-    weights still reach the tensor cores."""
-    waits = {}
-    for one_dot in (False, True):
-        ptx = make("bf16", dataclasses.replace(config, one_dot=one_dot)).asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx
-        waits[one_dot] = ptx.count("wgmma.wait_group")
-    dots = 2 if make is gate_up else 1
-    assert waits[False] >= 8 * dots - 1 and waits[True] <= 2 * dots, waits
 
 
 @pytest.mark.parametrize("config", **CONFIGS)
@@ -128,17 +115,30 @@ def test_config_refuses_tiles_the_kernels_cannot_take(bad):
         MT.TritonMoeConfig(**bad)
 
 
+SMALL_EXPERTS = Int4Experts(*(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (    # E 4, D 7168, I 256
+    ((4, 256, 896), jnp.int32), ((4, 224, 256), jnp.bfloat16), ((4, 256, 896), jnp.int32),
+    ((4, 224, 256), jnp.bfloat16), ((4, 7168, 32), jnp.int32), ((4, 8, 7168), jnp.bfloat16))))
+
+
+def trace_run_kernels(config, tokens: int, top_k: int = 2):
+    """run_kernels traced (not run) over SMALL_EXPERTS with `tokens` x `top_k` routed pairs."""
+    call = functools.partial(triton_call, launcher="xla")
+    jax.eval_shape(lambda x, e, i, w: MT.run_kernels(call, x, e, i, w, config),
+                   jax.ShapeDtypeStruct((tokens, 7168), jnp.bfloat16), SMALL_EXPERTS,
+                   jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), jax.ShapeDtypeStruct((tokens, top_k), jnp.float32))
+
+
 def test_split_k_must_divide_the_steps_over_d():
     """D = 7168 in steps of 32 words (256 inputs) is 28 steps: 8 splits do not divide them."""
-    experts = Int4Experts(*(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
-        ((4, 256, 896), jnp.int32), ((4, 224, 256), jnp.bfloat16), ((4, 256, 896), jnp.int32),
-        ((4, 224, 256), jnp.bfloat16), ((4, 7168, 32), jnp.int32), ((4, 8, 7168), jnp.bfloat16))))
-    config = MT.TritonMoeConfig(gate_up_splits=8)
     with pytest.raises(ValueError, match="gate_up_splits=8 does not divide the 28 steps"):
-        call = functools.partial(triton_call, launcher="xla")
-        jax.eval_shape(lambda x, e, i, w: MT.run_kernels(call, x, e, i, w, config),
-                       jax.ShapeDtypeStruct((1, 7168), jnp.bfloat16), experts,
-                       jax.ShapeDtypeStruct((1, 2), jnp.int32), jax.ShapeDtypeStruct((1, 2), jnp.float32))
+        trace_run_kernels(MT.TritonMoeConfig(gate_up_splits=8), tokens=1)
+
+
+def test_group_by_block_refuses_more_blocks_than_the_grid_axis_holds():
+    """2^20 pairs in blocks of 16 are more than CUDA's 65535 on the grid's second axis, where group_by_block puts
+    the blocks; the error names the fixes."""
+    with pytest.raises(ValueError, match="caps at 65535: use group_by_block=False or a larger block_m"):
+        trace_run_kernels(MT.TritonMoeConfig(group_by_block=True), tokens=2 ** 19)
 
 
 def test_interpret_mode_is_refused_with_the_alternatives_named():

@@ -32,6 +32,8 @@ def test_in_the_interpreter():
     (3, 320, 256, [[0, 2], [2, 0], [1, -1]], 16, dict(down_block_n=128, down_words=16)),   # the down kernel's own tiles
     (3, 512, 128, [[0, 2], [2, 0], [1, -1]], 16, dict(gate_up_splits=2)),          # split-K over D, 2 steps
     (4, 1024, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(gate_up_splits=4)),           # 4 steps, I off the block
+    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, dict(group_by_block=True)),  # grid [tiles, blocks]
+    (4, 512, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(group_by_block=True, gate_up_splits=2)),
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err
@@ -87,27 +89,25 @@ def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreig
 
 
 @triton.jit
-def _both_nibble_dots(tiles_ptr, act_ptr, eight_ptr, one_ptr, BN: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
-                      WIDTH: tl.constexpr, FIRST: tl.constexpr):
-    """`_nibble_dots` of 8 tiles [BN, W] (tiles_ptr [8, BN, W]) and inputs act_ptr [BM, WIDTH] from column FIRST,
-    without ONE_DOT into eight_ptr and with it into one_ptr, both [BN, BM]."""
+def _nibble_dots_kernel(tiles_ptr, act_ptr, out_ptr, BN: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
+                        WIDTH: tl.constexpr, FIRST: tl.constexpr):
+    """`_nibble_dots` of 8 tiles [BN, W] (tiles_ptr [8, BN, W]) and inputs act_ptr [BM, WIDTH] from column FIRST into
+    out_ptr [BN, BM]."""
     at = tiles_ptr + tl.arange(0, BN)[:, None] * W + tl.arange(0, W)[None, :]
     tiles = (tl.load(at), tl.load(at + BN * W), tl.load(at + 2 * BN * W), tl.load(at + 3 * BN * W),
              tl.load(at + 4 * BN * W), tl.load(at + 5 * BN * W), tl.load(at + 6 * BN * W), tl.load(at + 7 * BN * W))
     cols = FIRST + tl.arange(0, W)
     act_at = act_ptr + tl.arange(0, BM)[:, None] * WIDTH + cols[None, :]
     out = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-    zero = tl.zeros((BN, BM), tl.float32)
-    tl.store(eight_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, zero, False))
-    tl.store(one_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, zero, True))
+    tl.store(out_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, tl.zeros((BN, BM), tl.float32)))
 
 
 @in_child
 @pytest.mark.parametrize("width,first_col,words", [(512, 256, 32), (512, 16, 16), (320, 272, 16)])
-def test_one_dot_equals_the_nibble_dots(width, first_col, words):
-    """`_nibble_dots` with ONE_DOT (the 8 tiles side by side, the inputs gathered to match, one dot) equals the 8
-    dots on random f32 tiles, for a step's first column at a block start, inside a block (16-word steps), and past
-    the end of a row 320 wide (the masked loads: nibbles whose inputs pass the width add nothing)."""
+def test_nibble_dots_equal_their_einsum(width, first_col, words):
+    """`_nibble_dots` (nibble i's inputs 32 i columns after nibble 0's) equals its einsum on random f32 tiles, for a
+    step's first column at a block start, inside a block (16-word steps), and past the end of a row 320 wide (the
+    masked loads: nibbles whose inputs pass the width add nothing)."""
     import jax
 
     from triton_interpreter import interpreter_call
@@ -117,10 +117,9 @@ def test_one_dot_equals_the_nibble_dots(width, first_col, words):
     tiles = jnp.asarray(rng.standard_normal((8, bn, words)), jnp.float32)
     act = jnp.asarray(rng.standard_normal((bm, width)), jnp.float32)
     out = jax.ShapeDtypeStruct((bn, bm), jnp.float32)
-    eight, one = interpreter_call(tiles, act, kernel=_both_nibble_dots, out_shape=(out, out), grid=(1,), BN=bn, BM=bm,
-                                  W=words, WIDTH=width, FIRST=first_col)
+    got = interpreter_call(tiles, act, kernel=_nibble_dots_kernel, out_shape=out, grid=(1,), BN=bn, BM=bm, W=words,
+                           WIDTH=width, FIRST=first_col)
     cols = first_col + 32 * np.arange(8)[:, None] + np.arange(words)[None, :]             # [8, W]
     padded = np.concatenate([np.asarray(act), np.zeros((bm, 256), np.float32)], axis=1)
     want = np.einsum("inw,miw->nm", np.asarray(tiles, np.float64), padded[:, cols] * (cols < width))
-    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(eight, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

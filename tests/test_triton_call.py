@@ -41,7 +41,7 @@ def test_int4_moe_lowers_to_xla_triton_calls(tokens):
                         spec((tokens, TOP_K), I32), spec((tokens, TOP_K), F32))
     routed = tokens * TOP_K <= MT.MAX_ROUTED_PAIRS
     assert text.count(XLA_TRITON_TARGET) == 3 + routed
-    assert (f'name = "_route_kernel"' in text) == routed and ("sort" in text) != routed
+    assert ('name = "_route_kernel"' in text) == routed and ("sort" in text) != routed
     for name in ("_gate_up_kernel", "_down_kernel", "_combine_kernel"):
         assert f'name = "{name}"' in text
 
@@ -59,7 +59,7 @@ def test_int4_moe_lowers_to_ffi_launches_of_triton_cubins():
     gate_up = kernel_cubin(MT._gate_up_kernel, ("*i32", "*i32", "*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16"),
                            tuple(sorted((k, int, v) for k, v in dict(
                                NUM_EXPERTS=E, NUM_TOKENS=8, HIDDEN=D, INTER=I, ROW_WORDS=D // 8, H_COLS=I,
-                               BM=config.block_m, BN=config.block_n, WORDS=config.words, SPLITS=1, ONE_DOT=False,
+                               BM=config.block_m, BN=config.block_n, WORDS=config.words, SPLITS=1, GROUP_BY_BLOCK=False,
                                ROWS=M.num_route_blocks(8 * TOP_K, E, config.block_m) * config.block_m).items())),
                            config.num_warps, config.num_stages, 90)
     assert gate_up.shared_mem > 48 * 1024 and f"shared_mem = {gate_up.shared_mem} : i32" in text
