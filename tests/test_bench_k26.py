@@ -65,7 +65,7 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
     assert set(cases) == {("prefill", 1, 16), ("ar", 1, 1), ("verify", 1, 5), ("ar", 8, 1), ("verify", 8, 5)}
     for case in cases.values():
         assert "error" not in case and "skipped" not in case, case
-        for key in ("step_ms", "step_ms_min", "compile_s", "model_bytes", "device_bytes", "flops"):
+        for key in ("step_ms", "step_ms_min", "step_ms_pipelined", "compile_s", "model_bytes", "device_bytes", "flops"):
             assert np.isfinite(case[key]) and case[key] > 0, (key, case)
         for kind in ("model", "device", "compute"):
             assert np.isfinite(case["floor_ms"][kind]) and case["floor_ms"][kind] > 0, case
