@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import math
 import time
 
@@ -169,10 +170,32 @@ def tokamax_moe(x, gate_up_q, gate_up_scale, down_q, down_scale, ids, weights, *
                        num_experts=gate_up_q.shape[0])
 
 
-def _tokamax_fns(modules) -> dict:
-    """{job name: jitted fn(x, gate_up_q, gate_up_scale, down_q, down_scale, ids, weights)} per implementation."""
-    return {f"tokamax_{impl}": jax.jit(functools.partial(tokamax_moe, modules=modules, implementation=impl))
-            for impl in TOKAMAX_IMPLEMENTATIONS}
+def tokamax_path_missing(implementation: str) -> str | None:
+    """Why tokamax 0.0.17's `implementation` cannot run here, known before trying it (None: try it). Its Triton
+    path calls jax-triton >= 0.4's `triton_call`, which needs Triton >= 3.7 (the H200 image has 3.6)."""
+    if implementation != "triton":
+        return None
+    try:
+        version = importlib.metadata.version("jax-triton")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version is None or tuple(int(p) for p in version.split(".")[:2]) < (0, 4):
+        return (f"tokamax's Triton path needs jax-triton >= 0.4 (and Triton >= 3.7); found "
+                f"{'jax-triton ' + version if version else 'no jax-triton'}")
+    return None
+
+
+def _tokamax_fns(modules) -> tuple[dict, dict]:
+    """({job name: jitted fn(x, gate_up_q, gate_up_scale, down_q, down_scale, ids, weights)} per implementation that
+    may run, {job name: why not} for the others)."""
+    fns, missing = {}, {}
+    for impl in TOKAMAX_IMPLEMENTATIONS:
+        why = tokamax_path_missing(impl)
+        if why:
+            missing[f"tokamax_{impl}"] = why
+        else:
+            fns[f"tokamax_{impl}"] = jax.jit(functools.partial(tokamax_moe, modules=modules, implementation=impl))
+    return fns, missing
 
 
 def gather_einsum_moe(x, gate_up, down, ids, weights):
@@ -264,7 +287,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 if int4_weights is None:
                     int4_weights = _int4_weights(experts)
                 int4_sets = [(x, *int4_weights, ids, w) for x, _, ids, w in sets]
-                peers = _tokamax_fns(tokamax_modules)
+                peers, missing_peers = _tokamax_fns(tokamax_modules)
+                peers_failed.update(missing_peers)
                 peer_errors, failed_peers = try_candidates(
                     peers, lambda fn: fn(*int4_sets[0])[:sub].astype(jnp.float32), ref)
                 errors.update(peer_errors)

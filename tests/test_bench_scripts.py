@@ -142,3 +142,23 @@ def test_profile_moe_tiling_flag(capsys):
         with pytest.raises(SystemExit):
             parse_tiling([bad])
         assert "is not field=integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("installed,why", [("0.3.1", "found jax-triton 0.3.1"), (None, "found no jax-triton"),
+                                           ("0.4.0", None)])
+def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installed, why):
+    """kernels_moe records why tokamax's Triton path cannot run (its jax-triton >= 0.4 `triton_call`) instead of
+    the TypeError that calling it with jax-triton 0.3.1 raises; its other paths are tried."""
+    import importlib.metadata
+
+    from experiments import kernels_moe
+
+    def version(name):
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    missing = kernels_moe.tokamax_path_missing("triton")
+    assert missing is None if why is None else "needs jax-triton >= 0.4" in missing and why in missing
+    assert kernels_moe.tokamax_path_missing("mosaic") is None and kernels_moe.tokamax_path_missing("xla") is None
