@@ -29,8 +29,8 @@ What runs:
   ancestors; positions prefix + depth), argmax per node. Drafting, tree build, accept and compaction are not in it.
 - Time: wall clock of the compiled step with `jax.block_until_ready`, the cache donated and fed back, median of
   --reps calls after --warmup calls; and `step_ms_pipelined`: --reps calls issued one after another with one wait at
-  the end, per call (the host runs ahead: where it equals step_ms, the step is bound by the host's launches, not by
-  the wait for each result).
+  the end, per call (the host may run ahead). Their gap is the per-call dispatch and wait that pipelining hides;
+  equal values fit a host-bound step as well as a device-bound one, which the profile's busy time tells apart.
   --profile_dir also writes a profiler trace with one annotation per call ("k26|case|rep") and records each case's
   device span, busy time and longest kernels per step (`device_profile` in the JSON).
 - Bytes per device: the params and the cache each device actually holds, and `compiled.memory_analysis()`.

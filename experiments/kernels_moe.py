@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import re
 import time
 
 import jax
@@ -179,7 +180,8 @@ def tokamax_path_missing(implementation: str) -> str | None:
         version = importlib.metadata.version("jax-triton")
     except importlib.metadata.PackageNotFoundError:
         version = None
-    if version is None or tuple(int(p) for p in version.split(".")[:2]) < (0, 4):
+    major_minor = re.match(r"(\d+)\.(\d+)", version or "")
+    if not major_minor or tuple(map(int, major_minor.groups())) < (0, 4):
         return (f"tokamax's Triton path needs jax-triton >= 0.4 (and Triton >= 3.7); found "
                 f"{'jax-triton ' + version if version else 'no jax-triton'}")
     return None

@@ -29,11 +29,13 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jaxlib
 
 TARGET = "kdtree_triton_launch"
+_COMPILE_LOCK = threading.Lock()
 SOURCE = pathlib.Path(__file__).with_name("triton_ffi_launch.cc")
 
 
@@ -55,7 +57,7 @@ def compile_cubin(source, num_warps: int, num_stages: int, compute_capability: i
     import triton   # noqa: PLC0415 (Triton is only needed where a kernel is lowered)
     from triton.backends.compiler import GPUTarget   # noqa: PLC0415
 
-    with triton.knobs.cache.scope():
+    with _COMPILE_LOCK, triton.knobs.cache.scope():     # the scope saves and restores process-wide settings
         if not triton.knobs.cache.dir:      # importing jax-triton sets TRITON_CACHE_DIR empty: Triton's compile fails
             triton.knobs.cache.dir = str(writable_build_directory() / "triton")
         compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),

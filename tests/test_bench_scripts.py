@@ -145,7 +145,7 @@ def test_profile_moe_tiling_flag(capsys):
 
 
 @pytest.mark.parametrize("installed,why", [("0.3.1", "found jax-triton 0.3.1"), (None, "found no jax-triton"),
-                                           ("0.4.0", None)])
+                                           ("0.4.0", None), ("0.4rc1", None)])
 def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installed, why):
     """kernels_moe records why tokamax's Triton path cannot run (its jax-triton >= 0.4 `triton_call`) instead of
     the TypeError that calling it with jax-triton 0.3.1 raises; its other paths are tried."""

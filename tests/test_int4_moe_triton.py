@@ -139,6 +139,7 @@ def test_group_by_block_refuses_more_blocks_than_the_grid_axis_holds():
     the blocks; the error names the fixes."""
     with pytest.raises(ValueError, match="caps at 65535: use group_by_block=False or a larger block_m"):
         trace_run_kernels(MT.TritonMoeConfig(group_by_block=True), tokens=2 ** 19)
+    trace_run_kernels(MT.TritonMoeConfig(), tokens=2 ** 19)       # [blocks, tiles]: the blocks on the first axis
 
 
 def test_interpret_mode_is_refused_with_the_alternatives_named():

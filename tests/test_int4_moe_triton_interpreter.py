@@ -32,8 +32,8 @@ def test_in_the_interpreter():
     (3, 320, 256, [[0, 2], [2, 0], [1, -1]], 16, dict(down_block_n=128, down_words=16)),   # the down kernel's own tiles
     (3, 512, 128, [[0, 2], [2, 0], [1, -1]], 16, dict(gate_up_splits=2)),          # split-K over D, 2 steps
     (4, 1024, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(gate_up_splits=4)),           # 4 steps, I off the block
-    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, dict(group_by_block=True)),  # grid [tiles, blocks]
-    (4, 512, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(group_by_block=True, gate_up_splits=2)),
+    (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True)),    # grid [tiles, blocks]: more
+    (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True, gate_up_splits=2)),  # blocks than tiles
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err

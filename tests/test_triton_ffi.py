@@ -78,11 +78,26 @@ def test_an_unwritable_build_directory_is_named_with_the_fix(tmp_path, monkeypat
 def test_triton_without_a_cache_directory_compiles_into_the_build_directory(tmp_path, monkeypatch):
     """TRITON_CACHE_DIR set empty (jax-triton 0.3.1 does it on import) makes Triton's own compile fail ("Could not
     create or locate cache dir"); the launcher gives that compile a cache under the build directory and leaves the
-    setting as it was."""
+    setting as it was, also when two threads compile at once (the setting is the process's)."""
+    import threading
+
+    import triton
+
     monkeypatch.setenv("KDTREE_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", "")
-    source = kernel_source(MT._combine_kernel, ("*i32", "*bf16", "*bf16"),
-                           (("TOP_K", int, 8), ("HIDDEN", int, 2048), ("BD", int, 1024)))
-    compiled = triton_ffi.compile_cubin(source, num_warps=4, num_stages=1, compute_capability=90)
-    assert compiled.cubin.startswith(b"\x7fELF") and compiled.name == "_combine_kernel"
+    compiled = {}
+
+    def compile_combine(hidden: int):
+        source = kernel_source(MT._combine_kernel, ("*i32", "*bf16", "*bf16"),
+                               (("TOP_K", int, 8), ("HIDDEN", int, hidden), ("BD", int, 1024)))
+        compiled[hidden] = triton_ffi.compile_cubin(source, num_warps=4, num_stages=1, compute_capability=90)
+
+    threads = [threading.Thread(target=compile_combine, args=(hidden,)) for hidden in (2048, 3072)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(compiled) == [2048, 3072]
+    assert all(c.cubin.startswith(b"\x7fELF") and c.name == "_combine_kernel" for c in compiled.values())
     assert list((tmp_path / "triton").iterdir()) and os.environ["TRITON_CACHE_DIR"] == ""
+    assert "dir" not in vars(triton.knobs.cache)
