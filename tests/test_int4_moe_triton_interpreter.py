@@ -37,7 +37,6 @@ def test_in_the_interpreter():
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err
-    from pallas_kernels import int4_moe_triton as MT
     from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
     from test_int4_moe import compressed_tensors_experts, numpy_moe
     from triton_interpreter import interpreter_call

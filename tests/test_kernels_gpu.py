@@ -142,7 +142,7 @@ def test_int4_moe_code_target_shapes():
     x = jnp.asarray(rng.standard_normal((16, cfg.hidden_size)), jnp.bfloat16)
     out = MT.int4_moe(x, experts, ids, weights)
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, M.int4_moe_reference(x, experts, ids, weights)) < 1e-2
+    assert rel_err(out, REFERENCE_MOE(x, experts, ids, weights)) < 1e-2
 
 
 @pytest.mark.parametrize("kernel", [MT.int4_moe, functools.partial(MT.int4_moe, config=MEDIUM_BLOCKS),
