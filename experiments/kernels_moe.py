@@ -69,11 +69,13 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),
                       dataclasses.replace(base, group_by_block=True)]
     else:
-        candidates = [Config(block_m=64, block_n=128, words=16, num_warps=8),
+        candidates = [dataclasses.replace(base, group_by_block=False),
                       Config(block_m=64, block_n=128, words=32, num_warps=8),
-                      Config(block_m=128, block_n=64, words=16, num_warps=4),
-                      Config(block_m=128, block_n=128, words=16, num_warps=8, num_stages=4),
-                      dataclasses.replace(base, group_by_block=True),
+                      Config(block_m=128, block_n=64, words=16, num_warps=4, group_by_block=True),
+                      dataclasses.replace(base, num_stages=4),
+                      dataclasses.replace(base, down_num_stages=2),         # two down blocks per SM (~80 KB each)
+                      dataclasses.replace(base, num_stages=2),
+                      Config(block_m=64, block_n=128, words=16, num_warps=8, group_by_block=True),
                       Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True)]
     return [c for c in candidates if c != base]
 

@@ -40,7 +40,8 @@ from pallas_kernels.triton_call import LAUNCHERS, bound_to
 class TritonMoeConfig:
     """Tiling: block_m pairs (tokens of one expert) per block, block_n output rows per program, `words` packed words
     per row per step (16 or 32: 128 or 256 inputs); num_warps and num_stages as in Triton. The down kernel takes
-    down_block_n and down_words where given (its rows are D, its inputs only I), else block_n and words.
+    down_block_n, down_words and down_num_stages where given (its rows are D, its inputs only I; fewer stages fit two
+    of its blocks on an SM), else block_n, words and num_stages.
     gate_up_splits: programs along D per gate_up tile (split-K: each writes f32 partial sums of gate and up, which
     `_gate_up_reduce_kernel` adds in split order before silu; more programs where few experts leave SMs idle). The
     partials take splits x rows x 2 x I x 4 bytes (rows: the routed blocks' pairs): meant for small M.
@@ -55,6 +56,7 @@ class TritonMoeConfig:
     num_stages: int = 3
     down_block_n: int | None = None
     down_words: int | None = None
+    down_num_stages: int | None = None
     gate_up_splits: int = 1
     group_by_block: bool = False
 
@@ -68,10 +70,13 @@ class TritonMoeConfig:
             if getattr(self, name) not in (16, 32) and (name == "words" or getattr(self, name) is not None):
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be 16 or 32 (128 or 256 inputs "
                                  "per step)")
+        for name in ("num_stages", "down_num_stages"):
+            if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 8:
+                raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be in [1, 8]")
 
-    def down_tiling(self) -> tuple[int, int]:
-        """(rows per program, words per step) of the down kernel."""
-        return self.down_block_n or self.block_n, self.down_words or self.words
+    def down_tiling(self) -> tuple[int, int, int]:
+        """(rows per program, words per step, pipeline stages) of the down kernel."""
+        return self.down_block_n or self.block_n, self.down_words or self.words, self.down_num_stages or self.num_stages
 
 
 MAX_GRID_Y = 65535        # CUDA's limit on a grid's second and third axes
@@ -84,7 +89,9 @@ def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
     expert's weights still streamed about once), of 128 once the GEMMs are dense. With 16-token blocks: 128 output
     rows per program once there are WIDE_ROWS_PAIRS pairs (M = 8: 487 against 585 us with 64 rows); below, the few
     experts' gate_up rows need 64-row programs to cover the SMs (M = 1: 128 rows left gate_up at 77 against 48 us),
-    4 stages, and 128-row programs for down (30 against 34 us). kernels.md, "Tenth session"."""
+    4 stages, and 128-row programs for down (30 against 34 us). kernels.md, "Tenth session". Dense blocks launch a
+    block's programs together (group_by_block; ncu at M=4096: down 5.24 -> 4.40 ms, its DRAM traffic 14.9 -> 3.8 GB;
+    kernels.md, "Fourteenth session") unless the blocks overflow the grid's second axis."""
     per_expert = num_pairs / num_experts
     if per_expert < 16 and num_pairs >= WIDE_ROWS_PAIRS:
         return TritonMoeConfig(block_m=16, block_n=128, words=32, num_warps=4, num_stages=3)
@@ -92,7 +99,8 @@ def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
         return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=4, down_block_n=128)
     if per_expert < 48:
         return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3)
-    return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3)
+    return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3,
+                           group_by_block=ref.num_route_blocks(num_pairs, num_experts, 128) <= MAX_GRID_Y)
 
 
 @triton.jit
@@ -391,7 +399,8 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     """The tiling a call runs with: f32 activations (tests, references) take at most two stages, whose 4-byte tiles
     overflow the H200's shared memory at three with the large tiling (237 KB asked)."""
     if dtype == jnp.float32:
-        return dataclasses.replace(config, num_stages=min(config.num_stages, 2))
+        return dataclasses.replace(config, num_stages=min(config.num_stages, 2),
+                                   down_num_stages=min(config.down_tiling()[2], 2))
     return config
 
 
@@ -457,12 +466,12 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         h = call(block_token, h, kernel=_gate_up_reduce_kernel, out_shape=h_shape,
                  grid=(rows // row_block, triton.cdiv(inter_padded, columns)), NUM_TOKENS=m, ROWS=rows,
                  H_COLS=inter_padded, SPLITS=splits, RB=row_block, CB=columns, num_warps=4, num_stages=1)
-    down_n, down_step_words = cfg.down_tiling()
+    down_n, down_step_words, down_stages = cfg.down_tiling()
     y = call(
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=grid(triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
-        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words))
+        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, num_stages=down_stages))
     return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
                 grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
                 num_warps=4, num_stages=1)

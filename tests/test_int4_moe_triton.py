@@ -20,9 +20,9 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
-    rows, words = config.down_tiling() if down else (config.block_n, config.words)
+    rows, words, stages = config.down_tiling() if down else (config.block_n, config.words, config.num_stages)
     constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block)
-    return compile_for_h200(kernel, pointers, constants, config.num_warps, config.num_stages)
+    return compile_for_h200(kernel, pointers, constants, config.num_warps, stages)
 
 
 def gate_up(dtype: str, config):
@@ -42,10 +42,27 @@ def down(dtype: str, config):
 
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
-LARGE_GROUPED = dataclasses.replace(LARGE, group_by_block=True)
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_GROUPED],
+LARGE_UNGROUPED = dataclasses.replace(LARGE, group_by_block=False)
+LARGE_DOWN_2_STAGES = dataclasses.replace(LARGE, down_num_stages=2)
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED, LARGE_DOWN_2_STAGES],
                ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
-                    "large_blocks_grouped_by_block"])
+                    "large_blocks_ungrouped", "large_blocks_down_2_stages"])
+
+
+def test_large_tiling_groups_blocks_unless_the_grid_overflows():
+    """The dense tiling launches a block's programs together, and falls back to [blocks, tiles] where the routed
+    blocks would exceed CUDA's 65535 on the grid's second axis (a clear error otherwise, `run_kernels`)."""
+    assert LARGE.block_m == 128 and LARGE.group_by_block
+    huge = MT.default_config(128 * MT.MAX_GRID_Y, 384)
+    assert huge.block_m == 128 and not huge.group_by_block
+
+
+def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
+    """down_num_stages=2 with the dense tiling: the down kernel's shared memory and registers leave room for a
+    second block on an SM (228 KB per SM, 1 KB of it reserved per block), which three stages do not: ncu at M=4096
+    found one 8-warp block per SM, limited by shared memory (its 121 registers allow two)."""
+    two, three = down("bf16", LARGE_DOWN_2_STAGES), down("bf16", LARGE)
+    assert 2 * (two.metadata.shared + 1024) <= 228 * 1024 < 2 * (three.metadata.shared + 1024)
 
 
 @pytest.mark.parametrize("config", **CONFIGS)
