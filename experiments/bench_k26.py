@@ -463,19 +463,33 @@ def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, labe
 
 
 def device_profile(trace_dir: str, top: int = 24) -> dict:
-    """Per case of the trace in trace_dir (--profile_dir): the median step's device span and busy time (ms), its
-    device events, and its `top` longest kernels by name (ms per step): where a step's time goes."""
+    """Per case of the trace in trace_dir (--profile_dir), medians over its waited steps: the host's window (ms),
+    the device span and busy time inside it, how long the window ran before the first device event
+    (`before_device_ms`: the host's work before its first launch reached the GPU) and after the last
+    (`after_device_ms`), the device events, the `top` longest kernels and the `top` host events by name (ms per
+    step; nested host events each count): where a step's time goes."""
     out = {}
     for name, calls in annotation_calls(trace_dir, prefix="k26|").items():
         per_kernel: dict[str, list[float]] = {}
+        per_host: dict[str, float] = {}
         for c in calls:
             for kernel, us in c.events_us.items():
                 per_kernel.setdefault(kernel, []).append(us)
+            for line, event, _, us in c.timeline:
+                if line != "device":
+                    per_host[event[:80]] = per_host.get(event[:80], 0.0) + us
+        first = [min(e[2] for e in c.timeline if e[0] == "device") for c in calls]
         kernels = {k: float(np.sum(v)) / len(calls) / 1e3 for k, v in per_kernel.items()}
-        out[name] = dict(span_ms=float(np.median([c.span_us for c in calls])) / 1e3,
+        host = {k: v / len(calls) / 1e3 for k, v in per_host.items()}
+        out[name] = dict(window_ms=float(np.median([c.window_us for c in calls])) / 1e3,
+                         span_ms=float(np.median([c.span_us for c in calls])) / 1e3,
                          busy_ms=float(np.median([sum(c.events_us.values()) for c in calls])) / 1e3,
+                         before_device_ms=float(np.median(first)) / 1e3,
+                         after_device_ms=float(np.median([c.window_us - f - c.span_us
+                                                          for c, f in zip(calls, first)])) / 1e3,
                          device_events=float(np.median([c.events for c in calls])),
-                         top_kernels_ms=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]))
+                         top_kernels_ms=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
+                         top_host_events_ms=dict(sorted(host.items(), key=lambda kv: -kv[1])[:top]))
     return out
 
 
@@ -644,6 +658,9 @@ def main(argv):
             jax.profiler.stop_trace()
     if f.profile_dir:
         results["device_profile"] = device_profile(f.profile_dir)
+        for name, p in results["device_profile"].items():
+            print(f"{name:>24} | window {p['window_ms']:7.3f} ms: before the device {p['before_device_ms']:7.3f}, "
+                  f"span {p['span_ms']:7.3f} (busy {p['busy_ms']:7.3f}), after {p['after_device_ms']:7.3f}")
     results["meta"]["wall_s"] = time.time() - start
     dump()
     print(f"wrote {f.out} in {time.time() - start:.0f} s", flush=True)

@@ -34,6 +34,7 @@ class Call:
     d2h_copies: int                 # device-to-host copies (e.g. a while loop's predicate, once per iteration)
     timeline: list                  # [line, name, start_us, duration_us] of every host and device event in the
                                     # call's window, times from the window's start (sorted by start)
+    window_us: float = 0.0          # the host annotation's length (the call as the host saw it)
 
 
 def annotation_calls(trace_dir: str, prefix: str = "bench|") -> dict[str, list[Call]]:
@@ -73,7 +74,8 @@ def annotation_calls(trace_dir: str, prefix: str = "bench|") -> dict[str, list[C
                               key=lambda e: e[2])
             calls.setdefault(name.split("|")[1], []).append(Call(
                 span_us=(max(d[1] for d in inside) - inside[0][0]) / 1e3, events_us=per_event, events=len(inside),
-                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside), timeline=timeline))
+                d2h_copies=sum(d[2].startswith("MemcpyD2H") for d in inside), timeline=timeline,
+                window_us=(hi - lo) / 1e3))
     return calls
 
 
