@@ -53,6 +53,7 @@ What runs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -65,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.timing import annotation_calls, wall_us
@@ -330,17 +332,43 @@ def make_step(graphdef, params, mesh):
     """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache, experts hit
     [num MoE layers, E] bool), cache donated; params in their shards, every per-stream array split over data. Lower it
     under jax.set_mesh(mesh)."""
+    return _jit_step(functools.partial(_forward, graphdef), params, mesh)
+
+
+def make_step_loop(graphdef, params, mesh, steps: int):
+    """`make_step`'s signature, running the step `steps` times in one `lax.while_loop`, each step's argmax tokens the
+    next one's input (the cache fed forward): the decode loop's regime, where the host reads the loop's predicate
+    after every iteration (it depends on the tokens, so XLA cannot count the trips) and launches the next
+    iteration's kernels then. Returns the last step's outputs."""
+    def loop(params, cache, tokens, positions, visible):
+        def body(carry):
+            i, tokens, cache, _ = carry
+            tokens, cache, hit = _forward(graphdef, params, cache, tokens, positions, visible)
+            return i + 1, tokens, cache, hit
+
+        def more(carry):
+            return (carry[0] < steps) & (carry[1][0, 0] >= 0)
+
+        first = _forward(graphdef, params, cache, tokens, positions, visible)
+        _, tokens, cache, hit = lax.while_loop(more, body, (jnp.int32(1), *first))
+        return tokens, cache, hit
+
+    return _jit_step(loop, params, mesh)
+
+
+def _forward(graphdef, params, cache, tokens, positions, visible):
+    """One step: (argmax tokens [S, T], cache, experts hit [num MoE layers, E] bool)."""
+    model = nnx.merge(graphdef, params)
+    forward = nnx.capture(lambda m: m(tokens, positions, cache, visible), nnx.Intermediate,
+                          method_outputs=nnx.Intermediate)
+    fwd, intermediates = forward(model)
+    hit = expert_loads(model, nnx.to_pure_dict(intermediates)) > 0
+    return pick_tokens(fwd.logits, 0.0, None).astype(tokens.dtype), fwd.cache, hit
+
+
+def _jit_step(fn, params, mesh):
     streams = sharding.stream_sharding(mesh)
-
-    def step(params, cache, tokens, positions, visible):
-        model = nnx.merge(graphdef, params)
-        forward = nnx.capture(lambda m: m(tokens, positions, cache, visible), nnx.Intermediate,
-                              method_outputs=nnx.Intermediate)
-        fwd, intermediates = forward(model)
-        hit = expert_loads(model, nnx.to_pure_dict(intermediates)) > 0
-        return pick_tokens(fwd.logits, 0.0, None), fwd.cache, hit
-
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(streams, streams, sharding.replicated(mesh)),
+    return jax.jit(fn, donate_argnums=(1,), out_shardings=(streams, streams, sharding.replicated(mesh)),
                    in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams))
 
 
@@ -361,8 +389,10 @@ class Case:
         return f"{self.kind} S={self.streams} T={self.nodes}"
 
 
-def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_collectives, run: dict):
-    """Compile and inspect one case, then (unless run["compile_only"]) time it and its collectives.
+def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_collectives, run: dict,
+             step_loop=None):
+    """Compile and inspect one case, then (unless run["compile_only"]) time it and its collectives; with
+    `step_loop` (`make_step_loop`) also the step inside the decode loop's while loop.
 
     Returns (result row, the cache handed back by the last call: the donated one is gone)."""
     inputs = tuple(jax.device_put(a, sharding.stream_sharding(mesh))
@@ -402,6 +432,8 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
         call()
     jax.block_until_ready(state["cache"])
     pipelined_s = (time.perf_counter() - start) / run["reps"]
+    if step_loop is not None:
+        state["cache"], row["step_ms_in_loop"] = time_loop(step_loop, params, state["cache"], inputs, mesh, run)
     for key in counts.keys() - timed_collectives.keys():
         timed_collectives[key] = time_collective(mesh, *key, run["reps"])
     collectives = collective_summary(counts, timed_collectives)
@@ -436,7 +468,8 @@ def format_row(r: dict) -> str:
         return f"{case} {r.get('skipped') or r.get('error')}"
     floor, coll = r["floor_ms"], r["collectives"]
     frac = r.get("fraction_of_floor", {})
-    step = (f"step {r['step_ms']:9.3f} ms (pipelined {r.get('step_ms_pipelined', float('nan')):9.3f}; model floor "
+    step = (f"step {r['step_ms']:9.3f} ms (pipelined {r.get('step_ms_pipelined', float('nan')):9.3f}, in a loop "
+            f"{r.get('step_ms_in_loop', float('nan')):9.3f}; model floor "
             f"{frac['model']:6.1%}, device floor {frac['device']:6.1%})" if "step_ms" in r else "compiled only")
     if r.get("experts_hit_per_layer"):
         step += (f" | experts hit {np.mean(r['experts_hit_per_layer']):5.1f} (uniform "
@@ -446,6 +479,20 @@ def format_row(r: dict) -> str:
             f"{floor['model']:7.3f} device {floor['device']:7.3f} compute {floor['compute']:7.3f} | read "
             f"{r['model_bytes'] / GB:7.2f} GB, {r['device_bytes'] / GB:6.2f} GB/dev | collectives {coll['count']:4d}, "
             f"{coll['bytes'] / 1e6:8.2f} MB/dev{timed} | temp {r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
+
+
+def time_loop(step_loop, params, cache, inputs, mesh, run: dict) -> tuple[KVCache, float]:
+    """(the cache handed back, ms per step) of `make_step_loop`'s function: median of --reps waited calls after
+    --warmup, each call's wall clock over its run["loop_steps"] steps."""
+    with jax.set_mesh(mesh):
+        compiled = step_loop.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
+    times = []
+    for r in range(run["warmup"] + run["reps"]):
+        start = time.perf_counter()
+        _, cache, _ = jax.block_until_ready(compiled(params, cache, *inputs))
+        if r >= run["warmup"]:
+            times.append(time.perf_counter() - start)
+    return cache, float(np.median(times)) / run["loop_steps"] * 1e3
 
 
 def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, label: str) -> dict:
@@ -505,6 +552,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("prefill_tokens", 512, "tokens of the one timed prefill (one stream per data group, empty "
                          "cache; 0: none)")
     flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
+    flags.DEFINE_integer("loop_steps", 8, "also time the step inside a while loop of this many steps, as the decode "
+                         "loop runs it (`step_ms_in_loop`; 0: not)")
     flags.DEFINE_integer("warmup", 2, "untimed calls per case after compiling")
     flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: a shrunken config for a CPU smoke run")
     flags.DEFINE_float("bandwidth_GBps", 4300.0, "HBM bandwidth of one device for the floors (H200: ~4.3 TB/s copy)")
@@ -531,6 +580,8 @@ def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
     if not streams or min(streams) < 1 or min(budgets, default=1) < 1 or f.prefix < 0 or f.prefill_tokens < 0:
         raise ValueError(f"--streams {streams} and --budgets {budgets} must be positive, --prefix {f.prefix} and "
                          f"--prefill_tokens {f.prefill_tokens} non-negative")
+    if f.loop_steps < 0:
+        raise ValueError(f"--loop_steps {f.loop_steps} must be >= 0 (0: no timing in a loop)")
     if f.prefix + max(budgets, default=0) + 1 > max_position or f.prefill_tokens > max_position:
         raise ValueError(f"--prefix {f.prefix} + the largest tree ({max(budgets, default=0) + 1} nodes) or "
                          f"--prefill_tokens {f.prefill_tokens} passes the model's max_position_embeddings "
@@ -584,12 +635,13 @@ def main(argv):
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only)
+               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
+               loop_steps=f.loop_steps)
     axis_sizes = dict(mesh.shape)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
-                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup,
+                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
@@ -623,6 +675,7 @@ def main(argv):
     dump()
 
     step = make_step(graphdef, params, mesh)
+    step_loop = make_step_loop(graphdef, params, mesh, f.loop_steps) if f.loop_steps else None
     rng = np.random.default_rng(f.seed)
     timed_collectives: dict = {}
     if f.profile_dir:
@@ -646,7 +699,7 @@ def main(argv):
                                              f.seed + case.streams, abstract=f.compile_only)
                         cache_key = (case.streams, case.prefix)
                     row, cache = run_case(case, step, params, cache, mesh, cfg, weights, rng, timed_collectives,
-                                          run)
+                                          run, step_loop if case.kind != "prefill" else None)
                 except Exception as e:  # noqa: BLE001 - a failed case (compile error, out of memory) is a result
                     row = dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")
                     cache, cache_key = None, None  # a donated cache may be gone: make a new one

@@ -67,16 +67,14 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),
-                      dataclasses.replace(base, group_by_block=True)]
+                      dataclasses.replace(base, group_by_block=False)]
     else:
-        candidates = [dataclasses.replace(base, group_by_block=False),
-                      Config(block_m=64, block_n=128, words=32, num_warps=8),
-                      Config(block_m=128, block_n=64, words=16, num_warps=4, group_by_block=True),
+        candidates = [dataclasses.replace(base, group_by_block=False, down_num_stages=None),
+                      dataclasses.replace(base, down_num_stages=None),     # one down block per SM (3 stages)
+                      dataclasses.replace(base, group_by_block=False),
+                      Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True, down_num_stages=2),
                       dataclasses.replace(base, num_stages=4),
-                      dataclasses.replace(base, down_num_stages=2),         # two down blocks per SM (~80 KB each)
-                      dataclasses.replace(base, num_stages=2),
-                      Config(block_m=64, block_n=128, words=16, num_warps=8, group_by_block=True),
-                      Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True)]
+                      dataclasses.replace(base, num_stages=2, down_num_stages=None)]
     return [c for c in candidates if c != base]
 
 

@@ -89,18 +89,21 @@ def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
     expert's weights still streamed about once), of 128 once the GEMMs are dense. With 16-token blocks: 128 output
     rows per program once there are WIDE_ROWS_PAIRS pairs (M = 8: 487 against 585 us with 64 rows); below, the few
     experts' gate_up rows need 64-row programs to cover the SMs (M = 1: 128 rows left gate_up at 77 against 48 us),
-    4 stages, and 128-row programs for down (30 against 34 us). kernels.md, "Tenth session". Dense blocks launch a
-    block's programs together (group_by_block; ncu at M=4096: down 5.24 -> 4.40 ms, its DRAM traffic 14.9 -> 3.8 GB;
-    kernels.md, "Fourteenth session") unless the blocks overflow the grid's second axis."""
+    4 stages, and 128-row programs for down (30 against 34 us). kernels.md, "Tenth session". From 32-token blocks a
+    block's programs launch together (group_by_block, unless the blocks overflow the grid's second axis): M=1024
+    4.68 -> 3.69 ms; at M=4096 10.86 ms against 11.48, and 9.86 with the down kernel at two stages (two blocks per
+    SM; ncu: down's DRAM traffic 14.9 -> 3.8 GB). kernels.md, "Fourteenth session"."""
     per_expert = num_pairs / num_experts
     if per_expert < 16 and num_pairs >= WIDE_ROWS_PAIRS:
         return TritonMoeConfig(block_m=16, block_n=128, words=32, num_warps=4, num_stages=3)
     if per_expert < 16:
         return TritonMoeConfig(block_m=16, block_n=64, words=32, num_warps=4, num_stages=4, down_block_n=128)
+    block_m = 32 if per_expert < 48 else 128
+    grouped = ref.num_route_blocks(num_pairs, num_experts, block_m) <= MAX_GRID_Y
     if per_expert < 48:
-        return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3)
-    return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3,
-                           group_by_block=ref.num_route_blocks(num_pairs, num_experts, 128) <= MAX_GRID_Y)
+        return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3, group_by_block=grouped)
+    return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3, down_num_stages=2,
+                           group_by_block=grouped)
 
 
 @triton.jit

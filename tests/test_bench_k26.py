@@ -6,7 +6,9 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -65,7 +67,8 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
     assert set(cases) == {("prefill", 1, 16), ("ar", 1, 1), ("verify", 1, 5), ("ar", 8, 1), ("verify", 8, 5)}
     for case in cases.values():
         assert "error" not in case and "skipped" not in case, case
-        for key in ("step_ms", "step_ms_min", "step_ms_pipelined", "compile_s", "model_bytes", "device_bytes", "flops"):
+        timed = ("step_ms", "step_ms_min", "step_ms_pipelined", "compile_s", "model_bytes", "device_bytes", "flops")
+        for key in timed + (("step_ms_in_loop",) if case["kind"] != "prefill" else ()):
             assert np.isfinite(case[key]) and case[key] > 0, (key, case)
         for kind in ("model", "device", "compute"):
             assert np.isfinite(case["floor_ms"][kind]) and case["floor_ms"][kind] > 0, case
@@ -89,6 +92,25 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
     assert results["params"]["per_device_bytes"] == [per_device] * DEVICES
     assert per_device < whole / 4
     assert sum(v for k, v in results["weights"].items() if k.endswith("_per_device")) == per_device
+
+
+def test_step_loop_runs_the_step_its_number_of_times():
+    """make_step_loop's while loop equals the step called 3 times, each call's argmax tokens the next one's input
+    (tokens, cache and experts hit), so `step_ms_in_loop` times 3 real steps."""
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    mesh = bench.bench_mesh("tp=1")
+    graphdef, params, _ = bench.make_params(cfg, mesh, 0, False)
+    rng = np.random.default_rng(0)
+    inputs = bench.block_inputs(rng, cfg, "verify", 2, 5, 16)
+    step, loop = bench.make_step(graphdef, params, mesh), bench.make_step_loop(graphdef, params, mesh, 3)
+    with jax.set_mesh(mesh):
+        tokens, cache = inputs[0], bench.random_cache(cfg, mesh, 2, 64, 16, 1)
+        for _ in range(3):
+            tokens, cache, hit = step(params, cache, tokens, *inputs[1:])
+        looped = loop(params, bench.random_cache(cfg, mesh, 2, 64, 16, 1), *inputs)
+    for a, b in zip(jax.tree.leaves((tokens, cache, hit)), jax.tree.leaves(looped)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(tokens), inputs[0])      # the tokens moved on
 
 
 def test_compile_only_on_8_cpu_devices(tmp_path):
@@ -151,6 +173,9 @@ def test_hlo_collectives_reads_sync_async_and_combined_ops():
 def test_flag_errors_and_append_guard(tmp_path):
     with pytest.raises(ValueError, match="--layers"):
         bench.bench_config("kimi_k2_6", "full", -1)
+    with pytest.raises(ValueError, match="--loop_steps"):
+        bench.cases_from_flags(SimpleNamespace(streams=["1"], budgets=["4"], prefix=16, prefill_tokens=0,
+                                               loop_steps=-1), 1024, 1)
     with pytest.raises(ValueError, match="--scale"):
         bench.bench_config("kimi_k2_6", "huge", 0)
     assert bench.bench_config("kimi_k2_6", "full", 4).num_layers == 4

@@ -42,26 +42,28 @@ def down(dtype: str, config):
 
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
-LARGE_UNGROUPED = dataclasses.replace(LARGE, group_by_block=False)
-LARGE_DOWN_2_STAGES = dataclasses.replace(LARGE, down_num_stages=2)
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED, LARGE_DOWN_2_STAGES],
+LARGE_UNGROUPED_3_STAGES = dataclasses.replace(LARGE, group_by_block=False, down_num_stages=None)
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES],
                ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
-                    "large_blocks_ungrouped", "large_blocks_down_2_stages"])
+                    "large_blocks_ungrouped_3_stages"])
 
 
 def test_large_tiling_groups_blocks_unless_the_grid_overflows():
-    """The dense tiling launches a block's programs together, and falls back to [blocks, tiles] where the routed
-    blocks would exceed CUDA's 65535 on the grid's second axis (a clear error otherwise, `run_kernels`)."""
-    assert LARGE.block_m == 128 and LARGE.group_by_block
+    """The 32- and 128-token tilings launch a block's programs together, and fall back to [blocks, tiles] where the
+    routed blocks would exceed CUDA's 65535 on the grid's second axis (a clear error otherwise, `run_kernels`)."""
+    assert (MEDIUM.block_m, LARGE.block_m) == (32, 128) and MEDIUM.group_by_block and LARGE.group_by_block
     huge = MT.default_config(128 * MT.MAX_GRID_Y, 384)
     assert huge.block_m == 128 and not huge.group_by_block
+    many_experts = MT.default_config(20 * 65536, 65536)          # 40960 + 65536 blocks of 32 tokens
+    assert many_experts.block_m == 32 and not many_experts.group_by_block
 
 
 def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
     """down_num_stages=2 with the dense tiling: the down kernel's shared memory and registers leave room for a
     second block on an SM (228 KB per SM, 1 KB of it reserved per block), which three stages do not: ncu at M=4096
     found one 8-warp block per SM, limited by shared memory (its 121 registers allow two)."""
-    two, three = down("bf16", LARGE_DOWN_2_STAGES), down("bf16", LARGE)
+    assert LARGE.down_tiling()[2] == 2
+    two, three = down("bf16", LARGE), down("bf16", LARGE_UNGROUPED_3_STAGES)
     assert 2 * (two.metadata.shared + 1024) <= 228 * 1024 < 2 * (three.metadata.shared + 1024)
 
 
