@@ -178,16 +178,16 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
     weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((8, K26.hidden_size)), jnp.bfloat16)
 
-    def chain(moe, x):
+    def chain(moe, x, experts, ids, weights):     # every array an argument: closed-over ones would be constants
         for i in range(4):
-            x = moe(x * 0.5 + 1.0, k26_experts, ids[:, i], weights[:, i]).astype(x.dtype)
+            x = moe(x * 0.5 + 1.0, experts, ids[:, i], weights[:, i]).astype(x.dtype)
         return x
 
     kernel_chain = jax.jit(functools.partial(chain, functools.partial(MT.int4_moe, launcher=launcher)))
     reference_chain = jax.jit(functools.partial(chain, M.int4_moe_reference))
     for call in range(3):
         x = x + call
-        out, want = kernel_chain(x), reference_chain(x)
+        out, want = kernel_chain(x, k26_experts, ids, weights), reference_chain(x, k26_experts, ids, weights)
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_err(out, want) < 2e-2, call
 
