@@ -514,21 +514,22 @@ def device_profile(trace_dir: str, top: int = 24) -> dict:
     """Per case of the trace in trace_dir (--profile_dir), medians over its waited steps: the host's window (ms),
     the device span and busy time inside it, how long the window ran before the first device event
     (`before_device_ms`: the host's work before its first launch reached the GPU) and after the last
-    (`after_device_ms`), the device events, the `top` longest kernels and the `top` host events by name (ms per
-    step; nested host events each count): where a step's time goes."""
+    (`after_device_ms`), the device events, the `top` longest kernels (mean ms per step) and the `top` host events by
+    name (median over the steps of each name's total ms, nested events each counting; the first warm-up call's
+    one-time work stays out of it): where a step's time goes."""
     out = {}
     for name, calls in annotation_calls(trace_dir, prefix="k26|").items():
         per_kernel: dict[str, list[float]] = {}
-        per_host: dict[str, float] = {}
-        for c in calls:
+        per_host = [{} for _ in calls]
+        for c, host_of_call in zip(calls, per_host):
             for kernel, us in c.events_us.items():
                 per_kernel.setdefault(kernel, []).append(us)
             for line, event, _, us in c.timeline:
                 if line != "device":
-                    per_host[event[:80]] = per_host.get(event[:80], 0.0) + us
+                    host_of_call[event[:80]] = host_of_call.get(event[:80], 0.0) + us
         first = [min(e[2] for e in c.timeline if e[0] == "device") for c in calls]
         kernels = {k: float(np.sum(v)) / len(calls) / 1e3 for k, v in per_kernel.items()}
-        host = {k: v / len(calls) / 1e3 for k, v in per_host.items()}
+        host = {k: float(np.median([h.get(k, 0.0) for h in per_host])) / 1e3 for k in set().union(*per_host)}
         out[name] = dict(window_ms=float(np.median([c.window_us for c in calls])) / 1e3,
                          span_ms=float(np.median([c.span_us for c in calls])) / 1e3,
                          busy_ms=float(np.median([sum(c.events_us.values()) for c in calls])) / 1e3,

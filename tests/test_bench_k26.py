@@ -121,6 +121,27 @@ def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_device_profile_splits_the_host_window(monkeypatch):
+    """device_profile from a trace's calls: the window's time before the first device event and after the last,
+    the span, and host events as medians over the calls (one slow first call does not move them)."""
+    from experiments.timing import Call
+
+    def call(window, first, span, host_us):
+        timeline = [["host/main", "Execute", 0.0, host_us], ["device", "kernel_a", first, span / 2],
+                    ["device", "kernel_b", first + span / 2, span / 2]]
+        return Call(span_us=span, events_us={"kernel_a": span / 2, "kernel_b": span / 2}, events=2, d2h_copies=0,
+                    timeline=timeline, window_us=window)
+
+    calls = [call(3000.0, 600.0, 1500.0, 100.0), call(2800.0, 500.0, 1500.0, 120.0),
+             call(90000.0, 600.0, 1500.0, 80000.0)]                  # a first call with one-time host work
+    monkeypatch.setattr(bench, "annotation_calls", lambda trace_dir, prefix: {"ar S=1 T=1": calls})
+    got = bench.device_profile("unused")["ar S=1 T=1"]
+    assert got["window_ms"] == pytest.approx(3.0) and got["span_ms"] == pytest.approx(1.5)
+    assert got["before_device_ms"] == pytest.approx(0.6) and got["after_device_ms"] == pytest.approx(0.9)
+    assert got["top_host_events_ms"] == {"Execute": pytest.approx(0.12)}
+    assert got["top_kernels_ms"] == {"kernel_a": pytest.approx(0.75), "kernel_b": pytest.approx(0.75)}
+
+
 def test_compile_only_on_8_cpu_devices(tmp_path):
     """--compile_only: nothing allocated; each case compiled with its collectives and per-device argument bytes."""
     results = _run_on_8_devices(tmp_path / "k26_compiled.json", "--streams=8", "--prefill_tokens=0",
