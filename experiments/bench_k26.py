@@ -60,6 +60,7 @@ import os
 import platform
 import re
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -335,12 +336,17 @@ def make_step(graphdef, params, mesh):
     return _jit_step(functools.partial(_forward, graphdef), params, mesh)
 
 
-def make_step_loop(graphdef, params, mesh, steps: int):
-    """`make_step`'s signature, running the step `steps` times in one `lax.while_loop` on the same input tokens (so
-    each step routes as the waited step does), the cache fed forward: the decode loop's regime, where the host reads
-    the loop's predicate after every iteration (it depends on the step's argmax tokens, so XLA cannot count the
-    trips) and launches the next iteration's kernels then. Returns the last step's outputs. (Feeding the argmax
-    tokens back instead made a verify step's 9 nodes mostly one token, hitting fewer experts.)"""
+class StepLoop(NamedTuple):
+    fn: Callable        # jitted, `make_step`'s signature and outputs
+    steps: int          # steps per call
+
+
+def make_step_loop(graphdef, params, mesh, steps: int) -> StepLoop:
+    """A function of `make_step`'s signature running the step `steps` times in one `lax.while_loop` on the same
+    input tokens (so each step routes as the waited step does), the cache fed forward: the decode loop's regime, where
+    the host reads the loop's predicate after every iteration (it depends on the step's argmax tokens, so XLA cannot
+    count the trips) and launches the next iteration's kernels then. Returns the last step's outputs. (Feeding the
+    argmax tokens back instead made a verify step's 9 nodes mostly one token, hitting fewer experts.)"""
     def loop(params, cache, tokens, positions, visible):
         def body(carry):
             i, _, cache, _ = carry
@@ -354,7 +360,7 @@ def make_step_loop(graphdef, params, mesh, steps: int):
         _, tokens, cache, hit = lax.while_loop(more, body, (jnp.int32(1), *first))
         return tokens, cache, hit
 
-    return _jit_step(loop, params, mesh)
+    return StepLoop(_jit_step(loop, params, mesh), steps)
 
 
 def _forward(graphdef, params, cache, tokens, positions, visible):
@@ -434,7 +440,12 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
     jax.block_until_ready(state["cache"])
     pipelined_s = (time.perf_counter() - start) / run["reps"]
     if step_loop is not None:
-        state["cache"], row["step_ms_in_loop"] = time_loop(step_loop, params, state["cache"], inputs, mesh, run)
+        try:
+            state["cache"], loop_row = time_loop(step_loop, params, state["cache"], inputs, mesh, run)
+            row.update(loop_row)
+        except Exception as e:  # noqa: BLE001 - the loop's failure (e.g. out of memory) is a result; the step's stands
+            row["loop_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            state["cache"] = None  # it may have been donated: the caller makes a new one
     for key in counts.keys() - timed_collectives.keys():
         timed_collectives[key] = time_collective(mesh, *key, run["reps"])
     collectives = collective_summary(counts, timed_collectives)
@@ -475,6 +486,8 @@ def format_row(r: dict) -> str:
     if r.get("experts_hit_per_layer"):
         step += (f" | experts hit {np.mean(r['experts_hit_per_layer']):5.1f} (uniform "
                  f"{r['experts_touched_per_layer']:5.1f}), routed floor {r['fraction_of_floor_routed']['model']:6.1%}")
+    if "loop_error" in r:
+        step += f" | the loop failed: {r['loop_error'][:200]}"
     timed = f" ~{coll['ms']:7.3f} ms ({coll['fraction_of_step']:5.1%})" if "ms" in coll else ""
     return (f"{case} M={r['tokens']:<5d} | {step} | compile {r['compile_s']:5.1f} s | floors ms model "
             f"{floor['model']:7.3f} device {floor['device']:7.3f} compute {floor['compute']:7.3f} | read "
@@ -482,18 +495,20 @@ def format_row(r: dict) -> str:
             f"{coll['bytes'] / 1e6:8.2f} MB/dev{timed} | temp {r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
 
 
-def time_loop(step_loop, params, cache, inputs, mesh, run: dict) -> tuple[KVCache, float]:
-    """(the cache handed back, ms per step) of `make_step_loop`'s function: median of --reps waited calls after
-    --warmup, each call's wall clock over its run["loop_steps"] steps."""
+def time_loop(step_loop: StepLoop, params, cache, inputs, mesh, run: dict) -> tuple[KVCache, dict]:
+    """(the cache handed back, {step_ms_in_loop, loop_compile_s}) of a `make_step_loop` function: median of --reps
+    waited calls after --warmup, each call's wall clock over its steps."""
+    start = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step_loop.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
+        compiled = step_loop.fn.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
+    compile_s = time.perf_counter() - start
     times = []
     for r in range(run["warmup"] + run["reps"]):
         start = time.perf_counter()
         _, cache, _ = jax.block_until_ready(compiled(params, cache, *inputs))
         if r >= run["warmup"]:
             times.append(time.perf_counter() - start)
-    return cache, float(np.median(times)) / run["loop_steps"] * 1e3
+    return cache, dict(step_ms_in_loop=float(np.median(times)) / step_loop.steps * 1e3, loop_compile_s=compile_s)
 
 
 def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, label: str) -> dict:
@@ -515,8 +530,8 @@ def device_profile(trace_dir: str, top: int = 24) -> dict:
     the device span and busy time inside it, how long the window ran before the first device event
     (`before_device_ms`: the host's work before its first launch reached the GPU) and after the last
     (`after_device_ms`), the device events, the `top` longest kernels (mean ms per step) and the `top` host events by
-    name (median over the steps of each name's total ms, nested events each counting; the first warm-up call's
-    one-time work stays out of it): where a step's time goes."""
+    name (median over the steps of each name's total ms, nested events each counting, so that one slow call, such as
+    the first warm-up's one-time work, hardly moves them): where a step's time goes. Warm-up calls count too."""
     out = {}
     for name, calls in annotation_calls(trace_dir, prefix="k26|").items():
         per_kernel: dict[str, list[float]] = {}
@@ -637,8 +652,7 @@ def main(argv):
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
-               loop_steps=f.loop_steps)
+               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only)
     axis_sizes = dict(mesh.shape)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
@@ -693,7 +707,7 @@ def main(argv):
                 row = dict(head, skipped=f"time budget {f.time_budget_s:.0f} s spent")
             else:
                 try:
-                    if (case.streams, case.prefix) != cache_key:
+                    if cache is None or (case.streams, case.prefix) != cache_key:
                         cache = None  # the previous cache's buffers go before the next is made
                         rows = case.nodes if case.kind == "prefill" else case.prefix + max(
                             c.nodes for c in cases if c.kind != "prefill")

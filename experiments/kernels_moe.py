@@ -75,7 +75,10 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True, down_num_stages=2),
                       dataclasses.replace(base, num_stages=4),
                       dataclasses.replace(base, num_stages=2, down_num_stages=None)]
-    return [c for c in candidates if c != base]
+    def launchable(c):      # grouped blocks sit on the grid's second axis (`run_kernels` refuses an overflow)
+        return not c.group_by_block or moe.num_route_blocks(n_pairs, num_experts, c.block_m) <= moe_triton.MAX_GRID_Y
+
+    return list(dict.fromkeys(c for c in candidates if c != base and launchable(c)))
 
 
 @functools.partial(jax.jit, static_argnames=("e", "d", "i"))

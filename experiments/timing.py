@@ -34,7 +34,7 @@ class Call:
     d2h_copies: int                 # device-to-host copies (e.g. a while loop's predicate, once per iteration)
     timeline: list                  # [line, name, start_us, duration_us] of every host and device event in the
                                     # call's window, times from the window's start (sorted by start)
-    window_us: float = 0.0          # the host annotation's length (the call as the host saw it)
+    window_us: float                # the host annotation's length (the call as the host saw it)
 
 
 def annotation_calls(trace_dir: str, prefix: str = "bench|") -> dict[str, list[Call]]:

@@ -95,8 +95,10 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
 
 
 def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
-    """make_step_loop's while loop equals the step called 3 times on the same tokens, the cache fed forward (argmax
-    tokens, cache and experts hit), so `step_ms_in_loop` times 3 real steps routed as the waited step."""
+    """make_step_loop's while loop runs the step 3 times (counted), its outputs (argmax tokens, cache, experts hit)
+    equal to the step called 3 times on the same tokens, and XLA cannot count its trips (the host reads the predicate
+    after each, as in the decode loop), so `step_ms_in_loop` times 3 real steps routed as the waited step. (The same
+    tokens write the same cache rows each step, so the outputs cannot tell the trips apart: the count does.)"""
     cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
     mesh = bench.bench_mesh("tp=1")
     graphdef, params, _ = bench.make_params(cfg, mesh, 0, False)
@@ -113,12 +115,30 @@ def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
             return forward(*args)
 
         monkeypatch.setattr(bench, "_forward", counted)
-        looped = bench.make_step_loop(graphdef, params, mesh, 3)(
-            params, bench.random_cache(cfg, mesh, 2, 64, 16, 1), *inputs)
-        jax.block_until_ready(looped)
-    assert len(steps_run) == 3
+        loop = bench.make_step_loop(graphdef, params, mesh, 3)
+        looped = jax.block_until_ready(loop.fn(params, bench.random_cache(cfg, mesh, 2, 64, 16, 1), *inputs))
+        hlo = loop.fn.lower(params, bench.random_cache(cfg, mesh, 2, 64, 16, 1), *inputs).compile().as_text()
+    assert len(steps_run) == 3 and loop.steps == 3
+    assert "while(" in hlo and "known_trip_count" not in hlo
     for a, b in zip(jax.tree.leaves((tokens, cache, hit)), jax.tree.leaves(looped)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_failed_loop_keeps_the_step_row():
+    """run_case: when the loop's compile or run fails (say, out of memory), the row keeps the step's timing and
+    records the loop's error, and hands back no cache (a donated one may be gone)."""
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    mesh = bench.bench_mesh("tp=1")
+    graphdef, params, _ = bench.make_params(cfg, mesh, 0, False)
+    run = dict(reps=1, warmup=0, bandwidth=1e12, matmul=1e12, compiler_options=None, compile_only=False)
+    broken = bench.StepLoop(fn=None, steps=2)                  # lowering it raises AttributeError
+    row, cache = bench.run_case(bench.Case("ar", 1, 1, 16), bench.make_step(graphdef, params, mesh), params,
+                                bench.random_cache(cfg, mesh, 1, 64, 16, 0), mesh, cfg,
+                                bench.weight_bytes(cfg, {"data": 1, "tp": 1}), np.random.default_rng(0), {}, run,
+                                broken)
+    assert row["step_ms"] > 0 and row["loop_error"].startswith("AttributeError") and "step_ms_in_loop" not in row
+    assert cache is None
+    assert "the loop failed: AttributeError" in bench.format_row(row)
 
 
 def test_device_profile_splits_the_host_window(monkeypatch):

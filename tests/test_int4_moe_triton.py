@@ -59,9 +59,9 @@ def test_large_tiling_groups_blocks_unless_the_grid_overflows():
 
 
 def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
-    """down_num_stages=2 with the dense tiling: the down kernel's shared memory and registers leave room for a
-    second block on an SM (228 KB per SM, 1 KB of it reserved per block), which three stages do not: ncu at M=4096
-    found one 8-warp block per SM, limited by shared memory (its 121 registers allow two)."""
+    """down_num_stages=2 with the dense tiling: the down kernel's shared memory leaves room for a second block on
+    an SM (228 KB per SM, 1 KB of it reserved per block), which three stages do not: ncu at M=4096 found one 8-warp
+    block per SM, limited by shared memory (its 121 registers allow two; registers are not known off the GPU)."""
     assert LARGE.down_tiling()[2] == 2
     two, three = down("bf16", LARGE), down("bf16", LARGE_UNGROUPED_3_STAGES)
     assert 2 * (two.metadata.shared + 1024) <= 228 * 1024 < 2 * (three.metadata.shared + 1024)
@@ -78,12 +78,14 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     assert compiled.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("config", **CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS["argvalues"] + [dataclasses.replace(LARGE, down_num_stages=4)],
+                         ids=CONFIGS["ids"] + ["large_blocks_down_4_stages"])
 def test_f32_kernels_compile_with_ieee_dots(config):
     """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32, with
-    the stages int4_moe launches them with (`launch_config`) within the H200's shared memory."""
+    the stages int4_moe launches them with (`launch_config`: at most two, for both kernels) within the H200's shared
+    memory."""
     config = MT.launch_config(config, jnp.float32)
-    assert config.num_stages <= 2
+    assert config.num_stages <= 2 and config.down_tiling()[2] <= 2
     for make in (gate_up, down):
         compiled = make("fp32", config)
         assert "tf32" not in compiled.asm["ptx"] and "fma.rn.f32" in compiled.asm["ptx"]
@@ -128,7 +130,7 @@ def test_route_kernel_compiles_to_one_program(tokens):
 
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8),
                                  dict(down_block_n=96), dict(down_words=64), dict(gate_up_splits=3),
-                                 dict(gate_up_splits=16)])
+                                 dict(gate_up_splits=16), dict(num_stages=0), dict(down_num_stages=9)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):
         MT.TritonMoeConfig(**bad)
