@@ -30,12 +30,15 @@ from jax import lax
 
 from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
+from pallas_kernels import int4_moe_mgpu as moe_mgpu
 from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels.triton_call import bound_to
 
 
 # The default kernels and tiling through the other launchers of `triton_call` (not tilings: kept out of best_config).
 LAUNCH_PEERS = {"launch:xla": "xla", "launch:ffi": "ffi"}
+MOSAIC_PEER = "mosaic:block_matmul"   # int4_moe_mgpu: the Mosaic GPU block matmul, timed from MOSAIC_PEER_TOKENS
+MOSAIC_PEER_TOKENS = 1024
 ROUTING_PEER = "routing:xla"  # the default kernels, routed by XLA's sort instead of the routing kernel
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
@@ -247,7 +250,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
     shape, token_counts = moe_shapes(quick)
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
     experts = random_experts(jax.random.key(3), e, d, shape["inter"])
-    gate_up_bf16 = down_bf16 = int4_weights = None
+    gate_up_bf16 = down_bf16 = int4_weights = mosaic_experts = None
     tokamax_modules, tokamax_missing = (None, None) if interpret else load_tokamax()
     for m in token_counts:
         if time.time() > deadline:
@@ -299,6 +302,16 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 errors.update(peer_errors)
                 peers_failed.update(failed_peers)
                 jobs += [Job(name, fn, int4_sets) for name, fn in peers.items()]
+            if m >= MOSAIC_PEER_TOKENS and not interpret:
+                if mosaic_experts is None:
+                    mosaic_experts = moe_mgpu.MgpuExperts.from_int4_experts(experts)
+                mosaic_sets = [(x, mosaic_experts, ids, w) for x, _, ids, w in sets]
+                peer = {MOSAIC_PEER: moe_mgpu.int4_moe}
+                peer_errors, failed_peer = try_candidates(peer, lambda fn: fn(*mosaic_sets[0])[:sub].astype(
+                    jnp.float32), ref)
+                errors.update(peer_errors)
+                peers_failed.update(failed_peer)
+                jobs += [Job(name, fn, mosaic_sets) for name, fn in peer.items()]
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)
@@ -306,7 +319,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             b2b_us = t["kernel:back_to_back"]["us"] if "kernel:back_to_back" in t else None
             best = min((n for n in fns if n not in (*LAUNCH_PEERS, ROUTING_PEER)), key=lambda n: t[n]["us"])
             baselines = {n: t[n]["us"] for n in t
-                         if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:"))}
+                         if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:", "mosaic:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
             entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
                          config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
@@ -326,14 +339,14 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          launch_peers_over_kernel={n: t[n]["us"] / k_us for n in LAUNCH_PEERS if n in t},
                          xla_routing_over_kernel=t[ROUTING_PEER]["us"] / k_us if ROUTING_PEER in t else None,
                          sweep_failed=failed, peers_failed=peers_failed,
-                         peers_rel_err={n: errors[n] for n in errors if n.startswith("tokamax_")},
+                         peers_rel_err={n: errors[n] for n in errors if n.startswith(("tokamax_", "mosaic:"))},
                          timing_method=t["kernel"]["method"], timings=t)
         except Exception as ex:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(tokens=m, error=f"{type(ex).__name__}: {str(ex)[:2000]}")
         results.append(entry)
         _print_moe_row(entry)
         save()
-    del gate_up_bf16, down_bf16, int4_weights
+    del gate_up_bf16, down_bf16, int4_weights, mosaic_experts
     if not interpret:
         try:
             checks["int4_moe_f32_16_tokens"] = _moe_f32_check(moe_triton.int4_moe, experts, shape)

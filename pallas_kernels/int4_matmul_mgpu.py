@@ -1,0 +1,201 @@
+"""INT4 (group 32) x bf16 block matmul in Pallas Mosaic GPU for Hopper: the routed experts' GEMMs at large M, in
+the warp-specialised structure (kernels.md, "Fourteenth session": the Triton int4_moe at M=4096 is issue-bound, each
+warp dequantizing, then waiting on its own wgmma).
+
+One kernel computes, for every routed block b of 128 tokens with expert e = block_expert[b] (in [0, E); other
+values mark empty blocks, skipped):
+
+    out[:, b's 128 columns] = dequant(w[e]) [N, K] @ acts[b's 128 rows, :]^T       (f32 accumulation)
+
+with dequant(w)[n, k] = w[n, k] * scales[k // 32, n] (w signed int4, the stored nibble minus 8). The output is
+transposed ([N, R], R = 128 x blocks) so that it feeds the next GEMM as wgmma's B operand without a transpose
+(`acts_k_major`): gate_up writes h^T [I, R], down reads it. Columns of empty blocks are not written.
+
+Structure: a persistent grid of one CTA per SM walking (block, row tile) pairs, the row tiles of one block next to
+each other (their activation tile then comes from L2); per pair a pipeline (`emit_pipeline_warp_specialized`) with
+one TMA producer warpgroup and two consumer warpgroups, each dequantizing its 64 rows of the weight tile group by
+group (int4 loaded 8 nibbles per 32-bit load, relaid out while 4-bit, converted, scaled by the group's row vector)
+and issuing one wgmma of K = 32 per group. `a_in_shared`: stage each dequantized group in shared memory and take
+wgmma's A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
+
+Off the GPU it runs in Mosaic GPU's interpret mode (`plgpu.force_gpu_interpret_mode`). Not yet measured on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.int4_layout import NIBBLES_PER_WORD
+
+GROUP = 32             # inputs per scale
+TOKENS = 128           # columns of out per routed block (wgmma's N)
+ROWS_PER_WG = 64       # rows of out per consumer warpgroup (wgmma's M)
+CONSUMERS = 2
+ROWS = CONSUMERS * ROWS_PER_WG
+EPILOGUE_COLS = 64     # out columns per TMA store
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuMatmulConfig:
+    """tile_k inputs per pipeline step (a multiple of 32), stages in flight, the grid's CTAs (one per SM). At
+    tile_k 128 a stage takes 41 KB of shared memory and the f32 epilogue 64 KB: 3 stages fit the H200's 227 KB, 4 do
+    not (the lowering says so)."""
+    tile_k: int = 128
+    stages: int = 3
+    ctas: int = H200_SMS
+
+    def __post_init__(self):
+        if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
+            raise ValueError(f"MgpuMatmulConfig.tile_k={self.tile_k} must be a multiple of {GROUP} in [32, 512]")
+        if not 1 <= self.stages <= 8 or self.ctas < 1:
+            raise ValueError(f"MgpuMatmulConfig: stages={self.stages} must be in [1, 8], ctas={self.ctas} >= 1")
+
+
+def int4_from_kernel_layout(packed) -> jax.Array:
+    """int4_moe's kernel layout (packed int32 [E, out, in/8]: word w of a 256-input block holds input 32 i + w in
+    nibble i, stored as value + 8) -> signed int4 [E, out, in] in input order (value = nibble - 8)."""
+    e, out_dim, words = packed.shape
+    shifts = 4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.int32)
+    blocks = packed.reshape(e, out_dim, words // GROUP, 1, GROUP)
+    nibbles = (blocks >> shifts[None, None, None, :, None]) & 0xF                      # [E, out, blocks, 8, 32]
+    return (nibbles.reshape(e, out_dim, -1) - 8).astype(jnp.int8).astype(jnp.int4)
+
+
+def check_operands(acts, block_expert, w, scales, acts_k_major: bool):
+    """Shapes and dtypes of `int4_block_matmul`'s operands; a ValueError naming the mismatch."""
+    if w.ndim != 3 or w.dtype != jnp.int4:
+        raise ValueError(f"w must be int4 [E, N, K], got {w.dtype} {w.shape}: convert with int4_from_kernel_layout")
+    e, n, k = w.shape
+    if scales.shape != (e, k // GROUP, n) or scales.dtype != jnp.bfloat16:
+        raise ValueError(f"scales must be bfloat16 [E, K/32, N] = {(e, k // GROUP, n)}, got {scales.dtype} "
+                         f"{scales.shape}")
+    if n % ROWS or k % GROUP:
+        raise ValueError(f"N={n} must be a multiple of {ROWS} and K={k} of {GROUP}")
+    rows = block_expert.shape[0] * TOKENS
+    want = (k, rows) if acts_k_major else (rows, k)
+    if acts.shape != want or acts.dtype != jnp.bfloat16 or block_expert.ndim != 1:
+        raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = {TOKENS} x "
+                         f"{block_expert.shape[0]} blocks) and block_expert 1-D, got {acts.dtype} {acts.shape} and "
+                         f"{block_expert.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("acts_k_major", "config", "a_in_shared", "out_dtype"))
+def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = False,
+                      config: MgpuMatmulConfig = MgpuMatmulConfig(), a_in_shared: bool = False,
+                      out_dtype=jnp.bfloat16):
+    """out [N, R] (module doc). acts bf16 [R, K] (or [K, R] with acts_k_major), block_expert int32 [R / 128],
+    w int4 [E, N, K], scales bf16 [E, K/32, N]."""
+    check_operands(acts, block_expert, w, scales, acts_k_major)
+    num_experts, n, k = w.shape
+    num_blocks = block_expert.shape[0]
+    tile_k = config.tile_k
+    if k % tile_k:
+        raise ValueError(f"K={k} is not a multiple of tile_k={tile_k}: choose MgpuMatmulConfig.tile_k dividing K")
+    groups = tile_k // GROUP
+    row_tiles = n // ROWS
+    w_transforms = (plgpu.TilingTransform((8, GROUP)),)             # a 16-byte row of int4: no swizzle
+    act_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))
+    out_bits = jnp.dtype(out_dtype).itemsize * 8
+    out_swizzle = plgpu.find_swizzle(EPILOGUE_COLS * out_bits)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
+    act_block = (tile_k, TOKENS) if acts_k_major else (TOKENS, tile_k)
+
+    def kernel(acts_gmem, expert_gmem, w_gmem, scales_gmem, out_gmem, out_smem, a_smem):
+        def pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=CONSUMERS,
+                max_concurrent_steps=config.stages, compute_context=compute_context,
+                in_specs=[plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=w_transforms),
+                          plgpu.BlockSpec((groups, ROWS), lambda s: (s, 0)),
+                          plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
+                                          transforms=act_transforms)])
+
+        def nothing(*_, **__):
+            return None
+
+        @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(
+            w_gmem.at[0], scales_gmem.at[0], acts_gmem), collective_axes="wg")
+        def _scope(allocations):
+            wg = lax.axis_index("wg")
+            wg_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+
+            @plgpu.nd_loop((num_blocks * row_tiles,), collective_axes="sm")
+            def _pairs(info: plgpu.NDLoopInfo):
+                (pair,) = info.index
+                block, tile = pair // row_tiles, pair % row_tiles       # a block's row tiles next to each other
+                expert = expert_gmem[block]
+                rows = pl.ds(tile * ROWS, ROWS)
+                cols = pl.ds(block * TOKENS, TOKENS)
+
+                def epilogue(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS_PER_WG, TOKENS), jnp.float32))
+                    def _acc(acc):
+                        run_pipeline(acc)
+                        result = acc[...].astype(out_dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for part in range(TOKENS // EPILOGUE_COLS):
+                            part_cols = slice(part * EPILOGUE_COLS, (part + 1) * EPILOGUE_COLS)
+                            out_smem[wg, part] = result[:, part_cols]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, part],
+                                                    out_gmem.at[rows, cols].at[wg_rows, part_cols])
+
+                def step(_, w_smem, scales_smem, acts_smem, acc):
+                    for g in range(groups):
+                        q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                          # int4 [64, 32]
+                        q = plgpu.layout_cast(plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_4X),
+                                              plgpu.Layout.WGMMA)
+                        scale = scales_smem[g, wg_rows]                                      # [64] per row
+                        a = q.astype(jnp.bfloat16) * lax.broadcast_in_dim(scale, (ROWS_PER_WG, GROUP), (0,))
+                        b = (acts_smem.at[pl.ds(g * GROUP, GROUP), :] if acts_k_major
+                             else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, 128]
+                        if a_in_shared:
+                            a_smem[wg, g] = a
+                            plgpu.commit_smem()
+                            plgpu.wgmma(acc, a_smem.at[wg, g], b)
+                        else:
+                            plgpu.wgmma(acc, a, b)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                @pl.when((expert >= 0) & (expert < num_experts))
+                def _run():
+                    acts_of_block = acts_gmem.at[:, cols] if acts_k_major else acts_gmem.at[cols, :]
+                    pipeline(step, epilogue)(w_gmem.at[expert, rows, :], scales_gmem.at[expert, :, rows],
+                                             acts_of_block, allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    a_scratch = (plgpu.SMEM((CONSUMERS, groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
+                            transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
+                 if a_in_shared else plgpu.SMEM((1,), jnp.float32))
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((n, num_blocks * TOKENS), out_dtype),
+        grid=(min(config.ctas, num_blocks * row_tiles),), grid_names=("sm",), num_threads=CONSUMERS + 1,
+        thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(out_smem=plgpu.SMEM((CONSUMERS, TOKENS // EPILOGUE_COLS, ROWS_PER_WG, EPILOGUE_COLS),
+                                               out_dtype, transforms=out_transforms),
+                           a_smem=a_scratch))
+    return call(acts, block_expert.astype(jnp.int32), w, scales)
+
+
+def int4_block_matmul_reference(acts, block_expert, w, scales, *, acts_k_major: bool = False):
+    """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, then rounded to bf16 as the kernel feeds them
+    to wgmma); columns of empty blocks are 0."""
+    check_operands(acts, block_expert, w, scales, acts_k_major)
+    num_experts = w.shape[0]
+    ok = (block_expert >= 0) & (block_expert < num_experts)
+    e = jnp.where(ok, block_expert, 0)
+    dequant = (w.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(scales, 1, 2).astype(jnp.float32), GROUP, axis=2))
+    dequant = dequant.astype(jnp.bfloat16).astype(jnp.float32)                     # [E, N, K]
+    a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], TOKENS, -1)
+    out = jnp.einsum("bnk,btk->bnt", dequant[e], a, precision=lax.Precision.HIGHEST)
+    out = jnp.where(ok[:, None, None], out, 0.0)
+    return jnp.transpose(out, (1, 0, 2)).reshape(out.shape[1], -1)

@@ -1,0 +1,58 @@
+"""int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of 128
+tokens (XLA), gather x into block order, one kernel for gate and up together (h^T = silu(gate) * up in XLA), one for
+down on h^T, then XLA's weighted sum of each token's pairs. A peer of the Triton int4_moe at M >= 1024 (the
+benchmark's), not yet the op's kernel: its gate / up / silu and combine are separate passes, and its weights are a
+second copy of the experts in plain input order (`MgpuExperts`). Not yet measured on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import int4_moe as ref
+from pallas_kernels.int4_matmul_mgpu import (TOKENS, MgpuMatmulConfig, int4_block_matmul, int4_from_kernel_layout)
+
+
+class MgpuExperts(NamedTuple):
+    """The routed experts for `int4_block_matmul`: gate and up stacked along the rows (gate rows first)."""
+    gate_up: jax.Array           # int4 [E, 2 I, D]
+    gate_up_scale: jax.Array     # bf16 [E, D / 32, 2 I]
+    down: jax.Array              # int4 [E, D, I]
+    down_scale: jax.Array        # bf16 [E, I / 32, D]
+
+    @classmethod
+    def from_int4_experts(cls, experts: ref.Int4Experts) -> MgpuExperts:
+        """One-time conversion from int4_moe's kernel layout (a second copy of the weights: ~8.5 GB at K2.6); scales
+        in bf16, as the Triton kernels read them."""
+        d, i = experts.hidden_size, experts.intermediate_size
+        gate_up = jnp.concatenate([int4_from_kernel_layout(experts.gate_packed)[:, :, :d],
+                                   int4_from_kernel_layout(experts.up_packed)[:, :, :d]], axis=1)
+        gate_up_scale = jnp.concatenate([experts.gate_scale, experts.up_scale], axis=2)[:, :d // ref.GROUP]
+        return cls(gate_up, gate_up_scale.astype(jnp.bfloat16), int4_from_kernel_layout(experts.down_packed)[:, :, :i],
+                   experts.down_scale[:, :i // ref.GROUP].astype(jnp.bfloat16))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "a_in_shared"))
+def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMatmulConfig = MgpuMatmulConfig(),
+             a_in_shared: bool = False):
+    """x bf16 [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] bf16: `int4_moe_reference`'s semantics
+    (ids outside [0, E) contribute nothing). a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
+    if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != experts.down.shape[1]:
+        raise ValueError(f"x must be bfloat16 [M, D={experts.down.shape[1]}], got {x.dtype} {x.shape}")
+    num_experts, inter = experts.down.shape[0], experts.down.shape[2]
+    m = x.shape[0]
+    routing = ref.route_pairs(topk_ids, topk_weights, num_experts, TOKENS)
+    rows = jnp.minimum(routing.block_token.reshape(-1), m - 1)           # padding rows repeat a token, never read
+    gate_up_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate_up, experts.gate_up_scale,
+                                  config=config, a_in_shared=a_in_shared, out_dtype=jnp.float32)   # [2 I, R]
+    gate, up = gate_up_t[:inter], gate_up_t[inter:]
+    h_t = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)                    # [I, R]
+    y_t = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
+                            config=config, a_in_shared=a_in_shared, out_dtype=jnp.float32)  # [D, R]
+    pair_rows = jnp.where(routing.pair_ok, routing.pair_row, 0)            # [M * K]
+    weights = jnp.where(routing.pair_ok, topk_weights.reshape(-1), 0.0)
+    y = y_t[:, pair_rows].T.reshape(m, topk_ids.shape[1], -1)               # [M, K, D]
+    return jnp.einsum("mkd,mk->md", y, weights.reshape(m, -1)).astype(x.dtype)

@@ -1,0 +1,112 @@
+"""The Mosaic GPU INT4 block matmul and the int4_moe built on it: in Mosaic GPU's interpret mode on the CPU against
+the f32 references (fresh random inputs, relative error), and lowered for an H200 (the register-A path the GPU runs,
+which interpret mode cannot take)."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import int4_layout
+from pallas_kernels import int4_matmul_mgpu as MM
+from pallas_kernels import int4_moe_mgpu as MOE
+from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
+from conftest import rel_err
+from triton_h200 import lower_for_h200, spec
+
+
+def operands(rng, experts: int, n: int, k: int, block_expert, acts_k_major: bool):
+    w = jnp.asarray(rng.integers(-8, 8, (experts, n, k)), jnp.int8).astype(jnp.int4)
+    scales = jnp.asarray(rng.uniform(0.5, 1.5, (experts, k // MM.GROUP, n)) / np.sqrt(k), jnp.bfloat16)
+    rows = len(block_expert) * MM.TOKENS
+    acts = jnp.asarray(rng.standard_normal((k, rows) if acts_k_major else (rows, k)), jnp.bfloat16)
+    return acts, jnp.asarray(block_expert, jnp.int32), w, scales
+
+
+def interpret(fn, *args, **kwargs):
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return jax.block_until_ready(fn(*args, **kwargs))
+
+
+@pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
+@pytest.mark.parametrize("tile_k", [64, 128])
+def test_block_matmul_matches_reference(acts_k_major, tile_k):
+    """Three blocks, one of them empty (expert id E): every written column equals the f32 reference; two row tiles
+    (N = 256), K over several pipeline steps."""
+    rng = np.random.default_rng(tile_k + acts_k_major)
+    args = operands(rng, 3, 256, 512, [1, 3, 0], acts_k_major)
+    out = interpret(MM.int4_block_matmul, *args, acts_k_major=acts_k_major, a_in_shared=True,
+                    out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(tile_k=tile_k, stages=2))
+    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major)
+    written = np.r_[0:128, 256:384]
+    assert rel_err(np.asarray(out)[:, written], np.asarray(want)[:, written]) < 1e-5
+
+
+def test_kernel_layout_converts_to_input_order():
+    """int4_from_kernel_layout undoes int4_moe's repack: the int4 values in input order are the quantized weights."""
+    rng = np.random.default_rng(3)
+    q = rng.integers(-8, 8, (2, 128, 512))
+    scale = np.ones((2, 128, 512 // 32), np.float32)
+    down = rng.integers(-8, 8, (2, 512, 128))
+    experts = Int4Experts.from_compressed_tensors(*(jnp.asarray(a) for a in (
+        int4_layout.pack_int4(q), scale, int4_layout.pack_int4(q), scale, int4_layout.pack_int4(down),
+        np.ones((2, 512, 4), np.float32))))
+    got = MM.int4_from_kernel_layout(experts.gate_packed)
+    assert got.dtype == jnp.int4 and np.array_equal(np.asarray(got.astype(jnp.int8)), q)
+    got = MM.int4_from_kernel_layout(experts.down_packed)[:, :, :128]           # I = 128 padded to 256 inputs
+    assert np.array_equal(np.asarray(got.astype(jnp.int8)), down)
+
+
+def test_int4_moe_matches_reference():
+    """The whole op at small shapes (E 4, D 256, I 128, top-2, ids of another device included) against
+    int4_moe_reference."""
+    rng = np.random.default_rng(11)
+    e, d, i, m = 4, 256, 128, 8
+    q = lambda *s: rng.integers(-8, 8, s)
+    scale = lambda *s: np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, s) / 16, jnp.bfloat16), np.float32)
+    experts = Int4Experts.from_compressed_tensors(*(jnp.asarray(a) for a in (
+        int4_layout.pack_int4(q(e, i, d)), scale(e, i, d // 32), int4_layout.pack_int4(q(e, i, d)),
+        scale(e, i, d // 32), int4_layout.pack_int4(q(e, d, i)), scale(e, d, i // 32))))
+    ids = jnp.asarray([[0, 1], [2, 3], [1, 1], [3, 0], [2, -1], [0, 9], [1, 2], [3, 3]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    mgpu_experts = MOE.MgpuExperts.from_int4_experts(experts)
+    out = interpret(MOE.int4_moe, x, mgpu_experts, ids, weights, config=MM.MgpuMatmulConfig(tile_k=128, stages=2),
+                    a_in_shared=True)
+    assert rel_err(out, int4_moe_reference(x, experts, ids, weights)) < 2e-2
+
+
+@pytest.mark.parametrize("acts_k_major", [False, True], ids=["gate_up", "down"])
+def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major):
+    """K2.6's gate_up (N = 2 I = 4096, K = D = 7168) and down (N = D, K = I = 2048, acts [K, R]) with 640 blocks, A
+    from registers: Mosaic GPU's layout inference and lowering for sm_90 accept the kernel."""
+    n, k = (7168, 2048) if acts_k_major else (4096, 7168)
+    rows = 640 * MM.TOKENS
+    args = (spec((k, rows) if acts_k_major else (rows, k), jnp.bfloat16), spec((640,), jnp.int32),
+            spec((384, n, k), jnp.int4), spec((384, k // MM.GROUP, n), jnp.bfloat16))
+    text = lower_for_h200(lambda *a: MM.int4_block_matmul(*a, acts_k_major=acts_k_major), *args)
+    assert "mosaic_gpu" in text
+
+
+def test_int4_moe_lowers_for_h200_at_k26_shapes():
+    """The whole op at M = 4096 with K2.6's 384 experts (D 7168, I 2048, top-8), as the benchmark times it."""
+    experts = MOE.MgpuExperts(spec((384, 4096, 7168), jnp.int4), spec((384, 224, 4096), jnp.bfloat16),
+                              spec((384, 7168, 2048), jnp.int4), spec((384, 64, 7168), jnp.bfloat16))
+    text = lower_for_h200(MOE.int4_moe, spec((4096, 7168), jnp.bfloat16), experts, spec((4096, 8), jnp.int32),
+                          spec((4096, 8), jnp.float32))
+    assert text.count("mosaic_gpu") >= 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(w=spec((2, 128, 256), jnp.int8)), "w must be int4"),
+    (dict(scales=spec((2, 8, 128), jnp.float32)), "scales must be bfloat16"),
+    (dict(acts=spec((128, 512), jnp.bfloat16)), "acts must be bfloat16"),
+])
+def test_bad_operands_are_refused(bad, match):
+    args = dict(acts=spec((2 * MM.TOKENS, 256), jnp.bfloat16), block_expert=spec((2,), jnp.int32),
+                w=spec((2, 128, 256), jnp.int4), scales=spec((2, 8, 128), jnp.bfloat16))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(MM.int4_block_matmul, *args.values())
+    with pytest.raises(ValueError, match="tile_k"):
+        MM.MgpuMatmulConfig(tile_k=48)
