@@ -1,8 +1,9 @@
 """int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of 128
-tokens (XLA), gather x into block order, one kernel for gate and up together (h^T = silu(gate) * up in XLA), one for
-down on h^T, then XLA's weighted sum of each token's pairs. A peer of the Triton int4_moe at M >= 1024 (the
-benchmark's), not yet the op's kernel: its gate / up / silu and combine are separate passes, and its weights are a
-second copy of the experts in plain input order (`MgpuExperts`). Not yet measured on a GPU.
+tokens (XLA), gather x into block order, one kernel for gate and up together (bf16 out, as the Triton kernels' h
+and y; h^T = silu(gate) * up in XLA, in f32), one for down on h^T, then XLA's weighted sum of each token's pairs.
+A peer of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: its gate / up / silu and
+combine are separate passes, and its weights are a second copy of the experts in plain input order
+(`MgpuExperts`). Not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, TOKENS)
     rows = jnp.minimum(routing.block_token.reshape(-1), m - 1)           # padding rows repeat a token, never read
     gate_up_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate_up, experts.gate_up_scale,
-                                  config=config, a_in_shared=a_in_shared, out_dtype=jnp.float32)   # [2 I, R]
+                                  config=config, a_in_shared=a_in_shared)   # bf16 [2 I, R]
     gate, up = gate_up_t[:inter], gate_up_t[inter:]
-    h_t = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)                    # [I, R]
+    h_t = (jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16)   # [I, R]
     y_t = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
-                            config=config, a_in_shared=a_in_shared, out_dtype=jnp.float32)  # [D, R]
+                            config=config, a_in_shared=a_in_shared)         # bf16 [D, R]
     pair_rows = jnp.where(routing.pair_ok, routing.pair_row, 0)            # [M * K]
     weights = jnp.where(routing.pair_ok, topk_weights.reshape(-1), 0.0)
     y = y_t[:, pair_rows].T.reshape(m, topk_ids.shape[1], -1)               # [M, K, D]
-    return jnp.einsum("mkd,mk->md", y, weights.reshape(m, -1)).astype(x.dtype)
+    return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights.reshape(m, -1)).astype(x.dtype)

@@ -88,6 +88,16 @@ def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major):
     assert "mosaic_gpu" in text
 
 
+def test_shared_memory_bounds_the_stages():
+    """MgpuMatmulConfig's account: with f32 out the default 4 stages overflow the H200's shared memory, 3 fit."""
+    args = (spec((640 * MM.TOKENS, 7168), jnp.bfloat16), spec((640,), jnp.int32), spec((384, 4096, 7168), jnp.int4),
+            spec((384, 224, 4096), jnp.bfloat16))
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+        lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32), *args)
+    lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(stages=3)),
+                   *args)
+
+
 def test_int4_moe_lowers_for_h200_at_k26_shapes():
     """The whole op at M = 4096 with K2.6's 384 experts (D 7168, I 2048, top-8), as the benchmark times it."""
     experts = MOE.MgpuExperts(spec((384, 4096, 7168), jnp.int4), spec((384, 224, 4096), jnp.bfloat16),
