@@ -21,7 +21,9 @@ from kdtree_jax import config as config_lib
 from pallas_kernels import tree as T
 from kdtree_jax.model.moe import random_int4_experts
 from pallas_kernels import ops
+from pallas_kernels import int4_matmul_mgpu as MM
 from pallas_kernels import int4_moe as M
+from pallas_kernels import int4_moe_mgpu as MMOE
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
 from pallas_kernels.triton_call import LAUNCHERS
@@ -30,6 +32,7 @@ from pallas_kernels import tree_verify_attention as A
 from pallas_kernels import tree_verify_attention_triton as AT
 from conftest import assert_topk_matches_reference, random_targets, rel_err
 from test_attention_kernel import BF16_TOL, make_inputs
+from test_int4_matmul_mgpu import operands as mgpu_operands
 from test_tree_triton_interpreter import assert_same, random_draft
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need the GPU")
@@ -190,6 +193,30 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
         out, want = kernel_chain(x, k26_experts, ids, weights), reference_chain(x, k26_experts, ids, weights)
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert rel_err(out, want) < 2e-2, call
+
+
+@pytest.mark.parametrize("acts_k_major,n,k", [(False, 4096, 7168), (True, 7168, 2048)], ids=["gate_up", "down"])
+def test_int4_block_matmul_mgpu(acts_k_major, n, k):
+    """The Mosaic GPU block matmul with A from registers (the path interpret mode cannot run) at K2.6's gate_up and
+    down shapes, 8 experts, 6 blocks (one empty): the written columns against the f32 reference."""
+    args = mgpu_operands(np.random.default_rng(n), 8, n, k, [3, 0, 8, 7, 3, 1], acts_k_major)
+    out = MM.int4_block_matmul(*args, acts_k_major=acts_k_major)
+    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major)
+    written = np.r_[0:256, 384:768]
+    assert rel_err(np.asarray(out, np.float32)[:, written], np.asarray(want)[:, written]) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [64, 1024])
+def test_int4_moe_mgpu_k26(k26_experts, tokens):
+    """int4_moe through the Mosaic GPU block matmul at K2.6's experts against the reference (ids of other devices
+    included)."""
+    rng = np.random.default_rng(tokens)
+    ids = jnp.asarray(rng.integers(-1, K26.num_experts + 1, (tokens, K26.num_experts_per_tok)), jnp.int32)
+    weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, K26.hidden_size)), jnp.bfloat16)
+    out = MMOE.int4_moe(x, MMOE.MgpuExperts.from_int4_experts(k26_experts), ids, weights)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out[:32], REFERENCE_MOE(x[:32], k26_experts, ids[:32], weights[:32])) < 2e-2
 
 
 @pytest.mark.parametrize("budget", [16, 512])
