@@ -31,9 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4_layout import NIBBLES_PER_WORD
+from pallas_kernels import int4_moe as ref
 
-GROUP = 32             # inputs per scale
+GROUP = ref.GROUP      # inputs per scale (32)
 TOKENS = 128           # columns of out per routed block (wgmma's N)
 ROWS_PER_WG = 64       # rows of out per consumer warpgroup (wgmma's M)
 CONSUMERS = 2
@@ -59,13 +59,8 @@ class MgpuMatmulConfig:
 
 
 def int4_from_kernel_layout(packed) -> jax.Array:
-    """int4_moe's kernel layout (packed int32 [E, out, in/8]: word w of a 256-input block holds input 32 i + w in
-    nibble i, stored as value + 8) -> signed int4 [E, out, in] in input order (value = nibble - 8)."""
-    e, out_dim, words = packed.shape
-    shifts = 4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.int32)
-    blocks = packed.reshape(e, out_dim, words // GROUP, 1, GROUP)
-    nibbles = (blocks >> shifts[None, None, None, :, None]) & 0xF                      # [E, out, blocks, 8, 32]
-    return (nibbles.reshape(e, out_dim, -1) - 8).astype(jnp.int8).astype(jnp.int4)
+    """int4_moe's kernel layout (packed int32 [E, out, in/8]) -> signed int4 [E, out, in] in input order."""
+    return ref.unpack_kernel_layout(packed).astype(jnp.int8).astype(jnp.int4)
 
 
 def check_operands(acts, block_expert, w, scales, acts_k_major: bool):

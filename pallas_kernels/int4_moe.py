@@ -100,15 +100,22 @@ def repack_linear(packed, scale):
     return lax.map(one, (packed, scale))
 
 
-def dequantize_kernel_layout(packed, scale, in_dim: int):
-    """Kernel layout (packed [E, out, in_p/8], scale [E, in_p/32, out]) -> W [E, out, in_dim] f32."""
+def unpack_kernel_layout(packed):
+    """Kernel layout packed [E, out, in_p/8] (word w of a 256-input block holds input 32 i + w in nibble i, as value
+    + 8) -> the values int32 [E, out, in_p] in [-8, 7], in input order."""
     e, out_dim, words = packed.shape
     shifts = 4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.int32)
     blocks = packed.reshape(e, out_dim, words // GROUP, 1, GROUP)
     q = ((blocks >> shifts[None, None, None, :, None]) & 0xF) - 8                # [E, out, blocks, 8, 32]
-    w = q.astype(jnp.float32) * jnp.swapaxes(scale, 1, 2).astype(jnp.float32).reshape(
-        e, out_dim, words // GROUP, NIBBLES_PER_WORD, 1)
-    return w.reshape(e, out_dim, -1)[:, :, :in_dim]
+    return q.reshape(e, out_dim, -1)
+
+
+def dequantize_kernel_layout(packed, scale, in_dim: int):
+    """Kernel layout (packed [E, out, in_p/8], scale [E, in_p/32, out]) -> W [E, out, in_dim] f32."""
+    e, out_dim, _ = packed.shape
+    w = unpack_kernel_layout(packed).astype(jnp.float32) * jnp.repeat(
+        jnp.swapaxes(scale, 1, 2).astype(jnp.float32), GROUP, axis=2)
+    return w[:, :, :in_dim]
 
 
 def check_inputs(x, experts: Int4Experts, topk_ids, topk_weights):
