@@ -44,18 +44,34 @@ H200_SMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """tile_k inputs per pipeline step (a multiple of 32), stages in flight, the grid's CTAs (one per SM). At
-    tile_k 128 a stage takes 41 KB of shared memory, the epilogue 32 KB with bf16 out (64 KB with f32): 4 stages fit
-    the H200's 227 KB with bf16 out, 3 with f32 (the lowering refuses more)."""
+    """tile_k inputs per pipeline step (a multiple of 32), stages in flight (None: the most, up to MAX_STAGES, that
+    fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM)."""
     tile_k: int = 128
-    stages: int = 4
+    stages: int | None = None
     ctas: int = H200_SMS
 
     def __post_init__(self):
         if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
             raise ValueError(f"MgpuMatmulConfig.tile_k={self.tile_k} must be a multiple of {GROUP} in [32, 512]")
-        if not 1 <= self.stages <= 8 or self.ctas < 1:
-            raise ValueError(f"MgpuMatmulConfig: stages={self.stages} must be in [1, 8], ctas={self.ctas} >= 1")
+        if (self.stages is not None and not 1 <= self.stages <= 8) or self.ctas < 1:
+            raise ValueError(f"MgpuMatmulConfig: stages={self.stages} must be in [1, 8] (or None), ctas={self.ctas} "
+                             ">= 1")
+
+
+MAX_STAGES = 4
+SHARED_BYTES = 227 * 1024      # the H200's shared memory per block
+
+
+def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool) -> int:
+    """The most pipeline stages (<= MAX_STAGES) whose tiles fit SHARED_BYTES beside the epilogue's buffer: a stage
+    holds per product ROWS x tile_k int4 weights and tile_k / 32 x ROWS bf16 scales, and TOKENS x tile_k bf16
+    activations (tile_k 128: 41 KB with one product, 50 KB with two). At least 2 (the lowering refuses what does not
+    fit)."""
+    stage = products * (ROWS * tile_k // 2 + tile_k // GROUP * ROWS * 2) + TOKENS * tile_k * 2
+    fixed = CONSUMERS * TOKENS * ROWS_PER_WG * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
+    if a_in_shared:
+        fixed += CONSUMERS * products * tile_k * ROWS_PER_WG * 2
+    return max(2, min(MAX_STAGES, (SHARED_BYTES - fixed) // stage))
 
 
 def int4_from_kernel_layout(packed) -> jax.Array:
@@ -82,17 +98,25 @@ def check_operands(acts, block_expert, w, scales, acts_k_major: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("acts_k_major", "config", "a_in_shared", "out_dtype"))
-def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = False,
+def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False,
                       config: MgpuMatmulConfig = MgpuMatmulConfig(), a_in_shared: bool = False,
                       out_dtype=jnp.bfloat16):
     """out [N, R] (module doc). acts bf16 [R, K] (or [K, R] with acts_k_major), block_expert int32 [R / 128],
-    w int4 [E, N, K], scales bf16 [E, K/32, N]."""
+    w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the gated product
+    out = silu(w . acts^T) * (w_up . acts^T) in f32 before the one rounding (gate_up's h^T in one kernel)."""
     check_operands(acts, block_expert, w, scales, acts_k_major)
+    products = [(w, scales)]
+    if up is not None:
+        if up[0].shape != w.shape or up[1].shape != scales.shape:
+            raise ValueError(f"up {up[0].shape} / {up[1].shape} must match w {w.shape} / scales {scales.shape}")
+        check_operands(acts, block_expert, *up, acts_k_major)
+        products.append(tuple(up))
     num_experts, n, k = w.shape
     num_blocks = block_expert.shape[0]
     tile_k = config.tile_k
     if k % tile_k:
         raise ValueError(f"K={k} is not a multiple of tile_k={tile_k}: choose MgpuMatmulConfig.tile_k dividing K")
+    stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared)
     groups = tile_k // GROUP
     row_tiles = n // ROWS
     w_transforms = (plgpu.TilingTransform((8, GROUP)),)             # a 16-byte row of int4: no swizzle
@@ -101,22 +125,24 @@ def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = Fal
     out_swizzle = plgpu.find_swizzle(EPILOGUE_COLS * out_bits)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
     act_block = (tile_k, TOKENS) if acts_k_major else (TOKENS, tile_k)
+    weight_specs = [plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=w_transforms),
+                    plgpu.BlockSpec((groups, ROWS), lambda s: (s, 0))] * len(products)
+    act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
+                               transforms=act_transforms)
 
-    def kernel(acts_gmem, expert_gmem, w_gmem, scales_gmem, out_gmem, out_smem, a_smem):
+    def kernel(acts_gmem, expert_gmem, *refs, out_smem, a_smem):
+        *weights_gmem, out_gmem = refs                              # (w, scales) per product, then the output
+
         def pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=CONSUMERS,
-                max_concurrent_steps=config.stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=w_transforms),
-                          plgpu.BlockSpec((groups, ROWS), lambda s: (s, 0)),
-                          plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
-                                          transforms=act_transforms)])
+                max_concurrent_steps=stages, compute_context=compute_context, in_specs=[*weight_specs, act_spec])
 
         def nothing(*_, **__):
             return None
 
         @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(
-            w_gmem.at[0], scales_gmem.at[0], acts_gmem), collective_axes="wg")
+            *(ref_.at[0] for ref_ in weights_gmem), acts_gmem), collective_axes="wg")
         def _scope(allocations):
             wg = lax.axis_index("wg")
             wg_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
@@ -130,10 +156,14 @@ def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = Fal
                 cols = pl.ds(block * TOKENS, TOKENS)
 
                 def epilogue(run_pipeline):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS_PER_WG, TOKENS), jnp.float32))
-                    def _acc(acc):
-                        run_pipeline(acc)
-                        result = acc[...].astype(out_dtype)
+                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS_PER_WG, TOKENS), jnp.float32)
+                                                            for _ in products])
+                    def _accs(accs):
+                        run_pipeline(accs)
+                        result = accs[0][...]
+                        if len(products) == 2:
+                            result = result * lax.logistic(result) * accs[1][...]           # silu(gate) * up
+                        result = result.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for part in range(TOKENS // EPILOGUE_COLS):
                             part_cols = slice(part * EPILOGUE_COLS, (part + 1) * EPILOGUE_COLS)
@@ -142,33 +172,38 @@ def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = Fal
                             plgpu.copy_smem_to_gmem(out_smem.at[wg, part],
                                                     out_gmem.at[rows, cols].at[wg_rows, part_cols])
 
-                def step(_, w_smem, scales_smem, acts_smem, acc):
+                def step(_, *refs_and_accs):
+                    *weights_smem, acts_smem, accs = refs_and_accs
                     for g in range(groups):
-                        q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                          # int4 [64, 32]
-                        q = plgpu.layout_cast(plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_4X),
-                                              plgpu.Layout.WGMMA)
-                        scale = scales_smem[g, wg_rows]                                      # [64] per row
-                        a = q.astype(jnp.bfloat16) * lax.broadcast_in_dim(scale, (ROWS_PER_WG, GROUP), (0,))
                         b = (acts_smem.at[pl.ds(g * GROUP, GROUP), :] if acts_k_major
                              else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, 128]
-                        if a_in_shared:
-                            a_smem[wg, g] = a
-                            plgpu.commit_smem()
-                            plgpu.wgmma(acc, a_smem.at[wg, g], b)
-                        else:
-                            plgpu.wgmma(acc, a, b)
+                        for p, acc in enumerate(accs):
+                            w_smem, scales_smem = weights_smem[2 * p], weights_smem[2 * p + 1]
+                            q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                      # int4 [64, 32]
+                            q = plgpu.layout_cast(plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_4X),
+                                                  plgpu.Layout.WGMMA)
+                            scale = scales_smem[g, wg_rows]                                  # [64] per row
+                            a = q.astype(jnp.bfloat16) * lax.broadcast_in_dim(scale, (ROWS_PER_WG, GROUP), (0,))
+                            if a_in_shared:
+                                a_smem[wg, p, g] = a
+                                plgpu.commit_smem()
+                                plgpu.wgmma(acc, a_smem.at[wg, p, g], b)
+                            else:
+                                plgpu.wgmma(acc, a, b)
                     plgpu.wgmma_wait(0)
-                    return acc
+                    return accs
 
                 @pl.when((expert >= 0) & (expert < num_experts))
                 def _run():
                     acts_of_block = acts_gmem.at[:, cols] if acts_k_major else acts_gmem.at[cols, :]
-                    pipeline(step, epilogue)(w_gmem.at[expert, rows, :], scales_gmem.at[expert, :, rows],
-                                             acts_of_block, allocations=allocations)
+                    operands = []
+                    for w_gmem, scales_gmem in zip(weights_gmem[::2], weights_gmem[1::2]):
+                        operands += [w_gmem.at[expert, rows, :], scales_gmem.at[expert, :, rows]]
+                    pipeline(step, epilogue)(*operands, acts_of_block, allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_scratch = (plgpu.SMEM((CONSUMERS, groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
+    a_scratch = (plgpu.SMEM((CONSUMERS, len(products), groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
                  if a_in_shared else plgpu.SMEM((1,), jnp.float32))
     call = plgpu.kernel(
@@ -178,19 +213,24 @@ def int4_block_matmul(acts, block_expert, w, scales, *, acts_k_major: bool = Fal
         scratch_types=dict(out_smem=plgpu.SMEM((CONSUMERS, TOKENS // EPILOGUE_COLS, ROWS_PER_WG, EPILOGUE_COLS),
                                                out_dtype, transforms=out_transforms),
                            a_smem=a_scratch))
-    return call(acts, block_expert.astype(jnp.int32), w, scales)
+    return call(acts, block_expert.astype(jnp.int32), *(x for pair in products for x in pair))
 
 
-def int4_block_matmul_reference(acts, block_expert, w, scales, *, acts_k_major: bool = False):
+def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False):
     """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, then rounded to bf16 as the kernel feeds them
-    to wgmma); columns of empty blocks are 0."""
+    to wgmma; with `up`, silu(gate) * up in f32); columns of empty blocks are 0."""
     check_operands(acts, block_expert, w, scales, acts_k_major)
-    num_experts = w.shape[0]
-    ok = (block_expert >= 0) & (block_expert < num_experts)
+    ok = (block_expert >= 0) & (block_expert < w.shape[0])
     e = jnp.where(ok, block_expert, 0)
-    dequant = (w.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(scales, 1, 2).astype(jnp.float32), GROUP, axis=2))
-    dequant = dequant.astype(jnp.bfloat16).astype(jnp.float32)                     # [E, N, K]
     a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], TOKENS, -1)
-    out = jnp.einsum("bnk,btk->bnt", dequant[e], a, precision=lax.Precision.HIGHEST)
+
+    def product(w, scales):
+        dequant = w.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(scales, 1, 2).astype(jnp.float32), GROUP, axis=2)
+        dequant = dequant.astype(jnp.bfloat16).astype(jnp.float32)                 # [E, N, K]
+        return jnp.einsum("bnk,btk->bnt", dequant[e], a, precision=lax.Precision.HIGHEST)
+
+    out = product(w, scales)
+    if up is not None:
+        out = jax.nn.silu(out) * product(*up)
     out = jnp.where(ok[:, None, None], out, 0.0)
     return jnp.transpose(out, (1, 0, 2)).reshape(out.shape[1], -1)

@@ -1,9 +1,9 @@
 """int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of 128
-tokens (XLA), gather x into block order, one kernel for gate and up together (bf16 out, as the Triton kernels' h
-and y; h^T = silu(gate) * up in XLA, in f32), one for down on h^T, then XLA's weighted sum of each token's pairs.
-A peer of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: its gate / up / silu and
-combine are separate passes, and its weights are a second copy of the experts in plain input order
-(`MgpuExperts`). Not yet measured on a GPU.
+tokens (XLA), gather x into block order, one kernel for h^T = silu(x W_gate^T) * (x W_up^T) (the gated product, bf16
+out, as the Triton kernels' h), one for down on h^T, then XLA's weighted sum of each token's pairs. A peer of the
+Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather and the combine are separate
+passes, and its weights are a second copy of the experts in plain input order (`MgpuExperts`). Not yet measured on
+a GPU.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from pallas_kernels.int4_matmul_mgpu import (TOKENS, MgpuMatmulConfig, int4_bloc
 
 
 class MgpuExperts(NamedTuple):
-    """The routed experts for `int4_block_matmul`: gate and up stacked along the rows (gate rows first)."""
-    gate_up: jax.Array           # int4 [E, 2 I, D]
-    gate_up_scale: jax.Array     # bf16 [E, D / 32, 2 I]
+    """The routed experts for `int4_block_matmul`, in input order."""
+    gate: jax.Array              # int4 [E, I, D]
+    gate_scale: jax.Array        # bf16 [E, D / 32, I]
+    up: jax.Array                # int4 [E, I, D]
+    up_scale: jax.Array          # bf16 [E, D / 32, I]
     down: jax.Array              # int4 [E, D, I]
     down_scale: jax.Array        # bf16 [E, I / 32, D]
 
@@ -29,11 +31,14 @@ class MgpuExperts(NamedTuple):
         """One-time conversion from int4_moe's kernel layout (a second copy of the weights: ~8.5 GB at K2.6); scales
         in bf16, as the Triton kernels read them."""
         d, i = experts.hidden_size, experts.intermediate_size
-        gate_up = jnp.concatenate([int4_from_kernel_layout(experts.gate_packed)[:, :, :d],
-                                   int4_from_kernel_layout(experts.up_packed)[:, :, :d]], axis=1)
-        gate_up_scale = jnp.concatenate([experts.gate_scale, experts.up_scale], axis=2)[:, :d // ref.GROUP]
-        return cls(gate_up, gate_up_scale.astype(jnp.bfloat16), int4_from_kernel_layout(experts.down_packed)[:, :, :i],
-                   experts.down_scale[:, :i // ref.GROUP].astype(jnp.bfloat16))
+
+        def convert(packed, scale, in_dim):
+            return (int4_from_kernel_layout(packed)[:, :, :in_dim],
+                    scale[:, :in_dim // ref.GROUP].astype(jnp.bfloat16))
+
+        return cls(*convert(experts.gate_packed, experts.gate_scale, d),
+                   *convert(experts.up_packed, experts.up_scale, d),
+                   *convert(experts.down_packed, experts.down_scale, i))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "a_in_shared"))
@@ -43,14 +48,12 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
     (ids outside [0, E) contribute nothing). a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
     if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != experts.down.shape[1]:
         raise ValueError(f"x must be bfloat16 [M, D={experts.down.shape[1]}], got {x.dtype} {x.shape}")
-    num_experts, inter = experts.down.shape[0], experts.down.shape[2]
+    num_experts = experts.down.shape[0]
     m = x.shape[0]
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, TOKENS)
     rows = jnp.minimum(routing.block_token.reshape(-1), m - 1)           # padding rows repeat a token, never read
-    gate_up_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate_up, experts.gate_up_scale,
-                                  config=config, a_in_shared=a_in_shared)   # bf16 [2 I, R]
-    gate, up = gate_up_t[:inter], gate_up_t[inter:]
-    h_t = (jax.nn.silu(gate.astype(jnp.float32)) * up).astype(jnp.bfloat16)   # [I, R]
+    h_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate, experts.gate_scale,
+                            (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
     y_t = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
                             config=config, a_in_shared=a_in_shared)         # bf16 [D, R]
     pair_rows = jnp.where(routing.pair_ok, routing.pair_row, 0)            # [M * K]

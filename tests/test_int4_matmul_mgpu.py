@@ -88,20 +88,37 @@ def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major):
     assert "mosaic_gpu" in text
 
 
-def test_shared_memory_bounds_the_stages():
-    """MgpuMatmulConfig's account: with f32 out the default 4 stages overflow the H200's shared memory, 3 fit."""
-    args = (spec((640 * MM.TOKENS, 7168), jnp.bfloat16), spec((640,), jnp.int32), spec((384, 4096, 7168), jnp.int4),
-            spec((384, 224, 4096), jnp.bfloat16))
+def test_stages_that_fit_the_shared_memory():
+    """The automatic stage count: 4 with one product and bf16 out, 3 with f32 out or two products; the lowering
+    refuses f32 out at 4 stages and takes what stages_that_fit picks (K2.6's gate_up shapes)."""
+    assert MM.stages_that_fit(128, 1, jnp.bfloat16, False) == 4
+    assert MM.stages_that_fit(128, 1, jnp.float32, False) == 3 and MM.stages_that_fit(128, 2, jnp.bfloat16, False) == 3
+    w, s = spec((384, 2048, 7168), jnp.int4), spec((384, 224, 2048), jnp.bfloat16)
+    args = (spec((640 * MM.TOKENS, 7168), jnp.bfloat16), spec((640,), jnp.int32), w, s)
     with pytest.raises(Exception, match="exceeds available shared memory"):
-        lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32), *args)
-    lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(stages=3)),
-                   *args)
+        lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32,
+                                                       config=MM.MgpuMatmulConfig(stages=4)), *args)
+    lower_for_h200(lambda *a: MM.int4_block_matmul(*a, out_dtype=jnp.float32), *args)
+    lower_for_h200(lambda x, be, w, s, wu, su: MM.int4_block_matmul(x, be, w, s, (wu, su)), *args, w, s)
+
+
+@pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
+def test_gated_block_matmul_matches_reference(acts_k_major):
+    """With `up`: silu(gate) * up per written column against the f32 reference (two products per consumer)."""
+    rng = np.random.default_rng(21 + acts_k_major)
+    acts, block_expert, w, scales = operands(rng, 3, 128, 256, [2, 0, 3], acts_k_major)
+    _, _, w_up, scales_up = operands(rng, 3, 128, 256, [2, 0, 3], acts_k_major)
+    out = interpret(MM.int4_block_matmul, acts, block_expert, w, scales, (w_up, scales_up),
+                    acts_k_major=acts_k_major, a_in_shared=True, out_dtype=jnp.float32)
+    want = MM.int4_block_matmul_reference(acts, block_expert, w, scales, (w_up, scales_up),
+                                          acts_k_major=acts_k_major)
+    assert rel_err(np.asarray(out)[:, :256], np.asarray(want)[:, :256]) < 1e-5
 
 
 def test_int4_moe_lowers_for_h200_at_k26_shapes():
     """The whole op at M = 4096 with K2.6's 384 experts (D 7168, I 2048, top-8), as the benchmark times it."""
-    experts = MOE.MgpuExperts(spec((384, 4096, 7168), jnp.int4), spec((384, 224, 4096), jnp.bfloat16),
-                              spec((384, 7168, 2048), jnp.int4), spec((384, 64, 7168), jnp.bfloat16))
+    gate = (spec((384, 2048, 7168), jnp.int4), spec((384, 224, 2048), jnp.bfloat16))
+    experts = MOE.MgpuExperts(*gate, *gate, spec((384, 7168, 2048), jnp.int4), spec((384, 64, 7168), jnp.bfloat16))
     text = lower_for_h200(MOE.int4_moe, spec((4096, 7168), jnp.bfloat16), experts, spec((4096, 8), jnp.int32),
                           spec((4096, 8), jnp.float32))
     assert text.count("mosaic_gpu") >= 2
