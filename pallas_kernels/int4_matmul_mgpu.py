@@ -18,7 +18,8 @@ group (int4 loaded 8 nibbles per 32-bit load, relaid out while 4-bit, converted,
 and issuing one wgmma of K = 32 per group. `a_in_shared`: stage each dequantized group in shared memory and take
 wgmma's A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
 
-Off the GPU it runs in Mosaic GPU's interpret mode (`plgpu.force_gpu_interpret_mode`). Not yet measured on a GPU.
+Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
+and which needs `a_in_shared=True`. Not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_
     a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], TOKENS, -1)
 
     def product(w, scales):
-        dequant = w.astype(jnp.float32) * jnp.repeat(jnp.swapaxes(scales, 1, 2).astype(jnp.float32), GROUP, axis=2)
+        dequant = w.astype(jnp.float32) * ref.expand_scales(scales)
         dequant = dequant.astype(jnp.bfloat16).astype(jnp.float32)                 # [E, N, K]
         return jnp.einsum("bnk,btk->bnt", dequant[e], a, precision=lax.Precision.HIGHEST)
 

@@ -110,12 +110,14 @@ def unpack_kernel_layout(packed):
     return q.reshape(e, out_dim, -1)
 
 
+def expand_scales(scale):
+    """Group-major scales [E, in/32, out] -> f32 [E, out, in], one per weight."""
+    return jnp.repeat(jnp.swapaxes(scale, 1, 2).astype(jnp.float32), GROUP, axis=2)
+
+
 def dequantize_kernel_layout(packed, scale, in_dim: int):
     """Kernel layout (packed [E, out, in_p/8], scale [E, in_p/32, out]) -> W [E, out, in_dim] f32."""
-    e, out_dim, _ = packed.shape
-    w = unpack_kernel_layout(packed).astype(jnp.float32) * jnp.repeat(
-        jnp.swapaxes(scale, 1, 2).astype(jnp.float32), GROUP, axis=2)
-    return w[:, :, :in_dim]
+    return (unpack_kernel_layout(packed).astype(jnp.float32) * expand_scales(scale))[:, :, :in_dim]
 
 
 def check_inputs(x, experts: Int4Experts, topk_ids, topk_weights):

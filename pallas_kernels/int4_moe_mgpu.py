@@ -28,8 +28,8 @@ class MgpuExperts(NamedTuple):
 
     @classmethod
     def from_int4_experts(cls, experts: ref.Int4Experts) -> MgpuExperts:
-        """One-time conversion from int4_moe's kernel layout (a second copy of the weights: ~8.5 GB at K2.6); scales
-        in bf16, as the Triton kernels read them."""
+        """One-time conversion from int4_moe's kernel layout (a second copy of the experts: ~9.5 GB at K2.6 with
+        their scales); scales in bf16, as the Triton kernels read them."""
         d, i = experts.hidden_size, experts.intermediate_size
 
         def convert(packed, scale, in_dim):
@@ -48,6 +48,9 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
     (ids outside [0, E) contribute nothing). a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
     if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != experts.down.shape[1]:
         raise ValueError(f"x must be bfloat16 [M, D={experts.down.shape[1]}], got {x.dtype} {x.shape}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be "
+                         f"[M={x.shape[0]}, top_k]")
     num_experts = experts.down.shape[0]
     m = x.shape[0]
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, TOKENS)
@@ -56,7 +59,7 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
                             (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
     y_t = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
                             config=config, a_in_shared=a_in_shared)         # bf16 [D, R]
-    pair_rows = jnp.where(routing.pair_ok, routing.pair_row, 0)            # [M * K]
-    weights = jnp.where(routing.pair_ok, topk_weights.reshape(-1), 0.0)
-    y = y_t[:, pair_rows].T.reshape(m, topk_ids.shape[1], -1)               # [M, K, D]
-    return jnp.einsum("mkd,mk->md", y.astype(jnp.float32), weights.reshape(m, -1)).astype(x.dtype)
+    ok = routing.pair_ok.reshape(m, -1)                                     # [M, K]
+    y = y_t[:, jnp.where(routing.pair_ok, routing.pair_row, 0)].T.reshape(*ok.shape, -1)     # [M, K, D]
+    y = jnp.where(ok[:, :, None], y.astype(jnp.float32), 0.0)     # a pair off the experts reads no column (unwritten)
+    return jnp.einsum("mkd,mk->md", y, topk_weights.astype(jnp.float32)).astype(x.dtype)

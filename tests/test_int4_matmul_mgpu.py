@@ -24,22 +24,25 @@ def operands(rng, experts: int, n: int, k: int, block_expert, acts_k_major: bool
 
 
 def interpret(fn, *args, **kwargs):
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    """fn in Mosaic GPU's interpret mode, memory it never writes left NaN."""
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(uninitialized_memory="nan")):
         return jax.block_until_ready(fn(*args, **kwargs))
 
 
 @pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
-@pytest.mark.parametrize("tile_k", [64, 128])
-def test_block_matmul_matches_reference(acts_k_major, tile_k):
-    """Three blocks, one of them empty (expert id E): every written column equals the f32 reference; two row tiles
-    (N = 256), K over several pipeline steps."""
+@pytest.mark.parametrize("tile_k,ctas", [(64, 132), (128, 1)], ids=["tile_k_64", "tile_k_128_one_cta"])
+def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas):
+    """Three blocks, one of them empty (expert id E): every written column equals the f32 reference and the empty
+    block's columns are never written; two row tiles (N = 256), K over several pipeline steps; with one CTA, its
+    persistent loop walks all (block, row tile) pairs, reusing its pipeline and epilogue buffers."""
     rng = np.random.default_rng(tile_k + acts_k_major)
     args = operands(rng, 3, 256, 512, [1, 3, 0], acts_k_major)
     out = interpret(MM.int4_block_matmul, *args, acts_k_major=acts_k_major, a_in_shared=True,
-                    out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(tile_k=tile_k, stages=2))
+                    out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(tile_k=tile_k, stages=3, ctas=ctas))
     want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major)
     written = np.r_[0:128, 256:384]
     assert rel_err(np.asarray(out)[:, written], np.asarray(want)[:, written]) < 1e-5
+    assert np.isnan(np.asarray(out)[:, 128:256]).all()
 
 
 def test_kernel_layout_converts_to_input_order():
@@ -68,12 +71,15 @@ def test_int4_moe_matches_reference():
         int4_layout.pack_int4(q(e, i, d)), scale(e, i, d // 32), int4_layout.pack_int4(q(e, i, d)),
         scale(e, i, d // 32), int4_layout.pack_int4(q(e, d, i)), scale(e, d, i // 32))))
     ids = jnp.asarray([[0, 1], [2, 3], [1, 1], [3, 0], [2, -1], [0, 9], [1, 2], [3, 3]], jnp.int32)
+    foreign = jnp.full(ids.shape, -1, jnp.int32)                      # every id on another device: all blocks empty
     weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     mgpu_experts = MOE.MgpuExperts.from_int4_experts(experts)
-    out = interpret(MOE.int4_moe, x, mgpu_experts, ids, weights, config=MM.MgpuMatmulConfig(tile_k=128, stages=2),
-                    a_in_shared=True)
+    config = MM.MgpuMatmulConfig(tile_k=128, stages=2)
+    out = interpret(MOE.int4_moe, x, mgpu_experts, ids, weights, config=config, a_in_shared=True)
     assert rel_err(out, int4_moe_reference(x, experts, ids, weights)) < 2e-2
+    none = interpret(MOE.int4_moe, x, mgpu_experts, foreign, weights, config=config, a_in_shared=True)
+    assert np.array_equal(np.asarray(none, np.float32), np.zeros((m, d), np.float32))
 
 
 @pytest.mark.parametrize("acts_k_major", [False, True], ids=["gate_up", "down"])
@@ -106,10 +112,11 @@ def test_stages_that_fit_the_shared_memory():
 def test_gated_block_matmul_matches_reference(acts_k_major):
     """With `up`: silu(gate) * up per written column against the f32 reference (two products per consumer)."""
     rng = np.random.default_rng(21 + acts_k_major)
-    acts, block_expert, w, scales = operands(rng, 3, 128, 256, [2, 0, 3], acts_k_major)
-    _, _, w_up, scales_up = operands(rng, 3, 128, 256, [2, 0, 3], acts_k_major)
+    acts, block_expert, w, scales = operands(rng, 3, 256, 256, [2, 0, 3], acts_k_major)
+    _, _, w_up, scales_up = operands(rng, 3, 256, 256, [2, 0, 3], acts_k_major)
     out = interpret(MM.int4_block_matmul, acts, block_expert, w, scales, (w_up, scales_up),
-                    acts_k_major=acts_k_major, a_in_shared=True, out_dtype=jnp.float32)
+                    acts_k_major=acts_k_major, a_in_shared=True, out_dtype=jnp.float32,
+                    config=MM.MgpuMatmulConfig(ctas=2))
     want = MM.int4_block_matmul_reference(acts, block_expert, w, scales, (w_up, scales_up),
                                           acts_k_major=acts_k_major)
     assert rel_err(np.asarray(out)[:, :256], np.asarray(want)[:, :256]) < 1e-5
