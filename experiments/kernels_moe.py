@@ -78,6 +78,7 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True, down_num_stages=2),
                       dataclasses.replace(base, num_stages=4),
                       dataclasses.replace(base, num_stages=2, down_num_stages=None)]
+
     def launchable(c):      # grouped blocks sit on the grid's second axis (`run_kernels` refuses an overflow)
         return not c.group_by_block or moe.num_route_blocks(n_pairs, num_experts, c.block_m) <= moe_triton.MAX_GRID_Y
 
@@ -218,6 +219,15 @@ def gather_einsum_moe(x, gate_up, down, ids, weights):
     return out.astype(x.dtype)
 
 
+def _checked_peer_jobs(peers: dict, arg_sets: list, sub: int, ref, errors: dict, failed: dict) -> list:
+    """Jobs of the peers that run on arg_sets[0], their first `sub` tokens' error against `ref` into `errors`;
+    the others' reasons into `failed`."""
+    peer_errors, peer_failed = try_candidates(peers, lambda fn: fn(*arg_sets[0])[:sub].astype(jnp.float32), ref)
+    errors.update(peer_errors)
+    failed.update(peer_failed)
+    return [Job(name, fn, arg_sets) for name, fn in peers.items()]
+
+
 def routed_by_xla(x, experts: moe.Int4Experts, topk_ids, topk_weights):
     """The routing kernel's peer: int4_moe's default kernels and tiling with the pairs routed by XLA's sort."""
     call = bound_to(moe_triton.LAUNCHER, interpret=False, op="kernels_moe.routed_by_xla",
@@ -297,21 +307,13 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 int4_sets = [(x, *int4_weights, ids, w) for x, _, ids, w in sets]
                 peers, missing_peers = _tokamax_fns(tokamax_modules)
                 peers_failed.update(missing_peers)
-                peer_errors, failed_peers = try_candidates(
-                    peers, lambda fn: fn(*int4_sets[0])[:sub].astype(jnp.float32), ref)
-                errors.update(peer_errors)
-                peers_failed.update(failed_peers)
-                jobs += [Job(name, fn, int4_sets) for name, fn in peers.items()]
+                jobs += _checked_peer_jobs(peers, int4_sets, sub, ref, errors, peers_failed)
             if m >= MOSAIC_PEER_TOKENS and not interpret:
                 if mosaic_experts is None:
                     mosaic_experts = moe_mgpu.MgpuExperts.from_int4_experts(experts)
                 mosaic_sets = [(x, mosaic_experts, ids, w) for x, _, ids, w in sets]
-                peer = {MOSAIC_PEER: moe_mgpu.int4_moe}
-                peer_errors, failed_peer = try_candidates(peer, lambda fn: fn(*mosaic_sets[0])[:sub].astype(
-                    jnp.float32), ref)
-                errors.update(peer_errors)
-                peers_failed.update(failed_peer)
-                jobs += [Job(name, fn, mosaic_sets) for name, fn in peer.items()]
+                jobs += _checked_peer_jobs({MOSAIC_PEER: moe_mgpu.int4_moe}, mosaic_sets, sub, ref, errors,
+                                           peers_failed)
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)

@@ -101,8 +101,9 @@ def default_config(num_pairs: int, num_experts: int) -> TritonMoeConfig:
     block_m = 32 if per_expert < 48 else 128
     grouped = ref.num_route_blocks(num_pairs, num_experts, block_m) <= MAX_GRID_Y
     if per_expert < 48:
-        return TritonMoeConfig(block_m=32, block_n=64, words=32, num_warps=4, num_stages=3, group_by_block=grouped)
-    return TritonMoeConfig(block_m=128, block_n=128, words=16, num_warps=8, num_stages=3, down_num_stages=2,
+        return TritonMoeConfig(block_m=block_m, block_n=64, words=32, num_warps=4, num_stages=3,
+                               group_by_block=grouped)
+    return TritonMoeConfig(block_m=block_m, block_n=128, words=16, num_warps=8, num_stages=3, down_num_stages=2,
                            group_by_block=grouped)
 
 
