@@ -39,6 +39,7 @@ flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whos
                   "alternative tilings; '' for none")
 flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case (those it admits: at "
                   "most prefix / (2 block_k), at most 4 waves of programs)")
+flags.DEFINE_list("moe_tokens", [], "the int4_moe token counts M to run (default: every case)")
 flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M whose int4_moe case sweeps tilings")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
@@ -71,7 +72,8 @@ def main(_):
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), code=code_version(),
                              sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
-                             attention_splits=F.attention_splits, moe_sweep_tokens=F.moe_sweep_tokens,
+                             attention_splits=F.attention_splits, moe_tokens=F.moe_tokens,
+                             moe_sweep_tokens=F.moe_sweep_tokens,
                              xla_flags=os.environ.get("XLA_FLAGS", "")),
                    ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
     if F.merge:
@@ -98,7 +100,8 @@ def main(_):
         run_combine(ceil, RESULTS["attention_combine"], time.time() + F.attention_budget_s, F.reps, _dump)
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s, F.reps, F.quick,
-                [int(m) for m in F.moe_sweep_tokens] if "moe" in F.sweep else [], _dump)
+                [int(m) for m in F.moe_sweep_tokens] if "moe" in F.sweep else [], _dump,
+                [int(m) for m in F.moe_tokens])
         print("int4_moe f32 checks:", {k: v for k, v in RESULTS["checks"].items() if k.startswith("int4_moe")},
               flush=True)
     if "tree" in F.sections:

@@ -85,6 +85,14 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     return list(dict.fromkeys(c for c in candidates if c != base and launchable(c)))
 
 
+def mosaic_sweep(m: int, sweep_tokens: list[int]) -> list:
+    """Configurations of the Mosaic GPU block matmul timed beside its default when M is one of `sweep_tokens`."""
+    if m not in sweep_tokens:
+        return []
+    Config = moe_mgpu.MgpuMatmulConfig
+    return [Config(tile_k=64), Config(tile_k=64, stages=6), Config(tile_k=128, stages=2)]   # tile_k 256: no room
+
+
 @functools.partial(jax.jit, static_argnames=("e", "d", "i"))
 def random_experts(key, e: int, d: int, i: int):
     """Random INT4 experts (E = e, D = d, I = i) in the compressed-tensors layout, repacked for the kernel."""
@@ -252,12 +260,17 @@ def moe_cost(ids: np.ndarray, shape: dict) -> tuple[float, float, int]:
 
 
 def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int, quick: bool,
-            sweep_tokens: list[int], save) -> None:
-    """Time every token count (kernel, the tilings of triton_sweep, the baselines) against the ceilings `ceil`; one row
-    per M appended to `results`, printed, then `save()`; no new M past `deadline` (time.time()); then the f32 checks
-    into checks["int4_moe_f32_16_tokens"] (the kernel; GPU only)."""
+            sweep_tokens: list[int], save, only_tokens: list[int] = ()) -> None:
+    """Time every token count (kernel, the tilings of triton_sweep and mosaic_sweep, the baselines) against the
+    ceilings `ceil`; one row per M appended to `results`, printed, then `save()`; no new M past `deadline`
+    (time.time()); then the f32 checks into checks["int4_moe_f32_16_tokens"] (the kernel; GPU only). only_tokens:
+    the token counts of moe_shapes to run (empty: all); a ValueError names those it does not have."""
     interpret = jax.default_backend() != "gpu"
     shape, token_counts = moe_shapes(quick)
+    if set(only_tokens) - set(token_counts):
+        raise ValueError(f"int4_moe token counts {sorted(set(only_tokens) - set(token_counts))} are not cases; "
+                         f"choose from {list(token_counts)}")
+    token_counts = [m for m in token_counts if not only_tokens or m in only_tokens]
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
     experts = random_experts(jax.random.key(3), e, d, shape["inter"])
     gate_up_bf16 = down_bf16 = int4_weights = mosaic_experts = None
@@ -312,8 +325,10 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 if mosaic_experts is None:
                     mosaic_experts = moe_mgpu.MgpuExperts.from_int4_experts(experts)
                 mosaic_sets = [(x, mosaic_experts, ids, w) for x, _, ids, w in sets]
-                jobs += _checked_peer_jobs({MOSAIC_PEER: moe_mgpu.int4_moe}, mosaic_sets, sub, ref, errors,
-                                           peers_failed)
+                mosaic_fns = {MOSAIC_PEER: moe_mgpu.int4_moe}
+                for cfg in mosaic_sweep(m, sweep_tokens):
+                    mosaic_fns[f"{MOSAIC_PEER}:{cfg}"] = functools.partial(moe_mgpu.int4_moe, config=cfg)
+                jobs += _checked_peer_jobs(mosaic_fns, mosaic_sets, sub, ref, errors, peers_failed)
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)

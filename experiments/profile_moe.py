@@ -4,7 +4,8 @@
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         python3 experiments/profile_moe.py --kernel=triton --tokens=8
 
-`--launcher=xla` runs the Triton kernels through XLA's Triton custom call instead of jax-triton (kernels.md,
+`--kernel=mosaic` runs the Mosaic GPU block matmul's int4_moe (`int4_moe_mgpu`; its kernels are named
+int4_block_matmul_kernel). `--launcher=xla` runs the Triton kernels through XLA's Triton custom call instead of jax-triton (kernels.md,
 "Launching Triton kernels").
 """
 from __future__ import annotations
@@ -16,13 +17,15 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from pallas_kernels import int4_moe_mgpu
 from pallas_kernels.int4_moe_triton import TritonMoeConfig
 from pallas_kernels.triton_call import LAUNCHERS
 
 from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
 from kdtree_jax import cli
 
-flags.DEFINE_enum("kernel", "triton", sorted(INT4_KERNELS), "which int4_moe")
+MOSAIC = "mosaic"
+flags.DEFINE_enum("kernel", "triton", sorted(INT4_KERNELS) + [MOSAIC], "which int4_moe")
 flags.DEFINE_integer("tokens", 8, "tokens M")
 flags.DEFINE_integer("calls", 3, "calls of the kernel (the first compiles)")
 flags.DEFINE_enum("launcher", None, LAUNCHERS, "the Triton kernel's launcher (default: int4_moe_triton.LAUNCHER)")
@@ -46,7 +49,11 @@ def main(_):
     launch = {"launcher": F.launcher} if F.launcher else {}
     if F.tiling:
         launch["config"] = parse_tiling(F.tiling)
-    kernel = jax.jit(functools.partial(INT4_KERNELS[F.kernel], **launch))
+    if F.kernel == MOSAIC:
+        experts = int4_moe_mgpu.MgpuExperts.from_int4_experts(experts)
+        kernel = int4_moe_mgpu.int4_moe
+    else:
+        kernel = jax.jit(functools.partial(INT4_KERNELS[F.kernel], **launch))
     for _ in range(F.calls):
         jax.block_until_ready(kernel(x, experts, ids, w))
     print(f"ran {F.kernel} int4_moe ({F.launcher or 'default launcher'}, {launch.get('config', 'default tiling')}) "

@@ -131,7 +131,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
                                transforms=act_transforms)
 
-    def kernel(acts_gmem, expert_gmem, *refs, out_smem, a_smem):
+    def int4_block_matmul_kernel(acts_gmem, expert_gmem, *refs, out_smem, a_smem):   # its name names the cubin's
         *weights_gmem, out_gmem = refs                              # (w, scales) per product, then the output
 
         def pipeline(body, compute_context):
@@ -208,7 +208,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
                  if a_in_shared else plgpu.SMEM((1,), jnp.float32))
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((n, num_blocks * TOKENS), out_dtype),
+        int4_block_matmul_kernel, out_type=jax.ShapeDtypeStruct((n, num_blocks * TOKENS), out_dtype),
         grid=(min(config.ctas, num_blocks * row_tiles),), grid_names=("sm",), num_threads=CONSUMERS + 1,
         thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((CONSUMERS, TOKENS // EPILOGUE_COLS, ROWS_PER_WG, EPILOGUE_COLS),
