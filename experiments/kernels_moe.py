@@ -90,7 +90,8 @@ def mosaic_sweep(m: int, sweep_tokens: list[int]) -> list:
     if m not in sweep_tokens:
         return []
     Config = moe_mgpu.MgpuMatmulConfig
-    return [Config(tile_k=64), Config(tile_k=64, stages=6), Config(tile_k=128, stages=2)]   # tile_k 256: no room
+    return [Config(block_tokens=32), Config(block_tokens=64), Config(block_tokens=96),
+            Config(block_tokens=96, tile_k=64)]
 
 
 @functools.partial(jax.jit, static_argnames=("e", "d", "i"))

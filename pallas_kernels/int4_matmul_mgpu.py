@@ -2,14 +2,15 @@
 the warp-specialised structure (kernels.md, "Fourteenth session": the Triton int4_moe at M=4096 is issue-bound, each
 warp dequantizing, then waiting on its own wgmma).
 
-One kernel computes, for every routed block b of 128 tokens with expert e = block_expert[b] (in [0, E); other
-values mark empty blocks, skipped):
+One kernel computes, for every routed block b of T tokens (MgpuMatmulConfig.block_tokens, default 128) with expert
+e = block_expert[b] (in [0, E); other values mark empty blocks, skipped):
 
-    out[:, b's 128 columns] = dequant(w[e]) [N, K] @ acts[b's 128 rows, :]^T       (f32 accumulation)
+    out[:, b's T columns] = dequant(w[e]) [N, K] @ acts[b's T rows, :]^T       (f32 accumulation)
 
 with dequant(w)[n, k] = w[n, k] * scales[k // 32, n] (w signed int4, the stored nibble minus 8). The output is
-transposed ([N, R], R = 128 x blocks) so that it feeds the next GEMM as wgmma's B operand without a transpose
-(`acts_k_major`): gate_up writes h^T [I, R], down reads it. Columns of empty blocks are not written.
+transposed ([N, R], R = T x blocks) so that it feeds the next GEMM as wgmma's B operand without a transpose
+(`acts_k_major`): gate_up writes h^T [I, R], down reads it. `tokens_major_out` stores each tile transposed instead
+([R, N]: down's y, whose rows the combine gathers). Columns (rows) of empty blocks are not written.
 
 Structure: a persistent grid of one CTA per SM walking (block, row tile) pairs, the row tiles of one block next to
 each other (their activation tile then comes from L2); per pair a pipeline (`emit_pipeline_warp_specialized`) with
@@ -19,12 +20,13 @@ and issuing one wgmma of K = 32 per group. `a_in_shared`: stage each dequantized
 wgmma's A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
 
 Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
-and which needs `a_in_shared=True`. Not yet measured on a GPU.
+and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session".
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,25 +37,30 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int4_moe as ref
 
 GROUP = ref.GROUP      # inputs per scale (32)
-TOKENS = 128           # columns of out per routed block (wgmma's N)
+TOKENS = 128           # default columns of out per routed block (wgmma's N; MgpuMatmulConfig.block_tokens)
 ROWS_PER_WG = 64       # rows of out per consumer warpgroup (wgmma's M)
 CONSUMERS = 2
 ROWS = CONSUMERS * ROWS_PER_WG
-EPILOGUE_COLS = 64     # out columns per TMA store
+EPILOGUE_COLS = 64     # most out columns per TMA store (feature-major out)
 H200_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
     """tile_k inputs per pipeline step (a multiple of 32), stages in flight (None: the most, up to MAX_STAGES, that
-    fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM)."""
+    fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM), block_tokens the tokens per routed block
+    (wgmma's N: a multiple of 32 up to 256; fewer pad less when experts see few tokens each)."""
     tile_k: int = 128
     stages: int | None = None
     ctas: int = H200_SMS
+    block_tokens: int = TOKENS
 
     def __post_init__(self):
         if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
             raise ValueError(f"MgpuMatmulConfig.tile_k={self.tile_k} must be a multiple of {GROUP} in [32, 512]")
+        if self.block_tokens % 32 or not 0 < self.block_tokens <= 256:
+            raise ValueError(f"MgpuMatmulConfig.block_tokens={self.block_tokens} must be a multiple of 32 in "
+                             "[32, 256]")
         if (self.stages is not None and not 1 <= self.stages <= 8) or self.ctas < 1:
             raise ValueError(f"MgpuMatmulConfig: stages={self.stages} must be in [1, 8] (or None), ctas={self.ctas} "
                              ">= 1")
@@ -63,13 +70,13 @@ MAX_STAGES = 4
 SHARED_BYTES = 227 * 1024      # the H200's shared memory per block
 
 
-def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool) -> int:
+def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool, block_tokens: int = TOKENS) -> int:
     """The most pipeline stages (<= MAX_STAGES) whose tiles fit SHARED_BYTES beside the epilogue's buffer: a stage
-    holds per product ROWS x tile_k int4 weights and tile_k / 32 x ROWS bf16 scales, and TOKENS x tile_k bf16
-    activations (tile_k 128: 41 KB with one product, 50 KB with two). At least 2 (the lowering refuses what does not
-    fit)."""
-    stage = products * (ROWS * tile_k // 2 + tile_k // GROUP * ROWS * 2) + TOKENS * tile_k * 2
-    fixed = CONSUMERS * TOKENS * ROWS_PER_WG * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
+    holds per product ROWS x tile_k int4 weights and tile_k / 32 x ROWS bf16 scales, and block_tokens x tile_k bf16
+    activations (tile_k 128 with 128 tokens: 41 KB with one product, 50 KB with two). At least 2 (the lowering
+    refuses what does not fit)."""
+    stage = products * (ROWS * tile_k // 2 + tile_k // GROUP * ROWS * 2) + block_tokens * tile_k * 2
+    fixed = CONSUMERS * block_tokens * ROWS_PER_WG * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
     if a_in_shared:
         fixed += CONSUMERS * products * tile_k * ROWS_PER_WG * 2
     return max(2, min(MAX_STAGES, (SHARED_BYTES - fixed) // stage))
@@ -80,7 +87,7 @@ def int4_from_kernel_layout(packed) -> jax.Array:
     return ref.unpack_kernel_layout(packed).astype(jnp.int8).astype(jnp.int4)
 
 
-def check_operands(acts, block_expert, w, scales, acts_k_major: bool):
+def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_tokens: int):
     """Shapes and dtypes of `int4_block_matmul`'s operands; a ValueError naming the mismatch."""
     if w.ndim != 3 or w.dtype != jnp.int4:
         raise ValueError(f"w must be int4 [E, N, K], got {w.dtype} {w.shape}: convert with int4_from_kernel_layout")
@@ -90,42 +97,47 @@ def check_operands(acts, block_expert, w, scales, acts_k_major: bool):
                          f"{scales.shape}")
     if n % ROWS or k % GROUP:
         raise ValueError(f"N={n} must be a multiple of {ROWS} and K={k} of {GROUP}")
-    rows = block_expert.shape[0] * TOKENS
+    rows = block_expert.shape[0] * block_tokens
     want = (k, rows) if acts_k_major else (rows, k)
     if acts.shape != want or acts.dtype != jnp.bfloat16 or block_expert.ndim != 1:
-        raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = {TOKENS} x "
+        raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = {block_tokens} x "
                          f"{block_expert.shape[0]} blocks) and block_expert 1-D, got {acts.dtype} {acts.shape} and "
                          f"{block_expert.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("acts_k_major", "config", "a_in_shared", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("acts_k_major", "tokens_major_out", "config", "a_in_shared",
+                                             "out_dtype"))
 def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False,
-                      config: MgpuMatmulConfig = MgpuMatmulConfig(), a_in_shared: bool = False,
-                      out_dtype=jnp.bfloat16):
-    """out [N, R] (module doc). acts bf16 [R, K] (or [K, R] with acts_k_major), block_expert int32 [R / 128],
+                      tokens_major_out: bool = False, config: MgpuMatmulConfig = MgpuMatmulConfig(),
+                      a_in_shared: bool = False, out_dtype=jnp.bfloat16):
+    """out [N, R] (module doc), or [R, N] with tokens_major_out (each tile stored transposed: the rows a combine
+    gathers per pair). acts bf16 [R, K] (or [K, R] with acts_k_major), R = block_tokens x blocks, block_expert int32
+    [blocks],
     w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the gated product
     out = silu(w . acts^T) * (w_up . acts^T) in f32 before the one rounding (gate_up's h^T in one kernel)."""
-    check_operands(acts, block_expert, w, scales, acts_k_major)
+    tokens = config.block_tokens
+    check_operands(acts, block_expert, w, scales, acts_k_major, tokens)
     products = [(w, scales)]
     if up is not None:
         if up[0].shape != w.shape or up[1].shape != scales.shape:
             raise ValueError(f"up {up[0].shape} / {up[1].shape} must match w {w.shape} / scales {scales.shape}")
-        check_operands(acts, block_expert, *up, acts_k_major)
+        check_operands(acts, block_expert, *up, acts_k_major, tokens)
         products.append(tuple(up))
     num_experts, n, k = w.shape
     num_blocks = block_expert.shape[0]
     tile_k = config.tile_k
     if k % tile_k:
         raise ValueError(f"K={k} is not a multiple of tile_k={tile_k}: choose MgpuMatmulConfig.tile_k dividing K")
-    stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared)
+    stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared, tokens)
+    epilogue_cols = math.gcd(EPILOGUE_COLS, tokens)
     groups = tile_k // GROUP
     row_tiles = n // ROWS
     w_transforms = (plgpu.TilingTransform((8, GROUP)),)             # a 16-byte row of int4: no swizzle
     act_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
-    out_swizzle = plgpu.find_swizzle(EPILOGUE_COLS * out_bits)
+    out_swizzle = plgpu.find_swizzle((ROWS_PER_WG if tokens_major_out else epilogue_cols) * out_bits)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
-    act_block = (tile_k, TOKENS) if acts_k_major else (TOKENS, tile_k)
+    act_block = (tile_k, tokens) if acts_k_major else (tokens, tile_k)
     weight_specs = [plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=w_transforms),
                     plgpu.BlockSpec((groups, ROWS), lambda s: (s, 0))] * len(products)
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
@@ -154,10 +166,10 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                 block, tile = pair // row_tiles, pair % row_tiles       # a block's row tiles next to each other
                 expert = expert_gmem[block]
                 rows = pl.ds(tile * ROWS, ROWS)
-                cols = pl.ds(block * TOKENS, TOKENS)
+                cols = pl.ds(block * tokens, tokens)
 
                 def epilogue(run_pipeline):
-                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS_PER_WG, TOKENS), jnp.float32)
+                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS_PER_WG, tokens), jnp.float32)
                                                             for _ in products])
                     def _accs(accs):
                         run_pipeline(accs)
@@ -166,8 +178,13 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                             result = result * lax.logistic(result) * accs[1][...]           # silu(gate) * up
                         result = result.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for part in range(TOKENS // EPILOGUE_COLS):
-                            part_cols = slice(part * EPILOGUE_COLS, (part + 1) * EPILOGUE_COLS)
+                        if tokens_major_out:                    # the tile stored transposed: [128 tokens, 64 rows]
+                            out_smem.at[wg].transpose((1, 0))[...] = result
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[cols, rows].at[:, wg_rows])
+                            return
+                        for part in range(tokens // epilogue_cols):
+                            part_cols = slice(part * epilogue_cols, (part + 1) * epilogue_cols)
                             out_smem[wg, part] = result[:, part_cols]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_smem.at[wg, part],
@@ -177,7 +194,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                     *weights_smem, acts_smem, accs = refs_and_accs
                     for g in range(groups):
                         b = (acts_smem.at[pl.ds(g * GROUP, GROUP), :] if acts_k_major
-                             else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, 128]
+                             else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, tokens]
                         for p, acc in enumerate(accs):
                             w_smem, scales_smem = weights_smem[2 * p], weights_smem[2 * p + 1]
                             q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                      # int4 [64, 32]
@@ -207,23 +224,26 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     a_scratch = (plgpu.SMEM((CONSUMERS, len(products), groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
                  if a_in_shared else plgpu.SMEM((1,), jnp.float32))
+    out_shape = (num_blocks * tokens, n) if tokens_major_out else (n, num_blocks * tokens)
+    out_tile = (CONSUMERS, tokens, ROWS_PER_WG) if tokens_major_out else (CONSUMERS, tokens // epilogue_cols,
+                                                                           ROWS_PER_WG, epilogue_cols)
     call = plgpu.kernel(
-        int4_block_matmul_kernel, out_type=jax.ShapeDtypeStruct((n, num_blocks * TOKENS), out_dtype),
+        int4_block_matmul_kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(min(config.ctas, num_blocks * row_tiles),), grid_names=("sm",), num_threads=CONSUMERS + 1,
         thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((CONSUMERS, TOKENS // EPILOGUE_COLS, ROWS_PER_WG, EPILOGUE_COLS),
-                                               out_dtype, transforms=out_transforms),
+        scratch_types=dict(out_smem=plgpu.SMEM(out_tile, out_dtype, transforms=out_transforms),
                            a_smem=a_scratch))
     return call(acts, block_expert.astype(jnp.int32), *(x for pair in products for x in pair))
 
 
-def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False):
+def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False,
+                                tokens_major_out: bool = False, block_tokens: int = TOKENS):
     """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, then rounded to bf16 as the kernel feeds them
-    to wgmma; with `up`, silu(gate) * up in f32); columns of empty blocks are 0."""
-    check_operands(acts, block_expert, w, scales, acts_k_major)
+    to wgmma; with `up`, silu(gate) * up in f32); columns (rows with tokens_major_out) of empty blocks are 0."""
+    check_operands(acts, block_expert, w, scales, acts_k_major, block_tokens)
     ok = (block_expert >= 0) & (block_expert < w.shape[0])
     e = jnp.where(ok, block_expert, 0)
-    a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], TOKENS, -1)
+    a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], block_tokens, -1)
 
     def product(w, scales):
         dequant = w.astype(jnp.float32) * ref.expand_scales(scales)
@@ -234,4 +254,5 @@ def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_
     if up is not None:
         out = jax.nn.silu(out) * product(*up)
     out = jnp.where(ok[:, None, None], out, 0.0)
-    return jnp.transpose(out, (1, 0, 2)).reshape(out.shape[1], -1)
+    out = jnp.transpose(out, (1, 0, 2)).reshape(out.shape[1], -1)                 # [N, R]
+    return out.T if tokens_major_out else out

@@ -1,9 +1,9 @@
-"""int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of 128
-tokens (XLA), gather x into block order, one kernel for h^T = silu(x W_gate^T) * (x W_up^T) (the gated product, bf16
-out, as the Triton kernels' h), one for down on h^T, then XLA's weighted sum of each token's pairs. A peer of the
-Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather and the combine are separate
-passes, and its weights are a second copy of the experts in plain input order (`MgpuExperts`). Not yet measured on
-a GPU.
+"""int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of
+`config.block_tokens` tokens (XLA), gather x into block order, one kernel for h^T = silu(x W_gate^T) * (x W_up^T)
+(the gated product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then
+XLA's gather of each token's pair rows and their weighted sum. A peer of the Triton int4_moe at M >= 1024 (the
+benchmark's), not yet the op's kernel: the gather and the combine are separate passes, and its weights are a second
+copy of the experts in plain input order (`MgpuExperts`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
-from pallas_kernels.int4_matmul_mgpu import (TOKENS, MgpuMatmulConfig, int4_block_matmul, int4_from_kernel_layout)
+from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig, int4_block_matmul, int4_from_kernel_layout
 
 
 class MgpuExperts(NamedTuple):
@@ -53,13 +53,13 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
                          f"[M={x.shape[0]}, top_k]")
     num_experts = experts.down.shape[0]
     m = x.shape[0]
-    routing = ref.route_pairs(topk_ids, topk_weights, num_experts, TOKENS)
+    routing = ref.route_pairs(topk_ids, topk_weights, num_experts, config.block_tokens)
     rows = jnp.minimum(routing.block_token.reshape(-1), m - 1)           # padding rows repeat a token, never read
     h_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate, experts.gate_scale,
                             (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
-    y_t = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
-                            config=config, a_in_shared=a_in_shared)         # bf16 [D, R]
+    y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
+                          tokens_major_out=True, config=config, a_in_shared=a_in_shared)     # bf16 [R, D]
     ok = routing.pair_ok.reshape(m, -1)                                     # [M, K]
-    y = y_t[:, jnp.where(routing.pair_ok, routing.pair_row, 0)].T.reshape(*ok.shape, -1)     # [M, K, D]
-    y = jnp.where(ok[:, :, None], y.astype(jnp.float32), 0.0)     # a pair off the experts reads no column (unwritten)
+    y = y[jnp.where(routing.pair_ok, routing.pair_row, 0)].reshape(*ok.shape, -1)           # [M, K, D]
+    y = jnp.where(ok[:, :, None], y.astype(jnp.float32), 0.0)     # a pair off the experts reads no row (unwritten)
     return jnp.einsum("mkd,mk->md", y, topk_weights.astype(jnp.float32)).astype(x.dtype)

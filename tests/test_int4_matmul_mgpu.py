@@ -15,10 +15,10 @@ from conftest import rel_err
 from triton_h200 import lower_for_h200, spec
 
 
-def operands(rng, experts: int, n: int, k: int, block_expert, acts_k_major: bool):
+def operands(rng, experts: int, n: int, k: int, block_expert, acts_k_major: bool, block_tokens: int = MM.TOKENS):
     w = jnp.asarray(rng.integers(-8, 8, (experts, n, k)), jnp.int8).astype(jnp.int4)
     scales = jnp.asarray(rng.uniform(0.5, 1.5, (experts, k // MM.GROUP, n)) / np.sqrt(k), jnp.bfloat16)
-    rows = len(block_expert) * MM.TOKENS
+    rows = len(block_expert) * block_tokens
     acts = jnp.asarray(rng.standard_normal((k, rows) if acts_k_major else (rows, k)), jnp.bfloat16)
     return acts, jnp.asarray(block_expert, jnp.int32), w, scales
 
@@ -30,19 +30,25 @@ def interpret(fn, *args, **kwargs):
 
 
 @pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
-@pytest.mark.parametrize("tile_k,ctas", [(64, 132), (128, 1)], ids=["tile_k_64", "tile_k_128_one_cta"])
-def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas):
-    """Three blocks, one of them empty (expert id E): every written column equals the f32 reference and the empty
-    block's columns are never written; two row tiles (N = 256), K over several pipeline steps; with one CTA, its
-    persistent loop walks all (block, row tile) pairs, reusing its pipeline and epilogue buffers."""
-    rng = np.random.default_rng(tile_k + acts_k_major)
-    args = operands(rng, 3, 256, 512, [1, 3, 0], acts_k_major)
+@pytest.mark.parametrize("tile_k,ctas,tokens,tokens_major_out", [
+    (64, 132, 128, False), (128, 1, 128, False), (64, 132, 96, True), (128, 2, 32, False)],
+    ids=["tile_k_64", "tile_k_128_one_cta", "96_tokens_major_out", "32_tokens_two_ctas"])
+def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas, tokens, tokens_major_out):
+    """Three blocks, one of them empty (expert id E): every written column (row, tokens-major) equals the f32
+    reference and the empty block's are never written; two row tiles (N = 256), K over several pipeline steps; with
+    one CTA, its persistent loop walks all (block, row tile) pairs, reusing its pipeline and epilogue buffers."""
+    rng = np.random.default_rng(tile_k + acts_k_major + tokens)
+    args = operands(rng, 3, 256, 512, [1, 3, 0], acts_k_major, tokens)
+    config = MM.MgpuMatmulConfig(tile_k=tile_k, stages=3, ctas=ctas, block_tokens=tokens)
     out = interpret(MM.int4_block_matmul, *args, acts_k_major=acts_k_major, a_in_shared=True,
-                    out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(tile_k=tile_k, stages=3, ctas=ctas))
-    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major)
-    written = np.r_[0:128, 256:384]
-    assert rel_err(np.asarray(out)[:, written], np.asarray(want)[:, written]) < 1e-5
-    assert np.isnan(np.asarray(out)[:, 128:256]).all()
+                    tokens_major_out=tokens_major_out, out_dtype=jnp.float32, config=config)
+    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major, tokens_major_out=tokens_major_out,
+                                          block_tokens=tokens)
+    out, want = (np.asarray(out), np.asarray(want)) if tokens_major_out else (np.asarray(out).T, np.asarray(want).T)
+    written = np.r_[0:tokens, 2 * tokens:3 * tokens]
+    assert out.shape == (3 * tokens, 256)
+    assert rel_err(out[written], want[written]) < 1e-5
+    assert np.isnan(out[tokens:2 * tokens]).all()
 
 
 def test_kernel_layout_converts_to_input_order():
@@ -75,22 +81,26 @@ def test_int4_moe_matches_reference():
     weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     mgpu_experts = MOE.MgpuExperts.from_int4_experts(experts)
-    config = MM.MgpuMatmulConfig(tile_k=128, stages=2)
+    config = MM.MgpuMatmulConfig(tile_k=128, stages=2, block_tokens=32)
     out = interpret(MOE.int4_moe, x, mgpu_experts, ids, weights, config=config, a_in_shared=True)
     assert rel_err(out, int4_moe_reference(x, experts, ids, weights)) < 2e-2
     none = interpret(MOE.int4_moe, x, mgpu_experts, foreign, weights, config=config, a_in_shared=True)
     assert np.array_equal(np.asarray(none, np.float32), np.zeros((m, d), np.float32))
 
 
-@pytest.mark.parametrize("acts_k_major", [False, True], ids=["gate_up", "down"])
-def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major):
-    """K2.6's gate_up (N = 2 I = 4096, K = D = 7168) and down (N = D, K = I = 2048, acts [K, R]) with 640 blocks, A
-    from registers: Mosaic GPU's layout inference and lowering for sm_90 accept the kernel."""
+@pytest.mark.parametrize("acts_k_major,tokens", [(False, 128), (True, 128), (False, 96), (True, 32)],
+                         ids=["gate_up", "down", "gate_up_96_tokens", "down_32_tokens"])
+def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major, tokens):
+    """K2.6's gate_up (N = 2 I = 4096, K = D = 7168) and down (N = D, K = I = 2048, acts [K, R], y tokens-major as
+    int4_moe_mgpu stores it) with 640 blocks, A from registers: Mosaic GPU's layout inference and lowering for sm_90
+    accept the kernel."""
     n, k = (7168, 2048) if acts_k_major else (4096, 7168)
-    rows = 640 * MM.TOKENS
+    rows = 640 * tokens
     args = (spec((k, rows) if acts_k_major else (rows, k), jnp.bfloat16), spec((640,), jnp.int32),
             spec((384, n, k), jnp.int4), spec((384, k // MM.GROUP, n), jnp.bfloat16))
-    text = lower_for_h200(lambda *a: MM.int4_block_matmul(*a, acts_k_major=acts_k_major), *args)
+    config = MM.MgpuMatmulConfig(block_tokens=tokens)
+    text = lower_for_h200(lambda *a: MM.int4_block_matmul(*a, acts_k_major=acts_k_major, config=config,
+                                                          tokens_major_out=acts_k_major), *args)
     assert "mosaic_gpu" in text
 
 
@@ -144,3 +154,5 @@ def test_bad_operands_are_refused(bad, match):
         jax.eval_shape(MM.int4_block_matmul, *args.values())
     with pytest.raises(ValueError, match="tile_k"):
         MM.MgpuMatmulConfig(tile_k=48)
+    with pytest.raises(ValueError, match="block_tokens"):
+        MM.MgpuMatmulConfig(block_tokens=48)

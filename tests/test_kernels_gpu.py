@@ -195,15 +195,20 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
         assert rel_err(out, want) < 2e-2, call
 
 
-@pytest.mark.parametrize("acts_k_major,n,k", [(False, 4096, 7168), (True, 7168, 2048)], ids=["gate_up", "down"])
-def test_int4_block_matmul_mgpu(acts_k_major, n, k):
+@pytest.mark.parametrize("acts_k_major,n,k,tokens", [(False, 4096, 7168, 128), (True, 7168, 2048, 128),
+                                                     (False, 4096, 7168, 96), (True, 7168, 2048, 64)],
+                         ids=["gate_up", "down", "gate_up_96_tokens", "down_64_tokens"])
+def test_int4_block_matmul_mgpu(acts_k_major, n, k, tokens):
     """The Mosaic GPU block matmul with A from registers (the path interpret mode cannot run) at K2.6's gate_up and
-    down shapes, 8 experts, 6 blocks (one empty): the written columns against the f32 reference."""
-    args = mgpu_operands(np.random.default_rng(n), 8, n, k, [3, 0, 8, 7, 3, 1], acts_k_major)
-    out = MM.int4_block_matmul(*args, acts_k_major=acts_k_major)
-    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major)
-    written = np.r_[0:256, 384:768]
-    assert rel_err(np.asarray(out, np.float32)[:, written], np.asarray(want)[:, written]) < 1e-2
+    down shapes (down's y tokens-major, as int4_moe_mgpu stores it), 8 experts, 6 blocks (one empty): the written
+    columns against the f32 reference."""
+    args = mgpu_operands(np.random.default_rng(n + tokens), 8, n, k, [3, 0, 8, 7, 3, 1], acts_k_major, tokens)
+    config = MM.MgpuMatmulConfig(block_tokens=tokens)
+    out = MM.int4_block_matmul(*args, acts_k_major=acts_k_major, tokens_major_out=acts_k_major, config=config)
+    want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major, block_tokens=tokens)
+    out = np.asarray(out, np.float32).T if acts_k_major else np.asarray(out, np.float32)
+    written = np.r_[0:2 * tokens, 3 * tokens:6 * tokens]
+    assert rel_err(out[:, written], np.asarray(want)[:, written]) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [64, 1024])
