@@ -85,13 +85,17 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
     return list(dict.fromkeys(c for c in candidates if c != base and launchable(c)))
 
 
-def mosaic_sweep(m: int, sweep_tokens: list[int]) -> list:
-    """Configurations of the Mosaic GPU block matmul timed beside its default when M is one of `sweep_tokens`."""
+def mosaic_sweep(m: int, sweep_tokens: list[int]) -> dict[str, dict]:
+    """{label: int4_moe_mgpu keyword arguments} of the Mosaic GPU int4_moe timed beside its default when M is one of
+    `sweep_tokens`: tokens per block, and down at 64 rows per warpgroup (the default takes 128)."""
     if m not in sweep_tokens:
-        return []
+        return {}
     Config = moe_mgpu.MgpuMatmulConfig
-    return [Config(block_tokens=32), Config(block_tokens=64), Config(block_tokens=96),
-            Config(block_tokens=96, tile_k=64)]
+    runs = {f"block_tokens={t}": dict(config=Config(block_tokens=t)) for t in (32, 64, 96)}
+    runs["down_rows_per_wg=64"] = dict(down_config=Config(rows_per_wg=64))
+    runs["block_tokens=96,down_rows_per_wg=64"] = dict(config=Config(block_tokens=96),
+                                                        down_config=Config(block_tokens=96, rows_per_wg=64))
+    return runs
 
 
 @functools.partial(jax.jit, static_argnames=("e", "d", "i"))
@@ -327,8 +331,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                     mosaic_experts = moe_mgpu.MgpuExperts.from_int4_experts(experts)
                 mosaic_sets = [(x, mosaic_experts, ids, w) for x, _, ids, w in sets]
                 mosaic_fns = {MOSAIC_PEER: moe_mgpu.int4_moe}
-                for cfg in mosaic_sweep(m, sweep_tokens):
-                    mosaic_fns[f"{MOSAIC_PEER}:{cfg}"] = functools.partial(moe_mgpu.int4_moe, config=cfg)
+                for label, kwargs in mosaic_sweep(m, sweep_tokens).items():
+                    mosaic_fns[f"{MOSAIC_PEER}:{label}"] = functools.partial(moe_mgpu.int4_moe, **kwargs)
                 jobs += _checked_peer_jobs(mosaic_fns, mosaic_sets, sub, ref, errors, peers_failed)
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)

@@ -49,11 +49,14 @@ H200_SMS = 132
 class MgpuMatmulConfig:
     """tile_k inputs per pipeline step (a multiple of 32), stages in flight (None: the most, up to MAX_STAGES, that
     fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM), block_tokens the tokens per routed block
-    (wgmma's N: a multiple of 32 up to 256; fewer pad less when experts see few tokens each)."""
+    (wgmma's N: a multiple of 32 up to 256; fewer pad less when experts see few tokens each), rows_per_wg the output
+    rows per consumer warpgroup and (block, row tile) pair, 64 per accumulator (128: each activation tile read from
+    L2 serves twice the weight rows, with twice the accumulators)."""
     tile_k: int = 128
     stages: int | None = None
     ctas: int = H200_SMS
     block_tokens: int = TOKENS
+    rows_per_wg: int = ROWS_PER_WG
 
     def __post_init__(self):
         if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
@@ -61,6 +64,9 @@ class MgpuMatmulConfig:
         if self.block_tokens % 32 or not 0 < self.block_tokens <= 256:
             raise ValueError(f"MgpuMatmulConfig.block_tokens={self.block_tokens} must be a multiple of 32 in "
                              "[32, 256]")
+        if self.rows_per_wg not in (ROWS_PER_WG, 2 * ROWS_PER_WG):
+            raise ValueError(f"MgpuMatmulConfig.rows_per_wg={self.rows_per_wg} must be {ROWS_PER_WG} or "
+                             f"{2 * ROWS_PER_WG}")
         if (self.stages is not None and not 1 <= self.stages <= 8) or self.ctas < 1:
             raise ValueError(f"MgpuMatmulConfig: stages={self.stages} must be in [1, 8] (or None), ctas={self.ctas} "
                              ">= 1")
@@ -70,15 +76,17 @@ MAX_STAGES = 4
 SHARED_BYTES = 227 * 1024      # the H200's shared memory per block
 
 
-def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool, block_tokens: int = TOKENS) -> int:
+def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool, block_tokens: int = TOKENS,
+                    rows_per_wg: int = ROWS_PER_WG) -> int:
     """The most pipeline stages (<= MAX_STAGES) whose tiles fit SHARED_BYTES beside the epilogue's buffer: a stage
-    holds per product ROWS x tile_k int4 weights and tile_k / 32 x ROWS bf16 scales, and block_tokens x tile_k bf16
-    activations (tile_k 128 with 128 tokens: 41 KB with one product, 50 KB with two). At least 2 (the lowering
-    refuses what does not fit)."""
-    stage = products * (ROWS * tile_k // 2 + tile_k // GROUP * ROWS * 2) + block_tokens * tile_k * 2
-    fixed = CONSUMERS * block_tokens * ROWS_PER_WG * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
+    holds per product 2 rows_per_wg x tile_k int4 weights and tile_k / 32 x 2 rows_per_wg bf16 scales, and
+    block_tokens x tile_k bf16 activations (tile_k 128, 128 tokens, 64 rows per warpgroup: 41 KB with one product,
+    50 KB with two). At least 2 (the lowering refuses what does not fit)."""
+    cta_rows = CONSUMERS * rows_per_wg
+    stage = products * (cta_rows * tile_k // 2 + tile_k // GROUP * cta_rows * 2) + block_tokens * tile_k * 2
+    fixed = CONSUMERS * block_tokens * rows_per_wg * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
     if a_in_shared:
-        fixed += CONSUMERS * products * tile_k * ROWS_PER_WG * 2
+        fixed += CONSUMERS * products * tile_k * rows_per_wg * 2
     return max(2, min(MAX_STAGES, (SHARED_BYTES - fixed) // stage))
 
 
@@ -128,18 +136,24 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     tile_k = config.tile_k
     if k % tile_k:
         raise ValueError(f"K={k} is not a multiple of tile_k={tile_k}: choose MgpuMatmulConfig.tile_k dividing K")
-    stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared, tokens)
+    subs = config.rows_per_wg // ROWS_PER_WG                        # accumulators per product and warpgroup
+    cta_rows = CONSUMERS * config.rows_per_wg
+    if n % cta_rows:
+        raise ValueError(f"N={n} is not a multiple of the {cta_rows} rows per tile of rows_per_wg="
+                         f"{config.rows_per_wg}: use MgpuMatmulConfig.rows_per_wg={ROWS_PER_WG}")
+    stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared, tokens,
+                                              config.rows_per_wg)
     epilogue_cols = math.gcd(EPILOGUE_COLS, tokens)
     groups = tile_k // GROUP
-    row_tiles = n // ROWS
+    row_tiles = n // cta_rows
     w_transforms = (plgpu.TilingTransform((8, GROUP)),)             # a 16-byte row of int4: no swizzle
     act_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     out_swizzle = plgpu.find_swizzle((ROWS_PER_WG if tokens_major_out else epilogue_cols) * out_bits)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
     act_block = (tile_k, tokens) if acts_k_major else (tokens, tile_k)
-    weight_specs = [plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=w_transforms),
-                    plgpu.BlockSpec((groups, ROWS), lambda s: (s, 0))] * len(products)
+    weight_specs = [plgpu.BlockSpec((cta_rows, tile_k), lambda s: (0, s), transforms=w_transforms),
+                    plgpu.BlockSpec((groups, cta_rows), lambda s: (s, 0))] * len(products)
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
                                transforms=act_transforms)
 
@@ -158,44 +172,46 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
             *(ref_.at[0] for ref_ in weights_gmem), acts_gmem), collective_axes="wg")
         def _scope(allocations):
             wg = lax.axis_index("wg")
-            wg_rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+            sub_rows = [pl.ds(wg * config.rows_per_wg + sub * ROWS_PER_WG, ROWS_PER_WG) for sub in range(subs)]
 
             @plgpu.nd_loop((num_blocks * row_tiles,), collective_axes="sm")
             def _pairs(info: plgpu.NDLoopInfo):
                 (pair,) = info.index
                 block, tile = pair // row_tiles, pair % row_tiles       # a block's row tiles next to each other
                 expert = expert_gmem[block]
-                rows = pl.ds(tile * ROWS, ROWS)
+                rows = pl.ds(tile * cta_rows, cta_rows)
                 cols = pl.ds(block * tokens, tokens)
 
                 def epilogue(run_pipeline):
                     @functools.partial(pl.run_scoped, accs=[plgpu.ACC((ROWS_PER_WG, tokens), jnp.float32)
-                                                            for _ in products])
-                    def _accs(accs):
+                                                            for _ in range(len(products) * subs)])
+                    def _accs(accs):                    # product p's sub-tile `sub`: accs[p * subs + sub]
                         run_pipeline(accs)
-                        result = accs[0][...]
-                        if len(products) == 2:
-                            result = result * lax.logistic(result) * accs[1][...]           # silu(gate) * up
-                        result = result.astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        if tokens_major_out:                    # the tile stored transposed: [128 tokens, 64 rows]
-                            out_smem.at[wg].transpose((1, 0))[...] = result
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[cols, rows].at[:, wg_rows])
-                            return
-                        for part in range(tokens // epilogue_cols):
-                            part_cols = slice(part * epilogue_cols, (part + 1) * epilogue_cols)
-                            out_smem[wg, part] = result[:, part_cols]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, part],
-                                                    out_gmem.at[rows, cols].at[wg_rows, part_cols])
+                        for sub, wg_rows in enumerate(sub_rows):
+                            result = accs[sub][...]
+                            if len(products) == 2:
+                                result = result * lax.logistic(result) * accs[subs + sub][...]   # silu(gate) * up
+                            result = result.astype(out_dtype)
+                            if tokens_major_out:                # the tile stored transposed: [tokens, 64 rows]
+                                out_smem.at[wg, sub].transpose((1, 0))[...] = result
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(out_smem.at[wg, sub], out_gmem.at[cols, rows].at[:, wg_rows])
+                                continue
+                            for part in range(tokens // epilogue_cols):
+                                part_cols = slice(part * epilogue_cols, (part + 1) * epilogue_cols)
+                                out_smem[wg, sub, part] = result[:, part_cols]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(out_smem.at[wg, sub, part],
+                                                        out_gmem.at[rows, cols].at[wg_rows, part_cols])
 
                 def step(_, *refs_and_accs):
                     *weights_smem, acts_smem, accs = refs_and_accs
                     for g in range(groups):
                         b = (acts_smem.at[pl.ds(g * GROUP, GROUP), :] if acts_k_major
                              else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, tokens]
-                        for p, acc in enumerate(accs):
+                        for i, acc in enumerate(accs):
+                            p, wg_rows = i // subs, sub_rows[i % subs]
                             w_smem, scales_smem = weights_smem[2 * p], weights_smem[2 * p + 1]
                             q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                      # int4 [64, 32]
                             q = plgpu.layout_cast(plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_4X),
@@ -203,9 +219,9 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                             scale = scales_smem[g, wg_rows]                                  # [64] per row
                             a = q.astype(jnp.bfloat16) * lax.broadcast_in_dim(scale, (ROWS_PER_WG, GROUP), (0,))
                             if a_in_shared:
-                                a_smem[wg, p, g] = a
+                                a_smem[wg, i, g] = a
                                 plgpu.commit_smem()
-                                plgpu.wgmma(acc, a_smem.at[wg, p, g], b)
+                                plgpu.wgmma(acc, a_smem.at[wg, i, g], b)
                             else:
                                 plgpu.wgmma(acc, a, b)
                     plgpu.wgmma_wait(0)
@@ -221,12 +237,12 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_scratch = (plgpu.SMEM((CONSUMERS, len(products), groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
+    a_scratch = (plgpu.SMEM((CONSUMERS, len(products) * subs, groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
                  if a_in_shared else plgpu.SMEM((1,), jnp.float32))
     out_shape = (num_blocks * tokens, n) if tokens_major_out else (n, num_blocks * tokens)
-    out_tile = (CONSUMERS, tokens, ROWS_PER_WG) if tokens_major_out else (CONSUMERS, tokens // epilogue_cols,
-                                                                           ROWS_PER_WG, epilogue_cols)
+    out_tile = ((CONSUMERS, subs, tokens, ROWS_PER_WG) if tokens_major_out
+                else (CONSUMERS, subs, tokens // epilogue_cols, ROWS_PER_WG, epilogue_cols))
     call = plgpu.kernel(
         int4_block_matmul_kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(min(config.ctas, num_blocks * row_tiles),), grid_names=("sm",), num_threads=CONSUMERS + 1,

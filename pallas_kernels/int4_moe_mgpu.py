@@ -7,6 +7,7 @@ copy of the experts in plain input order (`MgpuExperts`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
-from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig, int4_block_matmul, int4_from_kernel_layout
+from pallas_kernels.int4_matmul_mgpu import (ROWS_PER_WG, MgpuMatmulConfig, int4_block_matmul,
+                                             int4_from_kernel_layout)
 
 
 class MgpuExperts(NamedTuple):
@@ -41,11 +43,18 @@ class MgpuExperts(NamedTuple):
                    *convert(experts.down_packed, experts.down_scale, i))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "a_in_shared"))
+@functools.partial(jax.jit, static_argnames=("config", "down_config", "a_in_shared"))
 def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMatmulConfig = MgpuMatmulConfig(),
-             a_in_shared: bool = False):
+             down_config: MgpuMatmulConfig | None = None, a_in_shared: bool = False):
     """x bf16 [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] bf16: `int4_moe_reference`'s semantics
-    (ids outside [0, E) contribute nothing). a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
+    (ids outside [0, E) contribute nothing). config: gate_up's block matmul (its block_tokens the routing's);
+    down_config: down's (default: config with 128 rows per warpgroup, one accumulator per product and 64 rows being
+    the gated gate_up's two); a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
+    if down_config is None:
+        down_config = dataclasses.replace(config, rows_per_wg=2 * ROWS_PER_WG)
+    if down_config.block_tokens != config.block_tokens:
+        raise ValueError(f"down_config.block_tokens={down_config.block_tokens} must equal config.block_tokens="
+                         f"{config.block_tokens} (one routing serves both)")
     if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != experts.down.shape[1]:
         raise ValueError(f"x must be bfloat16 [M, D={experts.down.shape[1]}], got {x.dtype} {x.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
@@ -58,8 +67,12 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
     h_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate, experts.gate_scale,
                             (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
     y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
-                          tokens_major_out=True, config=config, a_in_shared=a_in_shared)     # bf16 [R, D]
+                          tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
     ok = routing.pair_ok.reshape(m, -1)                                     # [M, K]
-    y = y[jnp.where(routing.pair_ok, routing.pair_row, 0)].reshape(*ok.shape, -1)           # [M, K, D]
-    y = jnp.where(ok[:, :, None], y.astype(jnp.float32), 0.0)     # a pair off the experts reads no row (unwritten)
-    return jnp.einsum("mkd,mk->md", y, topk_weights.astype(jnp.float32)).astype(x.dtype)
+    pair_row = jnp.where(ok, routing.pair_row.reshape(m, -1), 0)
+    weights = topk_weights.astype(jnp.float32)
+    out = jnp.zeros(x.shape, jnp.float32)
+    for slot in range(ok.shape[1]):        # in slot order, as the reference; one gather of whole rows per slot
+        rows_y = jnp.where(ok[:, slot, None], y[pair_row[:, slot]].astype(jnp.float32), 0.0)   # off the experts: 0
+        out = out + weights[:, slot, None] * rows_y
+    return out.astype(x.dtype)

@@ -200,10 +200,10 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
                          ids=["gate_up", "down", "gate_up_96_tokens", "down_64_tokens"])
 def test_int4_block_matmul_mgpu(acts_k_major, n, k, tokens):
     """The Mosaic GPU block matmul with A from registers (the path interpret mode cannot run) at K2.6's gate_up and
-    down shapes (down's y tokens-major, as int4_moe_mgpu stores it), 8 experts, 6 blocks (one empty): the written
+    down shapes (down as int4_moe_mgpu runs it: y tokens-major, 128 rows per warpgroup), 8 experts, 6 blocks (one empty): the written
     columns against the f32 reference."""
     args = mgpu_operands(np.random.default_rng(n + tokens), 8, n, k, [3, 0, 8, 7, 3, 1], acts_k_major, tokens)
-    config = MM.MgpuMatmulConfig(block_tokens=tokens)
+    config = MM.MgpuMatmulConfig(block_tokens=tokens, rows_per_wg=128 if acts_k_major else 64)
     out = MM.int4_block_matmul(*args, acts_k_major=acts_k_major, tokens_major_out=acts_k_major, config=config)
     want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major, block_tokens=tokens)
     out = np.asarray(out, np.float32).T if acts_k_major else np.asarray(out, np.float32)
