@@ -108,9 +108,9 @@ def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_toke
     rows = block_expert.shape[0] * block_tokens
     want = (k, rows) if acts_k_major else (rows, k)
     if acts.shape != want or acts.dtype != jnp.bfloat16 or block_expert.ndim != 1:
-        raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = {block_tokens} x "
-                         f"{block_expert.shape[0]} blocks) and block_expert 1-D, got {acts.dtype} {acts.shape} and "
-                         f"{block_expert.shape}")
+        raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = "
+                         f"{block_tokens} x {block_expert.shape[0]} blocks) and block_expert 1-D, got {acts.dtype} "
+                         f"{acts.shape} and {block_expert.shape}")
 
 
 @functools.partial(jax.jit, static_argnames=("acts_k_major", "tokens_major_out", "config", "a_in_shared",

@@ -1,9 +1,9 @@
 """int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of
 `config.block_tokens` tokens (XLA), gather x into block order, one kernel for h^T = silu(x W_gate^T) * (x W_up^T)
 (the gated product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then
-XLA's gather of each token's pair rows and their weighted sum. A peer of the Triton int4_moe at M >= 1024 (the
-benchmark's), not yet the op's kernel: the gather and the combine are separate passes, and its weights are a second
-copy of the experts in plain input order (`MgpuExperts`).
+the weighted sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer
+of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather of x is a separate pass,
+and its weights are a second copy of the experts in plain input order (`MgpuExperts`).
 """
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
+from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels.int4_matmul_mgpu import (ROWS_PER_WG, MgpuMatmulConfig, int4_block_matmul,
                                              int4_from_kernel_layout)
+from pallas_kernels.triton_call import LAUNCHERS, bound_to
+
+XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
 
 
 class MgpuExperts(NamedTuple):
@@ -43,13 +47,18 @@ class MgpuExperts(NamedTuple):
                    *convert(experts.down_packed, experts.down_scale, i))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "down_config", "a_in_shared"))
+@functools.partial(jax.jit, static_argnames=("config", "down_config", "combine", "a_in_shared"))
 def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMatmulConfig = MgpuMatmulConfig(),
-             down_config: MgpuMatmulConfig | None = None, a_in_shared: bool = False):
+             down_config: MgpuMatmulConfig | None = None, combine: str = moe_triton.LAUNCHER,
+             a_in_shared: bool = False):
     """x bf16 [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] bf16: `int4_moe_reference`'s semantics
     (ids outside [0, E) contribute nothing). config: gate_up's block matmul (its block_tokens the routing's);
     down_config: down's (default: config with 128 rows per warpgroup, one accumulator per product and 64 rows being
-    the gated gate_up's two); a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
+    the gated gate_up's two); combine: the Triton launcher (`triton_call.LAUNCHERS`) of the weighted sum of each
+    token's pairs (`int4_moe_triton.combine_pairs`), or XLA_GATHER (the CPU's: XLA's gathers, ~10x slower on the H200);
+    a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
+    if combine not in (*LAUNCHERS, XLA_GATHER):
+        raise ValueError(f"combine={combine!r} must be one of {(*LAUNCHERS, XLA_GATHER)}")
     if down_config is None:
         down_config = dataclasses.replace(config, rows_per_wg=2 * ROWS_PER_WG)
     if down_config.block_tokens != config.block_tokens:
@@ -68,6 +77,10 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
                             (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
     y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
                           tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
+    if combine != XLA_GATHER:
+        call = bound_to(combine, interpret=False, op="int4_moe_mgpu.int4_moe", reference=f"combine={XLA_GATHER!r}")
+        return moe_triton.combine_pairs(call, jnp.where(routing.pair_ok, routing.pair_row, -1), y, topk_ids.shape,
+                                        x.dtype, topk_weights.reshape(-1))
     ok = routing.pair_ok.reshape(m, -1)                                     # [M, K]
     pair_row = jnp.where(ok, routing.pair_row.reshape(m, -1), 0)
     weights = topk_weights.astype(jnp.float32)

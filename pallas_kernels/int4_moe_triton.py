@@ -331,13 +331,29 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
 def _combine_kernel(pair_row_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BD: tl.constexpr):
     """Program (token m, columns d): out[m, d] = sum over m's K pairs, in slot order, of y[pair_row, d] (f32; a pair
     whose row is -1, an expert of another device, adds nothing)."""
+    _sum_pairs(pair_row_ptr, pair_row_ptr, y_ptr, out_ptr, TOP_K, HIDDEN, BD, False)
+
+
+@triton.jit
+def _weighted_combine_kernel(pair_row_ptr, pair_weight_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr,
+                             HIDDEN: tl.constexpr, BD: tl.constexpr):
+    """`_combine_kernel` with each pair's row scaled by its f32 weight pair_weight [M * K] (y not yet weighted)."""
+    _sum_pairs(pair_row_ptr, pair_weight_ptr, y_ptr, out_ptr, TOP_K, HIDDEN, BD, True)
+
+
+@triton.jit
+def _sum_pairs(pair_row_ptr, pair_weight_ptr, y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+               BD: tl.constexpr, WEIGHTED: tl.constexpr):
     m = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     col_ok = cols < HIDDEN
     acc = tl.zeros((BD,), tl.float32)
     for j in tl.static_range(TOP_K):
         row = tl.load(pair_row_ptr + m * TOP_K + j)
-        acc += tl.load(y_ptr + row.to(tl.int64) * HIDDEN + cols, mask=col_ok & (row >= 0), other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row.to(tl.int64) * HIDDEN + cols, mask=col_ok & (row >= 0), other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = tl.where(row >= 0, y * tl.load(pair_weight_ptr + m * TOP_K + j), 0.0)
+        acc += y
     tl.store(out_ptr + m.to(tl.int64) * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -476,9 +492,18 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=grid(triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
         ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, num_stages=down_stages))
-    return call(pair_row, y, kernel=_combine_kernel, out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
-                grid=(m, triton.cdiv(d, COMBINE_COLUMNS)), TOP_K=topk_ids.shape[1], HIDDEN=d, BD=COMBINE_COLUMNS,
-                num_warps=4, num_stages=1)
+    return combine_pairs(call, pair_row, y, topk_ids.shape, x.dtype)
+
+
+def combine_pairs(call, pair_row, y, topk_shape: tuple[int, int], out_dtype, pair_weight=None):
+    """out [M, D] (out_dtype) = for each token, the sum in slot order of y [R, D]'s rows pair_row [M * K] (-1: none),
+    each scaled by pair_weight [M * K] (f32) where given (`_weighted_combine_kernel`; else y is already weighted)."""
+    m, top_k = topk_shape
+    d = y.shape[1]
+    weighted = () if pair_weight is None else (pair_weight.astype(jnp.float32),)
+    return call(pair_row, *weighted, y, kernel=_weighted_combine_kernel if weighted else _combine_kernel,
+                out_shape=jax.ShapeDtypeStruct((m, d), out_dtype), grid=(m, triton.cdiv(d, COMBINE_COLUMNS)),
+                TOP_K=top_k, HIDDEN=d, BD=COMBINE_COLUMNS, num_warps=4, num_stages=1)
 
 
 def route(call, topk_ids, topk_weights, num_experts: int, block_m: int, xla_routing: bool = False):

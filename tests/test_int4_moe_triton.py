@@ -94,12 +94,17 @@ def test_f32_kernels_compile_with_ieee_dots(config):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_combine_kernel_compiles_to_vector_loads(dtype):
-    """The sum of each token's pairs: 16-byte loads of y's rows (bf16: 8 columns per load), f32 adds."""
+    """The sum of each token's pairs: 16-byte loads of y's rows (bf16: 8 columns per load), f32 adds (weighted:
+    fused multiply-adds)."""
     compiled = compile_for_h200(MT._combine_kernel, {"pair_row_ptr": "*i32", "y_ptr": f"*{dtype}",
                                                      "out_ptr": f"*{dtype}"},
                                 dict(TOP_K=8, HIDDEN=7168, BD=MT.COMBINE_COLUMNS), num_warps=4, num_stages=1)
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4" in ptx and "add.f32" in ptx
+    weighted = compile_for_h200(MT._weighted_combine_kernel, {"pair_row_ptr": "*i32", "pair_weight_ptr": "*fp32",
+                                                              "y_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+                                dict(TOP_K=8, HIDDEN=7168, BD=MT.COMBINE_COLUMNS), num_warps=4, num_stages=1)
+    assert "ld.global.v4" in weighted.asm["ptx"] and "fma.rn.f32" in weighted.asm["ptx"]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -87,6 +87,32 @@ def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreig
     np.testing.assert_array_equal(got[3], np.where(want.pair_ok, want.pair_row, -1))
 
 
+@in_child
+@pytest.mark.parametrize("weighted", [False, True], ids=["combine", "weighted_combine"])
+def test_combine_pairs_sums_each_tokens_rows(weighted):
+    """`combine_pairs` (the Triton int4_moe's combine, and weighted, the Mosaic GPU int4_moe's): each token's pair
+    rows of y summed in slot order, scaled by the pair's weight where given; pairs of row -1 add nothing, and rows
+    no pair names (NaN here) are never read. D = 1500: two column programs, the second masked."""
+    from conftest import rel_err
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(5 + weighted)
+    m, top_k, rows, d = 6, 3, 24, 1500
+    pair_row = rng.permutation(rows)[:m * top_k]
+    pair_row[[2, 7]] = -1
+    y = rng.standard_normal((rows, d)).astype(np.float32)
+    y[np.setdiff1d(np.arange(rows), pair_row)] = np.nan
+    weight = rng.random(m * top_k).astype(np.float32)
+    got = MT.combine_pairs(interpreter_call, jnp.asarray(pair_row, jnp.int32), jnp.asarray(y), (m, top_k),
+                           jnp.float32, jnp.asarray(weight) if weighted else None)
+    scale = weight if weighted else np.ones_like(weight)
+    want = np.zeros((m, d))
+    for pair, row in enumerate(pair_row):
+        if row >= 0:
+            want[pair // top_k] += scale[pair] * y[row].astype(np.float64)
+    assert rel_err(got, want) < 1e-6
+
+
 @triton.jit
 def _nibble_dots_kernel(tiles_ptr, act_ptr, out_ptr, BN: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
                         WIDTH: tl.constexpr, FIRST: tl.constexpr):
