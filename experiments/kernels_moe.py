@@ -87,14 +87,16 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
 
 def mosaic_sweep(m: int, sweep_tokens: list[int]) -> dict[str, dict]:
     """{label: int4_moe_mgpu keyword arguments} of the Mosaic GPU int4_moe timed beside its default when M is one of
-    `sweep_tokens`: tokens per block, and down at 64 rows per warpgroup (the default takes 128)."""
+    `sweep_tokens`: tokens per block, down at 64 rows per warpgroup (the default takes 128), clusters of two CTAs
+    sharing the activation tile (for both GEMMs, or gate_up only)."""
     if m not in sweep_tokens:
         return {}
     Config = moe_mgpu.MgpuMatmulConfig
     runs = {f"block_tokens={t}": dict(config=Config(block_tokens=t)) for t in (32, 64, 96)}
     runs["down_rows_per_wg=64"] = dict(down_config=Config(rows_per_wg=64))
-    runs["block_tokens=96,down_rows_per_wg=64"] = dict(config=Config(block_tokens=96),
-                                                        down_config=Config(block_tokens=96, rows_per_wg=64))
+    runs["cluster=2"] = dict(config=Config(cluster=2))
+    runs["gate_up_cluster=2"] = dict(config=Config(cluster=2), down_config=Config(rows_per_wg=128))
+    runs["block_tokens=96,cluster=2"] = dict(config=Config(block_tokens=96, cluster=2))
     return runs
 
 

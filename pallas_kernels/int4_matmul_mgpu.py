@@ -51,12 +51,15 @@ class MgpuMatmulConfig:
     fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM), block_tokens the tokens per routed block
     (wgmma's N: a multiple of 32 up to 256; fewer pad less when experts see few tokens each), rows_per_wg the output
     rows per consumer warpgroup and (block, row tile) pair, 64 per accumulator (128: each activation tile read from
-    L2 serves twice the weight rows, with twice the accumulators)."""
+    L2 serves twice the weight rows, with twice the accumulators), cluster the CTAs (1 or 2) that take adjacent row
+    tiles of one block together, its activation tile loaded once for both (a TMA multicast: half the L2 reads of
+    activations)."""
     tile_k: int = 128
     stages: int | None = None
     ctas: int = H200_SMS
     block_tokens: int = TOKENS
     rows_per_wg: int = ROWS_PER_WG
+    cluster: int = 1
 
     def __post_init__(self):
         if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
@@ -64,6 +67,8 @@ class MgpuMatmulConfig:
         if self.block_tokens % 32 or not 0 < self.block_tokens <= 256:
             raise ValueError(f"MgpuMatmulConfig.block_tokens={self.block_tokens} must be a multiple of 32 in "
                              "[32, 256]")
+        if self.cluster not in (1, 2) or self.ctas % self.cluster:
+            raise ValueError(f"MgpuMatmulConfig.cluster={self.cluster} must be 1 or 2 and divide ctas={self.ctas}")
         if self.rows_per_wg not in (ROWS_PER_WG, 2 * ROWS_PER_WG):
             raise ValueError(f"MgpuMatmulConfig.rows_per_wg={self.rows_per_wg} must be {ROWS_PER_WG} or "
                              f"{2 * ROWS_PER_WG}")
@@ -146,6 +151,10 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     epilogue_cols = math.gcd(EPILOGUE_COLS, tokens)
     groups = tile_k // GROUP
     row_tiles = n // cta_rows
+    cluster = config.cluster
+    if row_tiles % cluster:
+        raise ValueError(f"the {row_tiles} row tiles of N={n} do not split over a cluster of {cluster} CTAs: use "
+                         "MgpuMatmulConfig.cluster=1")
     w_transforms = (plgpu.TilingTransform((8, GROUP)),)             # a 16-byte row of int4: no swizzle
     act_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
@@ -155,7 +164,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     weight_specs = [plgpu.BlockSpec((cta_rows, tile_k), lambda s: (0, s), transforms=w_transforms),
                     plgpu.BlockSpec((groups, cta_rows), lambda s: (s, 0))] * len(products)
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
-                               transforms=act_transforms)
+                               transforms=act_transforms, collective_axes=("cluster",) if cluster > 1 else None)
 
     def int4_block_matmul_kernel(acts_gmem, expert_gmem, *refs, out_smem, a_smem):   # its name names the cubin's
         *weights_gmem, out_gmem = refs                              # (w, scales) per product, then the output
@@ -174,10 +183,11 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
             wg = lax.axis_index("wg")
             sub_rows = [pl.ds(wg * config.rows_per_wg + sub * ROWS_PER_WG, ROWS_PER_WG) for sub in range(subs)]
 
-            @plgpu.nd_loop((num_blocks * row_tiles,), collective_axes="sm")
+            @plgpu.nd_loop((num_blocks * row_tiles // cluster,), collective_axes="sm")
             def _pairs(info: plgpu.NDLoopInfo):
-                (pair,) = info.index
-                block, tile = pair // row_tiles, pair % row_tiles       # a block's row tiles next to each other
+                (pair,) = info.index            # (block, cluster's row tiles); a block's row tiles next to each other
+                block = pair // (row_tiles // cluster)
+                tile = pair % (row_tiles // cluster) * cluster + (lax.axis_index("cluster") if cluster > 1 else 0)
                 expert = expert_gmem[block]
                 rows = pl.ds(tile * cta_rows, cta_rows)
                 cols = pl.ds(block * tokens, tokens)
@@ -245,7 +255,8 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                 else (CONSUMERS, subs, tokens // epilogue_cols, ROWS_PER_WG, epilogue_cols))
     call = plgpu.kernel(
         int4_block_matmul_kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(config.ctas, num_blocks * row_tiles),), grid_names=("sm",), num_threads=CONSUMERS + 1,
+        grid=(min(config.ctas // cluster, num_blocks * row_tiles // cluster),), grid_names=("sm",),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}), num_threads=CONSUMERS + 1,
         thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM(out_tile, out_dtype, transforms=out_transforms),
                            a_smem=a_scratch))

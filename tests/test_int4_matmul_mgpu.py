@@ -32,18 +32,21 @@ def interpret(fn, *args, **kwargs):
 
 
 @pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
-@pytest.mark.parametrize("tile_k,ctas,tokens,tokens_major_out,rows_per_wg", [
-    (64, 132, 128, False, 64), (128, 1, 128, False, 64), (64, 132, 96, True, 64), (128, 2, 32, False, 64),
-    (128, 1, 64, True, 128)],
-    ids=["tile_k_64", "tile_k_128_one_cta", "96_tokens_major_out", "32_tokens_two_ctas", "128_rows_per_wg"])
-def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas, tokens, tokens_major_out, rows_per_wg):
+@pytest.mark.parametrize("tile_k,ctas,tokens,tokens_major_out,rows_per_wg,cluster", [
+    (64, 132, 128, False, 64, 1), (128, 1, 128, False, 64, 1), (64, 132, 96, True, 64, 1),
+    (128, 2, 32, False, 64, 1), (128, 1, 64, True, 128, 1), (128, 2, 64, False, 64, 2)],
+    ids=["tile_k_64", "tile_k_128_one_cta", "96_tokens_major_out", "32_tokens_two_ctas", "128_rows_per_wg",
+         "cluster_of_2"])
+def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas, tokens, tokens_major_out, rows_per_wg, cluster):
     """Three blocks, one of them empty (expert id E): every written column (row, tokens-major) equals the f32
     reference and the empty block's are never written; two row tiles (N = 256; one with 128 rows per warpgroup), K
     over several pipeline steps; with one CTA, its persistent loop walks all (block, row tile) pairs, reusing its
-    pipeline and epilogue buffers."""
-    rng = np.random.default_rng(tile_k + acts_k_major + tokens + rows_per_wg)
+    pipeline and epilogue buffers; a cluster of two CTAs takes both row tiles of a block, its activation tile
+    multicast."""
+    rng = np.random.default_rng(tile_k + acts_k_major + tokens + rows_per_wg + cluster)
     args = operands(rng, 3, 256, 512, [1, 3, 0], acts_k_major, tokens)
-    config = MM.MgpuMatmulConfig(tile_k=tile_k, stages=3, ctas=ctas, block_tokens=tokens, rows_per_wg=rows_per_wg)
+    config = MM.MgpuMatmulConfig(tile_k=tile_k, stages=3, ctas=ctas, block_tokens=tokens, rows_per_wg=rows_per_wg,
+                                 cluster=cluster)
     out = interpret(MM.int4_block_matmul, *args, acts_k_major=acts_k_major, a_in_shared=True,
                     tokens_major_out=tokens_major_out, out_dtype=jnp.float32, config=config)
     want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major, tokens_major_out=tokens_major_out,
@@ -94,9 +97,11 @@ def test_int4_moe_matches_reference():
     assert np.array_equal(np.asarray(none, np.float32), np.zeros((m, d), np.float32))
 
 
-@pytest.mark.parametrize("acts_k_major,tokens", [(False, 128), (True, 128), (False, 96), (True, 32)],
-                         ids=["gate_up", "down", "gate_up_96_tokens", "down_32_tokens"])
-def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major, tokens):
+@pytest.mark.parametrize("acts_k_major,tokens,cluster", [(False, 128, 1), (True, 128, 1), (False, 96, 1),
+                                                         (True, 32, 1), (False, 128, 2), (True, 128, 2)],
+                         ids=["gate_up", "down", "gate_up_96_tokens", "down_32_tokens", "gate_up_cluster_of_2",
+                              "down_cluster_of_2"])
+def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major, tokens, cluster):
     """K2.6's gate_up (N = 2 I = 4096, K = D = 7168) and down (N = D, K = I = 2048, acts [K, R], y tokens-major as
     int4_moe_mgpu stores it) with 640 blocks, A from registers: Mosaic GPU's layout inference and lowering for sm_90
     accept the kernel (down with int4_moe_mgpu's 128 rows per warpgroup)."""
@@ -104,7 +109,7 @@ def test_block_matmul_lowers_for_h200_at_k26_shapes(acts_k_major, tokens):
     rows = 640 * tokens
     args = (spec((k, rows) if acts_k_major else (rows, k), jnp.bfloat16), spec((640,), jnp.int32),
             spec((384, n, k), jnp.int4), spec((384, k // MM.GROUP, n), jnp.bfloat16))
-    config = MM.MgpuMatmulConfig(block_tokens=tokens, rows_per_wg=128 if acts_k_major else 64)
+    config = MM.MgpuMatmulConfig(block_tokens=tokens, rows_per_wg=128 if acts_k_major else 64, cluster=cluster)
     text = lower_for_h200(lambda *a: MM.int4_block_matmul(*a, acts_k_major=acts_k_major, config=config,
                                                           tokens_major_out=acts_k_major), *args)
     assert "mosaic_gpu" in text
@@ -165,6 +170,8 @@ def test_bad_operands_are_refused(bad, match):
         MM.MgpuMatmulConfig(block_tokens=48)
     with pytest.raises(ValueError, match="rows_per_wg"):
         MM.MgpuMatmulConfig(rows_per_wg=96)
+    with pytest.raises(ValueError, match="cluster"):
+        MM.MgpuMatmulConfig(cluster=4)
     with pytest.raises(ValueError, match="rows per tile"):      # N = 128 rows, tiles of 256
         jax.eval_shape(functools.partial(MM.int4_block_matmul, config=MM.MgpuMatmulConfig(rows_per_wg=128)),
                        spec((2 * MM.TOKENS, 256), jnp.bfloat16), spec((2,), jnp.int32),

@@ -195,15 +195,17 @@ def test_int4_moe_chained_in_one_jit(k26_experts, launcher):
         assert rel_err(out, want) < 2e-2, call
 
 
-@pytest.mark.parametrize("acts_k_major,n,k,tokens", [(False, 4096, 7168, 128), (True, 7168, 2048, 128),
-                                                     (False, 4096, 7168, 96), (True, 7168, 2048, 64)],
-                         ids=["gate_up", "down", "gate_up_96_tokens", "down_64_tokens"])
-def test_int4_block_matmul_mgpu(acts_k_major, n, k, tokens):
+@pytest.mark.parametrize("acts_k_major,n,k,tokens,cluster", [
+    (False, 4096, 7168, 128, 1), (True, 7168, 2048, 128, 1), (False, 4096, 7168, 96, 1), (True, 7168, 2048, 64, 1),
+    (False, 4096, 7168, 128, 2), (True, 7168, 2048, 128, 2)],
+    ids=["gate_up", "down", "gate_up_96_tokens", "down_64_tokens", "gate_up_cluster_of_2", "down_cluster_of_2"])
+def test_int4_block_matmul_mgpu(acts_k_major, n, k, tokens, cluster):
     """The Mosaic GPU block matmul with A from registers (the path interpret mode cannot run) at K2.6's gate_up and
-    down shapes (down as int4_moe_mgpu runs it: y tokens-major, 128 rows per warpgroup), 8 experts, 6 blocks (one empty): the written
-    columns against the f32 reference."""
+    down shapes (down as int4_moe_mgpu runs it: y tokens-major, 128 rows per warpgroup; clusters of two CTAs with
+    the activation tile multicast), 8 experts, 6 blocks (one empty): the written columns against the f32
+    reference."""
     args = mgpu_operands(np.random.default_rng(n + tokens), 8, n, k, [3, 0, 8, 7, 3, 1], acts_k_major, tokens)
-    config = MM.MgpuMatmulConfig(block_tokens=tokens, rows_per_wg=128 if acts_k_major else 64)
+    config = MM.MgpuMatmulConfig(block_tokens=tokens, rows_per_wg=128 if acts_k_major else 64, cluster=cluster)
     out = MM.int4_block_matmul(*args, acts_k_major=acts_k_major, tokens_major_out=acts_k_major, config=config)
     want = MM.int4_block_matmul_reference(*args, acts_k_major=acts_k_major, block_tokens=tokens)
     out = np.asarray(out, np.float32).T if acts_k_major else np.asarray(out, np.float32)
