@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from pallas_kernels import int4_moe_mgpu
+from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig
 from pallas_kernels.int4_moe_triton import TritonMoeConfig
 from pallas_kernels.triton_call import LAUNCHERS
 
@@ -29,8 +30,10 @@ flags.DEFINE_enum("kernel", "triton", sorted(INT4_KERNELS) + [MOSAIC], "which in
 flags.DEFINE_integer("tokens", 8, "tokens M")
 flags.DEFINE_integer("calls", 3, "calls of the kernel (the first compiles)")
 flags.DEFINE_enum("launcher", None, LAUNCHERS, "the Triton kernel's launcher (default: int4_moe_triton.LAUNCHER)")
-flags.DEFINE_list("tiling", [], "the Triton kernel's TritonMoeConfig as field=value pairs, e.g. "
-                  "block_n=64,num_stages=3 (default: default_config)")
+flags.DEFINE_list("tiling", [], "the kernel's config as field=value pairs: TritonMoeConfig's, e.g. "
+                  "block_n=64,num_stages=3 (default: default_config), or with --kernel=mosaic MgpuMatmulConfig's for "
+                  "both GEMMs, e.g. cluster=2,block_tokens=96 (down keeps 128 rows per warpgroup unless rows_per_wg "
+                  "is given)")
 flags.DEFINE_integer("experts", 0, "experts E (0: K2.6's 384); fewer keep the profiler's memory save and restore "
                      "short (each call touches only its M x top-k experts' weights either way)")
 F = flags.FLAGS
@@ -41,17 +44,19 @@ def main(_):
     num_experts = F.experts or shape["experts"]
     if num_experts < shape["top_k"]:
         cli.fail(f"--experts={num_experts}: top-{shape['top_k']} routing needs at least {shape['top_k']} experts")
+    if (F.launcher and F.kernel != "triton") or (F.tiling and F.kernel == "reference"):
+        cli.fail(f"--launcher applies to --kernel=triton, --tiling to triton and {MOSAIC}, not {F.kernel}")
+    launch = {"launcher": F.launcher} if F.launcher else {}
+    if F.tiling:
+        launch["config"] = parse_tiling(F.tiling, MgpuMatmulConfig if F.kernel == MOSAIC else TritonMoeConfig)
     experts = random_experts(jax.random.key(3), num_experts, shape["hidden"], shape["inter"])
     ids, w = moe_routing(jax.random.key(4), F.tokens, num_experts, shape["top_k"])
     x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
-    if (F.launcher or F.tiling) and F.kernel != "triton":
-        cli.fail(f"--launcher and --tiling apply to --kernel=triton, not {F.kernel}")
-    launch = {"launcher": F.launcher} if F.launcher else {}
-    if F.tiling:
-        launch["config"] = parse_tiling(F.tiling)
     if F.kernel == MOSAIC:
         experts = int4_moe_mgpu.MgpuExperts.from_int4_experts(experts)
-        kernel = int4_moe_mgpu.int4_moe
+        config = launch.get("config", MgpuMatmulConfig())
+        down = config if any(p.startswith("rows_per_wg=") for p in F.tiling) else None    # else down's default
+        kernel = functools.partial(int4_moe_mgpu.int4_moe, config=config, down_config=down)
     else:
         kernel = jax.jit(functools.partial(INT4_KERNELS[F.kernel], **launch))
     for _ in range(F.calls):
@@ -60,18 +65,21 @@ def main(_):
           f"at M={F.tokens} over {num_experts} experts {F.calls} times")
 
 
-def parse_tiling(pairs: list[str]) -> TritonMoeConfig:
-    """['block_n=64', 'num_stages=3', 'group_by_block=1'] -> TritonMoeConfig (integer fields; 0 / 1 for the boolean
-    ones); a clear error for a bad pair."""
-    fields = {f.name: f.type for f in dataclasses.fields(TritonMoeConfig)}
+def parse_tiling(pairs: list[str], config_type=TritonMoeConfig):
+    """['block_n=64', 'num_stages=3', 'group_by_block=1'] -> config_type (TritonMoeConfig or MgpuMatmulConfig; integer
+    fields, 0 / 1 for the boolean ones); a clear error for a bad pair."""
+    fields = {f.name: f.type for f in dataclasses.fields(config_type)}
     values = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or name not in fields or not text.isdigit() or (fields[name] == "bool" and text not in "01"):
             cli.fail(f"--tiling: {pair!r} is not field=integer (0 or 1 for a boolean) with a field of "
-                     f"TritonMoeConfig: {sorted(fields)}")
+                     f"{config_type.__name__}: {sorted(fields)}")
         values[name] = bool(int(text)) if fields[name] == "bool" else int(text)
-    return TritonMoeConfig(**values)
+    try:
+        return config_type(**values)
+    except ValueError as e:
+        cli.fail(f"--tiling: {e}")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def test_bench_decode_small_table(tmp_path):
 
 
 def test_profile_moe_tiling_flag(capsys):
-    """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones; anything else exits with a named error."""
+    """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones, of the Triton or the Mosaic GPU config;
+    anything else, or a value the config refuses, exits with a named error."""
     from experiments.profile_moe import parse_tiling
 
     config = parse_tiling(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
@@ -142,6 +143,12 @@ def test_profile_moe_tiling_flag(capsys):
         with pytest.raises(SystemExit):
             parse_tiling([bad])
         assert "is not field=integer" in capsys.readouterr().err
+    from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig
+    mosaic = parse_tiling(["cluster=2", "block_tokens=96"], MgpuMatmulConfig)
+    assert (mosaic.cluster, mosaic.block_tokens, mosaic.tile_k) == (2, 96, 128)
+    with pytest.raises(SystemExit):
+        parse_tiling(["cluster=3"], MgpuMatmulConfig)         # a field's value the config refuses
+    assert "MgpuMatmulConfig.cluster=3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("installed,why", [("0.3.1", "found jax-triton 0.3.1"), (None, "found no jax-triton"),
