@@ -5,8 +5,8 @@
         python3 experiments/profile_moe.py --kernel=triton --tokens=8
 
 `--kernel=mosaic` runs the Mosaic GPU block matmul's int4_moe (`int4_moe_mgpu`; its kernels are named
-int4_block_matmul_kernel). `--launcher=xla` runs the Triton kernels through XLA's Triton custom call instead of jax-triton (kernels.md,
-"Launching Triton kernels").
+int4_block_matmul_kernel). `--launcher=xla` runs the Triton kernels through XLA's Triton custom call instead of
+jax-triton (kernels.md, "Launching Triton kernels").
 """
 from __future__ import annotations
 

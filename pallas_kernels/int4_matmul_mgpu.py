@@ -13,14 +13,16 @@ transposed ([N, R], R = T x blocks) so that it feeds the next GEMM as wgmma's B 
 ([R, N]: down's y, whose rows the combine gathers). Columns (rows) of empty blocks are not written.
 
 Structure: a persistent grid of one CTA per SM walking (block, row tile) pairs, the row tiles of one block next to
-each other (their activation tile then comes from L2); per pair a pipeline (`emit_pipeline_warp_specialized`) with
-one TMA producer warpgroup and two consumer warpgroups, each dequantizing its 64 rows of the weight tile group by
-group (int4 loaded 8 nibbles per 32-bit load, relaid out while 4-bit, converted, scaled by the group's row vector)
-and issuing one wgmma of K = 32 per group. `a_in_shared`: stage each dequantized group in shared memory and take
+each other (their activation tile then comes from L2; with `cluster` = 2, two CTAs take adjacent row tiles together
+and the activation tile is multicast to both); per pair a pipeline (`emit_pipeline_warp_specialized`) with one TMA
+producer warpgroup and two consumer warpgroups, each dequantizing its 64 or 128 rows (`rows_per_wg`: one
+accumulator per 64) of the weight tile group by group (int4 loaded 8 nibbles per 32-bit load, relaid out while
+4-bit, converted, scaled by the group's row vector) and issuing one wgmma of K = 32 per group and accumulator. `a_in_shared`: stage each dequantized group in shared memory and take
 wgmma's A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
 
 Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
-and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session".
+and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session" (`cluster` = 2 and the
+gated product at 128 rows per warpgroup have not run on a GPU).
 """
 from __future__ import annotations
 
@@ -125,8 +127,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
                       a_in_shared: bool = False, out_dtype=jnp.bfloat16):
     """out [N, R] (module doc), or [R, N] with tokens_major_out (each tile stored transposed: the rows a combine
     gathers per pair). acts bf16 [R, K] (or [K, R] with acts_k_major), R = block_tokens x blocks, block_expert int32
-    [blocks],
-    w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the gated product
+    [blocks], w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the gated product
     out = silu(w . acts^T) * (w_up . acts^T) in f32 before the one rounding (gate_up's h^T in one kernel)."""
     tokens = config.block_tokens
     check_operands(acts, block_expert, w, scales, acts_k_major, tokens)

@@ -160,6 +160,10 @@ class Routing(NamedTuple):
     pair_row: jax.Array       # [M * K] int32: row of blocks-by-rows where each pair's result lands
     pair_ok: jax.Array        # [M * K] bool: the pair's expert lies in [0, E)
 
+    def pair_row_or_none(self) -> jax.Array:
+        """[M * K] int32: each pair's row, -1 for a pair whose expert is not in [0, E) (the combines' input)."""
+        return jnp.where(self.pair_ok, self.pair_row, -1)
+
 
 def num_route_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the blocks `route_pairs` needs: every expert's last block may be partly empty."""

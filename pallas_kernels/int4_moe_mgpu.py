@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels import int4_moe_triton as moe_triton
-from pallas_kernels.int4_matmul_mgpu import (ROWS_PER_WG, MgpuMatmulConfig, int4_block_matmul,
+from pallas_kernels.int4_matmul_mgpu import (CONSUMERS, ROWS_PER_WG, MgpuMatmulConfig, int4_block_matmul,
                                              int4_from_kernel_layout)
-from pallas_kernels.triton_call import LAUNCHERS, bound_to
+from pallas_kernels.triton_call import LAUNCHERS, triton_call
 
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
 
@@ -52,15 +52,17 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
              down_config: MgpuMatmulConfig | None = None, combine: str = moe_triton.LAUNCHER,
              a_in_shared: bool = False):
     """x bf16 [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] bf16: `int4_moe_reference`'s semantics
-    (ids outside [0, E) contribute nothing). config: gate_up's block matmul (its block_tokens the routing's);
-    down_config: down's (default: config with 128 rows per warpgroup, one accumulator per product and 64 rows being
-    the gated gate_up's two); combine: the Triton launcher (`triton_call.LAUNCHERS`) of the weighted sum of each
-    token's pairs (`int4_moe_triton.combine_pairs`), or XLA_GATHER (the CPU's: XLA's gathers, ~10x slower on the H200);
+    (ids outside [0, E) contribute nothing). config: gate_up's block matmul (its block_tokens the routing's; the
+    gated product already holds two accumulators per warpgroup at 64 rows); down_config: down's (default: config
+    with 128 rows per warpgroup, two accumulators of its one product, where D is a multiple of 256); combine: the
+    Triton launcher (`triton_call.LAUNCHERS`) of the weighted sum of each token's pairs
+    (`int4_moe_triton.combine_pairs`), or XLA_GATHER (`combine_pairs_xla`, the CPU's; ~10x slower on the H200);
     a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
     if combine not in (*LAUNCHERS, XLA_GATHER):
         raise ValueError(f"combine={combine!r} must be one of {(*LAUNCHERS, XLA_GATHER)}")
     if down_config is None:
-        down_config = dataclasses.replace(config, rows_per_wg=2 * ROWS_PER_WG)
+        wide = experts.down.shape[1] % (CONSUMERS * 2 * ROWS_PER_WG) == 0
+        down_config = dataclasses.replace(config, rows_per_wg=(2 if wide else 1) * ROWS_PER_WG)
     if down_config.block_tokens != config.block_tokens:
         raise ValueError(f"down_config.block_tokens={down_config.block_tokens} must equal config.block_tokens="
                          f"{config.block_tokens} (one routing serves both)")
@@ -77,15 +79,20 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
                             (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
     y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
                           tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
-    if combine != XLA_GATHER:
-        call = bound_to(combine, interpret=False, op="int4_moe_mgpu.int4_moe", reference=f"combine={XLA_GATHER!r}")
-        return moe_triton.combine_pairs(call, jnp.where(routing.pair_ok, routing.pair_row, -1), y, topk_ids.shape,
-                                        x.dtype, topk_weights.reshape(-1))
-    ok = routing.pair_ok.reshape(m, -1)                                     # [M, K]
-    pair_row = jnp.where(ok, routing.pair_row.reshape(m, -1), 0)
-    weights = topk_weights.astype(jnp.float32)
-    out = jnp.zeros(x.shape, jnp.float32)
-    for slot in range(ok.shape[1]):        # in slot order, as the reference; one gather of whole rows per slot
-        rows_y = jnp.where(ok[:, slot, None], y[pair_row[:, slot]].astype(jnp.float32), 0.0)   # off the experts: 0
-        out = out + weights[:, slot, None] * rows_y
-    return out.astype(x.dtype)
+    pairs = (routing.pair_row_or_none(), y, topk_ids.shape, x.dtype, topk_weights.reshape(-1))   # one for both
+    if combine == XLA_GATHER:
+        return combine_pairs_xla(*pairs)
+    return moe_triton.combine_pairs(functools.partial(triton_call, launcher=combine), *pairs)
+
+
+def combine_pairs_xla(pair_row, y, topk_shape: tuple[int, int], out_dtype, pair_weight):
+    """`int4_moe_triton.combine_pairs` (weighted) in XLA: one gather of whole rows of y [R, D] per slot, added in slot
+    order; a pair of row -1 adds nothing (its weight is not read)."""
+    m, top_k = topk_shape
+    ok = (pair_row >= 0).reshape(m, top_k)
+    rows = jnp.where(ok, pair_row.reshape(m, top_k), 0)
+    weights = jnp.where(ok, pair_weight.reshape(m, top_k).astype(jnp.float32), 0.0)
+    out = jnp.zeros((m, y.shape[1]), jnp.float32)
+    for slot in range(top_k):
+        out = out + weights[:, slot, None] * jnp.where(ok[:, slot, None], y[rows[:, slot]].astype(jnp.float32), 0.0)
+    return out.astype(out_dtype)

@@ -515,7 +515,7 @@ def route(call, topk_ids, topk_weights, num_experts: int, block_m: int, xla_rout
     if num_pairs > MAX_ROUTED_PAIRS or xla_routing:
         routing = ref.route_pairs(topk_ids, topk_weights, num_experts, block_m)
         return (routing.block_expert, routing.block_token.reshape(-1), routing.block_weight.reshape(-1),
-                jnp.where(routing.pair_ok, routing.pair_row, -1))
+                routing.pair_row_or_none())
     num_blocks = ref.num_route_blocks(num_pairs, num_experts, block_m)
     return call(topk_ids.reshape(num_pairs).astype(jnp.int32), topk_weights.reshape(num_pairs), kernel=_route_kernel,
                 out_shape=(jax.ShapeDtypeStruct((num_blocks,), jnp.int32),

@@ -74,8 +74,8 @@ def test_kernel_layout_converts_to_input_order():
 
 
 def test_int4_moe_matches_reference():
-    """The whole op at small shapes (E 4, D 256, I 128, top-2, ids of another device included) against
-    int4_moe_reference."""
+    """The whole op at small shapes (E 4, D 256, I 128, top-2, ids of another device included, their weights NaN)
+    against int4_moe_reference."""
     rng = np.random.default_rng(11)
     e, d, i, m = 4, 256, 128, 8
     q = lambda *s: rng.integers(-8, 8, s)
@@ -86,6 +86,7 @@ def test_int4_moe_matches_reference():
     ids = jnp.asarray([[0, 1], [2, 3], [1, 1], [3, 0], [2, -1], [0, 9], [1, 2], [3, 3]], jnp.int32)
     foreign = jnp.full(ids.shape, -1, jnp.int32)                      # every id on another device: all blocks empty
     weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
+    weights = jnp.where((ids >= 0) & (ids < e), weights, jnp.nan)      # a foreign pair's weight is never read
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
     mgpu_experts = MOE.MgpuExperts.from_int4_experts(experts)
     config = MM.MgpuMatmulConfig(tile_k=128, stages=2, block_tokens=32)
@@ -129,18 +130,38 @@ def test_stages_that_fit_the_shared_memory():
     lower_for_h200(lambda x, be, w, s, wu, su: MM.int4_block_matmul(x, be, w, s, (wu, su)), *args, w, s)
 
 
-@pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
-def test_gated_block_matmul_matches_reference(acts_k_major):
-    """With `up`: silu(gate) * up per written column against the f32 reference (two products per consumer)."""
-    rng = np.random.default_rng(21 + acts_k_major)
+@pytest.mark.parametrize("acts_k_major,rows_per_wg,tokens_major_out", [
+    (False, 64, False), (True, 64, False), (False, 128, False), (True, 128, True)],
+    ids=["acts_rows", "acts_k_major", "128_rows_per_wg", "128_rows_per_wg_tokens_major_out"])
+def test_gated_block_matmul_matches_reference(acts_k_major, rows_per_wg, tokens_major_out):
+    """With `up`: silu(gate) * up per written column against the f32 reference (two products per consumer; with
+    128 rows per warpgroup four accumulators, gate and up of each 64-row sub-tile paired in the epilogue)."""
+    rng = np.random.default_rng(21 + acts_k_major + rows_per_wg)
     acts, block_expert, w, scales = operands(rng, 3, 256, 256, [2, 0, 3], acts_k_major)
     _, _, w_up, scales_up = operands(rng, 3, 256, 256, [2, 0, 3], acts_k_major)
     out = interpret(MM.int4_block_matmul, acts, block_expert, w, scales, (w_up, scales_up),
                     acts_k_major=acts_k_major, a_in_shared=True, out_dtype=jnp.float32,
-                    config=MM.MgpuMatmulConfig(ctas=2))
+                    tokens_major_out=tokens_major_out, config=MM.MgpuMatmulConfig(ctas=2, rows_per_wg=rows_per_wg))
     want = MM.int4_block_matmul_reference(acts, block_expert, w, scales, (w_up, scales_up),
-                                          acts_k_major=acts_k_major)
-    assert rel_err(np.asarray(out)[:, :256], np.asarray(want)[:, :256]) < 1e-5
+                                          acts_k_major=acts_k_major, tokens_major_out=tokens_major_out)
+    out, want = (np.asarray(out).T, np.asarray(want).T) if tokens_major_out else (np.asarray(out), np.asarray(want))
+    assert rel_err(out[:, :256], want[:, :256]) < 1e-5
+
+
+def test_cluster_takes_adjacent_row_tiles():
+    """A cluster of two CTAs over N = 512 (four row tiles: each cluster step takes two adjacent ones), both output
+    layouts: every written column equals the reference, the empty block's stay unwritten."""
+    rng = np.random.default_rng(31)
+    args = operands(rng, 3, 512, 256, [2, 3, 0], False, 64)
+    config = MM.MgpuMatmulConfig(ctas=2, cluster=2, block_tokens=64, stages=2)
+    for tokens_major_out in (False, True):
+        out = interpret(MM.int4_block_matmul, *args, a_in_shared=True, out_dtype=jnp.float32, config=config,
+                        tokens_major_out=tokens_major_out)
+        out = np.asarray(out) if tokens_major_out else np.asarray(out).T
+        want = np.asarray(MM.int4_block_matmul_reference(*args, block_tokens=64)).T
+        written = np.r_[0:64, 128:192]
+        assert rel_err(out[written], want[written]) < 1e-5
+        assert np.isnan(out[64:128]).all()
 
 
 def test_int4_moe_lowers_for_h200_at_k26_shapes():

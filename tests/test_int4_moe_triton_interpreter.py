@@ -88,23 +88,29 @@ def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreig
 
 
 @in_child
-@pytest.mark.parametrize("weighted", [False, True], ids=["combine", "weighted_combine"])
-def test_combine_pairs_sums_each_tokens_rows(weighted):
-    """`combine_pairs` (the Triton int4_moe's combine, and weighted, the Mosaic GPU int4_moe's): each token's pair
-    rows of y summed in slot order, scaled by the pair's weight where given; pairs of row -1 add nothing, and rows
-    no pair names (NaN here) are never read. D = 1500: two column programs, the second masked."""
+@pytest.mark.parametrize("weighted,xla", [(False, False), (True, False), (True, True)],
+                         ids=["combine", "weighted_combine", "weighted_combine_in_xla"])
+def test_combine_pairs_sums_each_tokens_rows(weighted, xla):
+    """`combine_pairs` (the Triton int4_moe's combine, and weighted, the Mosaic GPU int4_moe's; and its XLA twin,
+    `int4_moe_mgpu.combine_pairs_xla`): each token's pair rows of y summed in slot order, scaled by the pair's weight
+    where given; pairs of row -1 add nothing (their weights, NaN here, are not read), and rows no pair names (NaN)
+    are never read. D = 1500: two column programs, the second masked."""
     from conftest import rel_err
+    from pallas_kernels import int4_moe_mgpu
     from triton_interpreter import interpreter_call
 
-    rng = np.random.default_rng(5 + weighted)
+    rng = np.random.default_rng(5 + weighted + xla)
     m, top_k, rows, d = 6, 3, 24, 1500
     pair_row = rng.permutation(rows)[:m * top_k]
     pair_row[[2, 7]] = -1
     y = rng.standard_normal((rows, d)).astype(np.float32)
     y[np.setdiff1d(np.arange(rows), pair_row)] = np.nan
-    weight = rng.random(m * top_k).astype(np.float32)
-    got = MT.combine_pairs(interpreter_call, jnp.asarray(pair_row, jnp.int32), jnp.asarray(y), (m, top_k),
-                           jnp.float32, jnp.asarray(weight) if weighted else None)
+    weight = np.where(pair_row >= 0, rng.random(m * top_k), np.nan).astype(np.float32)
+    args = (jnp.asarray(pair_row, jnp.int32), jnp.asarray(y), (m, top_k), jnp.float32)
+    if xla:
+        got = int4_moe_mgpu.combine_pairs_xla(*args, jnp.asarray(weight))
+    else:
+        got = MT.combine_pairs(interpreter_call, *args, jnp.asarray(weight) if weighted else None)
     scale = weight if weighted else np.ones_like(weight)
     want = np.zeros((m, d))
     for pair, row in enumerate(pair_row):
