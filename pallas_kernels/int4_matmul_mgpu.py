@@ -17,8 +17,9 @@ each other (their activation tile then comes from L2; with `cluster` = 2, two CT
 and the activation tile is multicast to both); per pair a pipeline (`emit_pipeline_warp_specialized`) with one TMA
 producer warpgroup and two consumer warpgroups, each dequantizing its 64 or 128 rows (`rows_per_wg`: one
 accumulator per 64) of the weight tile group by group (int4 loaded 8 nibbles per 32-bit load, relaid out while
-4-bit, converted, scaled by the group's row vector) and issuing one wgmma of K = 32 per group and accumulator. `a_in_shared`: stage each dequantized group in shared memory and take
-wgmma's A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
+4-bit, converted, scaled by the group's row vector) and issuing one wgmma of K = 32 per group and accumulator.
+`a_in_shared`: stage each dequantized group in shared memory and take wgmma's A from there (Mosaic GPU's interpret
+mode takes no register A; the GPU path is the register one).
 
 Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
 and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session" (`cluster` = 2 and the
@@ -44,6 +45,7 @@ ROWS_PER_WG = 64       # rows of out per consumer warpgroup (wgmma's M)
 CONSUMERS = 2
 ROWS = CONSUMERS * ROWS_PER_WG
 EPILOGUE_COLS = 64     # most out columns per TMA store (feature-major out)
+START_MULTIPLE = 8     # block_start's rows: a multiple of the activation tile's (8, 32) tiling rows
 H200_SMS = 132
 
 
@@ -102,7 +104,7 @@ def int4_from_kernel_layout(packed) -> jax.Array:
     return ref.unpack_kernel_layout(packed).astype(jnp.int8).astype(jnp.int4)
 
 
-def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_tokens: int):
+def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_tokens: int, block_start=None):
     """Shapes and dtypes of `int4_block_matmul`'s operands; a ValueError naming the mismatch."""
     if w.ndim != 3 or w.dtype != jnp.int4:
         raise ValueError(f"w must be int4 [E, N, K], got {w.dtype} {w.shape}: convert with int4_from_kernel_layout")
@@ -113,6 +115,11 @@ def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_toke
     if n % ROWS or k % GROUP:
         raise ValueError(f"N={n} must be a multiple of {ROWS} and K={k} of {GROUP}")
     rows = block_expert.shape[0] * block_tokens
+    if block_start is not None:
+        if acts_k_major or block_start.shape != block_expert.shape or acts.ndim != 2 or acts.shape[0] < block_tokens:
+            raise ValueError(f"block_start {block_start.shape} must match block_expert {block_expert.shape}, with "
+                             f"acts [P >= {block_tokens}, K] (not acts_k_major), got acts {acts.shape}")
+        rows = acts.shape[0]
     want = (k, rows) if acts_k_major else (rows, k)
     if acts.shape != want or acts.dtype != jnp.bfloat16 or block_expert.ndim != 1:
         raise ValueError(f"acts must be bfloat16 {want} ({'[K, R]' if acts_k_major else '[R, K]'}, R = "
@@ -122,21 +129,29 @@ def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_toke
 
 @functools.partial(jax.jit, static_argnames=("acts_k_major", "tokens_major_out", "config", "a_in_shared",
                                              "out_dtype"))
-def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False,
+def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, *, acts_k_major: bool = False,
                       tokens_major_out: bool = False, config: MgpuMatmulConfig = MgpuMatmulConfig(),
                       a_in_shared: bool = False, out_dtype=jnp.bfloat16):
     """out [N, R] (module doc), or [R, N] with tokens_major_out (each tile stored transposed: the rows a combine
     gathers per pair). acts bf16 [R, K] (or [K, R] with acts_k_major), R = block_tokens x blocks, block_expert int32
-    [blocks], w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the gated product
-    out = silu(w . acts^T) * (w_up . acts^T) in f32 before the one rounding (gate_up's h^T in one kernel)."""
+    [blocks], w int4 [E, N, K], scales bf16 [E, K/32, N]. up: None, or (w_up, scales_up) of w's shapes, for the
+    gated product out = silu(w . acts^T) * (w_up . acts^T) in f32 before the one rounding (gate_up's h^T in one
+    kernel).
+    block_start: None (block b's tokens are acts rows b x block_tokens onward), or int32 [blocks], the acts row where
+    each block's block_tokens rows begin (acts [P, K], e.g. the tokens of the pairs sorted by expert: no gather into
+    block order), each a multiple of START_MULTIPLE, block_start + block_tokens <= P for every non-empty block. The
+    output keeps its block layout."""
     tokens = config.block_tokens
-    check_operands(acts, block_expert, w, scales, acts_k_major, tokens)
+    check_operands(acts, block_expert, w, scales, acts_k_major, tokens, block_start)
     products = [(w, scales)]
     if up is not None:
         if up[0].shape != w.shape or up[1].shape != scales.shape:
             raise ValueError(f"up {up[0].shape} / {up[1].shape} must match w {w.shape} / scales {scales.shape}")
-        check_operands(acts, block_expert, *up, acts_k_major, tokens)
+        check_operands(acts, block_expert, *up, acts_k_major, tokens, block_start)
         products.append(tuple(up))
+    start_multiple = START_MULTIPLE if block_start is not None else tokens      # what the TMA's tiling can prove
+    if block_start is None:
+        block_start = jnp.arange(block_expert.shape[0], dtype=jnp.int32) * tokens
     num_experts, n, k = w.shape
     num_blocks = block_expert.shape[0]
     tile_k = config.tile_k
@@ -167,7 +182,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
                                transforms=act_transforms, collective_axes=("cluster",) if cluster > 1 else None)
 
-    def int4_block_matmul_kernel(acts_gmem, expert_gmem, *refs, out_smem, a_smem):   # its name names the cubin's
+    def int4_block_matmul_kernel(acts_gmem, expert_gmem, start_gmem, *refs, out_smem, a_smem):   # names the cubin
         *weights_gmem, out_gmem = refs                              # (w, scales) per product, then the output
 
         def pipeline(body, compute_context):
@@ -240,7 +255,8 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
 
                 @pl.when((expert >= 0) & (expert < num_experts))
                 def _run():
-                    acts_of_block = acts_gmem.at[:, cols] if acts_k_major else acts_gmem.at[cols, :]
+                    acts_rows = pl.ds(pl.multiple_of(start_gmem[block], start_multiple), tokens)
+                    acts_of_block = acts_gmem.at[:, acts_rows] if acts_k_major else acts_gmem.at[acts_rows, :]
                     operands = []
                     for w_gmem, scales_gmem in zip(weights_gmem[::2], weights_gmem[1::2]):
                         operands += [w_gmem.at[expert, rows, :], scales_gmem.at[expert, :, rows]]
@@ -261,17 +277,23 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, *, acts_k_major: b
         thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM(out_tile, out_dtype, transforms=out_transforms),
                            a_smem=a_scratch))
-    return call(acts, block_expert.astype(jnp.int32), *(x for pair in products for x in pair))
+    return call(acts, block_expert.astype(jnp.int32), block_start.astype(jnp.int32),
+                *(x for pair in products for x in pair))
 
 
-def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, *, acts_k_major: bool = False,
-                                tokens_major_out: bool = False, block_tokens: int = TOKENS):
+def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, block_start=None, *,
+                                acts_k_major: bool = False, tokens_major_out: bool = False,
+                                block_tokens: int = TOKENS):
     """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, then rounded to bf16 as the kernel feeds them
     to wgmma; with `up`, silu(gate) * up in f32); columns (rows with tokens_major_out) of empty blocks are 0."""
-    check_operands(acts, block_expert, w, scales, acts_k_major, block_tokens)
+    check_operands(acts, block_expert, w, scales, acts_k_major, block_tokens, block_start)
     ok = (block_expert >= 0) & (block_expert < w.shape[0])
     e = jnp.where(ok, block_expert, 0)
-    a = (acts.T if acts_k_major else acts).astype(jnp.float32).reshape(block_expert.shape[0], block_tokens, -1)
+    a = (acts.T if acts_k_major else acts).astype(jnp.float32)
+    if block_start is None:
+        a = a.reshape(block_expert.shape[0], block_tokens, -1)
+    else:
+        a = a[jnp.minimum(block_start[:, None] + jnp.arange(block_tokens)[None, :], a.shape[0] - 1)]
 
     def product(w, scales):
         dequant = w.astype(jnp.float32) * ref.expand_scales(scales)

@@ -1,9 +1,10 @@
 """int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of
-`config.block_tokens` tokens (XLA), gather x into block order, one kernel for h^T = silu(x W_gate^T) * (x W_up^T)
-(the gated product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then
-the weighted sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer
-of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather of x is a separate pass,
-and its weights are a second copy of the experts in plain input order (`MgpuExperts`).
+`config.block_tokens` tokens (XLA), gather x into the pairs' order by expert (each block reads a run of it, each
+expert's run aligned to 8 rows: `runs_by_expert`), one kernel for h^T = silu(x W_gate^T) * (x W_up^T) (the gated
+product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then the weighted
+sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the
+op's kernel: the gather of x is a separate pass (M x K rows, not the blocks' padded bound), and its weights are a
+second copy of the experts in plain input order (`MgpuExperts`).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels import int4_moe_triton as moe_triton
-from pallas_kernels.int4_matmul_mgpu import (CONSUMERS, ROWS_PER_WG, MgpuMatmulConfig, int4_block_matmul,
-                                             int4_from_kernel_layout)
+from pallas_kernels.int4_matmul_mgpu import (CONSUMERS, ROWS_PER_WG, START_MULTIPLE, MgpuMatmulConfig,
+                                             int4_block_matmul, int4_from_kernel_layout)
 from pallas_kernels.triton_call import LAUNCHERS, triton_call
 
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
@@ -72,17 +73,37 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
         raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be "
                          f"[M={x.shape[0]}, top_k]")
     num_experts = experts.down.shape[0]
-    m = x.shape[0]
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, config.block_tokens)
-    rows = jnp.minimum(routing.block_token.reshape(-1), m - 1)           # padding rows repeat a token, never read
-    h_t = int4_block_matmul(x[rows], routing.block_expert, experts.gate, experts.gate_scale,
-                            (experts.up, experts.up_scale), config=config, a_in_shared=a_in_shared)   # bf16 [I, R]
+    tokens_of_rows, block_start = runs_by_expert(routing, topk_ids, num_experts, config.block_tokens)
+    h_t = int4_block_matmul(x[tokens_of_rows], routing.block_expert, experts.gate, experts.gate_scale,
+                            (experts.up, experts.up_scale), block_start, config=config,
+                            a_in_shared=a_in_shared)                          # bf16 [I, R]
     y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
                           tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
     pairs = (routing.pair_row_or_none(), y, topk_ids.shape, x.dtype, topk_weights.reshape(-1))   # one for both
     if combine == XLA_GATHER:
         return combine_pairs_xla(*pairs)
     return moe_triton.combine_pairs(functools.partial(triton_call, launcher=combine), *pairs)
+
+
+def runs_by_expert(routing: ref.Routing, topk_ids, num_experts: int, block_tokens: int):
+    """The rows gate_up reads instead of a gather into block order: (tokens_of_rows int32 [M K + 8 (E + 1) +
+    block_tokens], block_start int32 [B]). Each expert's run of pairs (`routing.pair_order`) starts at a multiple of
+    START_MULTIPLE rows (the block matmul's alignment), so block b reads its block_tokens rows from block_start[b];
+    rows between runs and past the last repeat token 0 and land in no pair's column."""
+    m, k = topk_ids.shape
+    ids = topk_ids.reshape(m * k)
+    key = jnp.where(routing.pair_ok, ids, num_experts)                 # other devices' experts: one run, last
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[key].add(1)
+    padded = -(-counts // START_MULTIPLE) * START_MULTIPLE
+    begin, padded_begin = jnp.cumsum(counts) - counts, jnp.cumsum(padded) - padded
+    sorted_key = key[routing.pair_order]
+    dest = padded_begin[sorted_key] + jnp.arange(m * k) - begin[sorted_key]
+    rows = m * k + START_MULTIPLE * (num_experts + 1) + block_tokens
+    tokens_of_rows = jnp.zeros(rows, jnp.int32).at[dest].set(routing.pair_order // k)
+    e = jnp.minimum(routing.block_expert, num_experts - 1)
+    block_start = jnp.where(routing.block_expert < num_experts, padded_begin[e] + routing.block_first - begin[e], 0)
+    return tokens_of_rows, block_start.astype(jnp.int32)
 
 
 def combine_pairs_xla(pair_row, y, topk_shape: tuple[int, int], out_dtype, pair_weight):

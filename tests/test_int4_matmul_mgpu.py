@@ -148,6 +148,42 @@ def test_gated_block_matmul_matches_reference(acts_k_major, rows_per_wg, tokens_
     assert rel_err(out[:, :256], want[:, :256]) < 1e-5
 
 
+def test_block_start_reads_each_block_from_its_row():
+    """block_start: blocks read block_tokens rows of acts [P, K] from their own start (a multiple of 8, not of the
+    block); the output keeps the block layout, the empty block's columns unwritten."""
+    rng = np.random.default_rng(41)
+    _, block_expert, w, scales = operands(rng, 3, 256, 256, [2, 3, 0], False, 32)
+    acts = jnp.asarray(rng.standard_normal((70, 256)), jnp.bfloat16)
+    block_start = jnp.asarray([8, 0, 32], jnp.int32)            # multiples of START_MULTIPLE, not of 32 tokens
+    out = interpret(MM.int4_block_matmul, acts, block_expert, w, scales, None, block_start, a_in_shared=True,
+                    out_dtype=jnp.float32, config=MM.MgpuMatmulConfig(ctas=2, block_tokens=32, stages=2))
+    want = MM.int4_block_matmul_reference(acts, block_expert, w, scales, None, block_start, block_tokens=32)
+    written = np.r_[0:32, 64:96]
+    assert rel_err(np.asarray(out)[:, written], np.asarray(want)[:, written]) < 1e-5
+    assert np.isnan(np.asarray(out)[:, 32:64]).all()
+    rows_of_block_2 = np.asarray(acts[32:64], np.float32)           # the reference itself reads rows 32..63
+    dequant = np.asarray(w[0].astype(jnp.float32)) * np.repeat(np.asarray(scales[0], np.float32).T, 32, axis=1)
+    dequant = np.asarray(jnp.asarray(dequant, jnp.bfloat16), np.float32)
+    assert rel_err(np.asarray(want)[:, 64:96], dequant @ rows_of_block_2.T) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,experts,block_tokens", [(37, 6, 32), (200, 16, 64), (5, 40, 128)])
+def test_runs_by_expert_give_each_block_its_tokens(tokens, experts, block_tokens):
+    """The rows int4_moe_mgpu's gate_up reads: from each non-empty block's start (a multiple of START_MULTIPLE, in
+    bounds) its real rows are the block's tokens, as `route_pairs` puts them in block order; ids of other devices
+    included."""
+    from pallas_kernels.int4_moe import route_pairs
+    rng = np.random.default_rng(tokens + experts)
+    ids = jnp.asarray(rng.integers(-1, experts + 1, (tokens, 4)), jnp.int32)
+    routing = route_pairs(ids, jnp.ones(ids.shape, jnp.float32), experts, block_tokens)
+    rows, start = map(np.asarray, MOE.runs_by_expert(routing, ids, experts, block_tokens))
+    block_expert, block_token = np.asarray(routing.block_expert), np.asarray(routing.block_token)
+    for b in np.flatnonzero(block_expert < experts):
+        assert start[b] % MM.START_MULTIPLE == 0 and start[b] + block_tokens <= rows.size
+        real = block_token[b] < tokens
+        np.testing.assert_array_equal(rows[start[b]:start[b] + block_tokens][real], block_token[b][real])
+
+
 def test_cluster_takes_adjacent_row_tiles():
     """A cluster of two CTAs over N = 512 (four row tiles: each cluster step takes two adjacent ones), both output
     layouts: every written column equals the reference, the empty block's stay unwritten."""
