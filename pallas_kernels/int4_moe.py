@@ -159,8 +159,7 @@ class Routing(NamedTuple):
     block_weight: jax.Array   # [B, block_m] f32: routing weight of each row; 0 for padding rows
     pair_row: jax.Array       # [M * K] int32: row of blocks-by-rows where each pair's result lands
     pair_ok: jax.Array        # [M * K] bool: the pair's expert lies in [0, E)
-    pair_order: jax.Array     # [M * K] int32: the pairs sorted by expert (stable; other devices' experts last)
-    block_first: jax.Array    # [B] int32: each block's first row as a position in pair_order (0 past the last)
+    expert_pairs: jax.Array   # [E] int32: pairs per expert (each expert's run of rows, blocks cut from it)
 
     def pair_row_or_none(self) -> jax.Array:
         """[M * K] int32: each pair's row, -1 for a pair whose expert is not in [0, E) (the combines' input)."""
@@ -197,6 +196,4 @@ def route_pairs(topk_ids, topk_weights, num_experts: int, block_m: int) -> Routi
     rank = jnp.zeros(n_pairs, jnp.int32).at[order].set(jnp.arange(n_pairs, dtype=jnp.int32))
     ke = jnp.minimum(key, num_experts - 1)
     pair_row = block_begin[ke] * block_m + rank - pair_begin[ke]
-    block_first = jnp.where(block_expert < num_experts, pair_begin[e] + slot[:, 0], 0).astype(jnp.int32)
-    return Routing(block_expert, block_token, block_weight, pair_row, key < num_experts, order.astype(jnp.int32),
-                   block_first)
+    return Routing(block_expert, block_token, block_weight, pair_row, key < num_experts, counts)

@@ -2,9 +2,9 @@
 `config.block_tokens` tokens (XLA), gather x into the pairs' order by expert (each block reads a run of it, each
 expert's run aligned to 8 rows: `runs_by_expert`), one kernel for h^T = silu(x W_gate^T) * (x W_up^T) (the gated
 product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then the weighted
-sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer of the Triton int4_moe at M >= 1024 (the benchmark's), not yet the
-op's kernel: the gather of x is a separate pass (M x K rows, not the blocks' padded bound), and its weights are a
-second copy of the experts in plain input order (`MgpuExperts`).
+sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer of the Triton
+int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather of x is a separate pass (M x K rows, not
+the blocks' padded bound), and its weights are a second copy of the experts in plain input order (`MgpuExperts`).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
                          f"[M={x.shape[0]}, top_k]")
     num_experts = experts.down.shape[0]
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, config.block_tokens)
-    tokens_of_rows, block_start = runs_by_expert(routing, topk_ids, num_experts, config.block_tokens)
+    tokens_of_rows, block_start = runs_by_expert(routing, topk_ids.shape[1], config.block_tokens)
     h_t = int4_block_matmul(x[tokens_of_rows], routing.block_expert, experts.gate, experts.gate_scale,
                             (experts.up, experts.up_scale), block_start, config=config,
                             a_in_shared=a_in_shared)                          # bf16 [I, R]
@@ -86,24 +86,24 @@ def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMat
     return moe_triton.combine_pairs(functools.partial(triton_call, launcher=combine), *pairs)
 
 
-def runs_by_expert(routing: ref.Routing, topk_ids, num_experts: int, block_tokens: int):
-    """The rows gate_up reads instead of a gather into block order: (tokens_of_rows int32 [M K + 8 (E + 1) +
-    block_tokens], block_start int32 [B]). Each expert's run of pairs (`routing.pair_order`) starts at a multiple of
-    START_MULTIPLE rows (the block matmul's alignment), so block b reads its block_tokens rows from block_start[b];
+def runs_by_expert(routing: ref.Routing, top_k: int, block_tokens: int):
+    """The rows gate_up reads instead of a gather into block order: (tokens_of_rows int32 [M K + 8 E + block_tokens],
+    block_start int32 [B]). Each expert's run of pairs starts at a multiple of START_MULTIPLE rows (the block matmul's
+    alignment) and its blocks follow each other in it, so block b reads its block_tokens rows from block_start[b];
     rows between runs and past the last repeat token 0 and land in no pair's column."""
-    m, k = topk_ids.shape
-    ids = topk_ids.reshape(m * k)
-    key = jnp.where(routing.pair_ok, ids, num_experts)                 # other devices' experts: one run, last
-    counts = jnp.zeros(num_experts + 1, jnp.int32).at[key].add(1)
-    padded = -(-counts // START_MULTIPLE) * START_MULTIPLE
-    begin, padded_begin = jnp.cumsum(counts) - counts, jnp.cumsum(padded) - padded
-    sorted_key = key[routing.pair_order]
-    dest = padded_begin[sorted_key] + jnp.arange(m * k) - begin[sorted_key]
-    rows = m * k + START_MULTIPLE * (num_experts + 1) + block_tokens
-    tokens_of_rows = jnp.zeros(rows, jnp.int32).at[dest].set(routing.pair_order // k)
+    num_pairs, num_experts = routing.pair_row.shape[0], routing.expert_pairs.shape[0]
+    padded = -(-routing.expert_pairs // START_MULTIPLE) * START_MULTIPLE
+    blocks = -(-routing.expert_pairs // block_tokens)
     e = jnp.minimum(routing.block_expert, num_experts - 1)
-    block_start = jnp.where(routing.block_expert < num_experts, padded_begin[e] + routing.block_first - begin[e], 0)
-    return tokens_of_rows, block_start.astype(jnp.int32)
+    block_of_run = jnp.arange(e.shape[0]) - (jnp.cumsum(blocks) - blocks)[e]
+    block_start = jnp.where(routing.block_expert < num_experts,
+                            (jnp.cumsum(padded) - padded)[e] + block_of_run * block_tokens, 0).astype(jnp.int32)
+    rows = num_pairs + START_MULTIPLE * num_experts + block_tokens
+    dest = jnp.where(routing.pair_ok, block_start[routing.pair_row // block_tokens] + routing.pair_row % block_tokens,
+                     rows)                                             # other devices' pairs: dropped
+    tokens_of_rows = jnp.zeros(rows, jnp.int32).at[dest].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k,
+                                                             mode="drop")
+    return tokens_of_rows, block_start
 
 
 def combine_pairs_xla(pair_row, y, topk_shape: tuple[int, int], out_dtype, pair_weight):

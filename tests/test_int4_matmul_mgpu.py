@@ -176,7 +176,7 @@ def test_runs_by_expert_give_each_block_its_tokens(tokens, experts, block_tokens
     rng = np.random.default_rng(tokens + experts)
     ids = jnp.asarray(rng.integers(-1, experts + 1, (tokens, 4)), jnp.int32)
     routing = route_pairs(ids, jnp.ones(ids.shape, jnp.float32), experts, block_tokens)
-    rows, start = map(np.asarray, MOE.runs_by_expert(routing, ids, experts, block_tokens))
+    rows, start = map(np.asarray, MOE.runs_by_expert(routing, ids.shape[1], block_tokens))
     block_expert, block_token = np.asarray(routing.block_expert), np.asarray(routing.block_token)
     for b in np.flatnonzero(block_expert < experts):
         assert start[b] % MM.START_MULTIPLE == 0 and start[b] + block_tokens <= rows.size

@@ -74,8 +74,8 @@ def test_reference_matches_float64_numpy(tokens):
 def test_routed_blocks_computed_one_by_one_give_the_op(tokens, block_m):
     """What the kernels do with `route_pairs`, in numpy: each block is one expert's MLP on its rows' tokens, scaled by
     their weights, written at its rows; each token sums its pairs' rows (`pair_row`, where `pair_ok`). Every pair on
-    this device lands in exactly one row; padding rows and blocks past the last carry token M and weight 0; a block's
-    real rows are the run of `pair_order` from its `block_first`."""
+    this device lands in exactly one row; padding rows and blocks past the last carry token M and weight 0;
+    `expert_pairs` counts each expert's pairs."""
     rng = np.random.default_rng(tokens + block_m)
     ct = compressed_tensors_experts(rng, EXPERTS, HIDDEN, INTER)
     gate, up, down = (np.asarray(int4_layout.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32), np.float64)
@@ -92,11 +92,7 @@ def test_routed_blocks_computed_one_by_one_give_the_op(tokens, block_m):
     np.testing.assert_array_equal(rows[pair_row[pair_ok]], np.flatnonzero(pair_ok) // TOP_K)
     np.testing.assert_array_equal(np.repeat(block_expert, block_m)[pair_row[pair_ok]], ids_np[pair_ok])
     assert not block_weight.reshape(-1)[rows == tokens].any()
-    order, first = np.asarray(r.pair_order), np.asarray(r.block_first)     # each block a run of the sorted pairs
-    assert sorted(order) == list(range(ids_np.size))
-    for b in np.flatnonzero(block_expert < EXPERTS):
-        real = block_token[b] < tokens
-        np.testing.assert_array_equal(order[first[b] + np.flatnonzero(real)] // TOP_K, block_token[b][real])
+    np.testing.assert_array_equal(r.expert_pairs, np.bincount(ids_np[pair_ok], minlength=EXPERTS))
     y = np.zeros((rows.size, HIDDEN))
     for b, e in enumerate(block_expert):
         for j in range(block_m):
