@@ -9,7 +9,9 @@ Weights arrive in the compressed-tensors layout (pallas_kernels/int4_layout.py) 
 `Int4Experts.from_compressed_tensors`. The repack permutes the nibbles inside each 256-wide block of inputs so that
 nibble i of the block's 32 words holds the 32 inputs of quantisation group i: unpacking one nibble position of a
 [rows, 32] word tile gives one whole group, with a single scale per output row, which the kernel applies as it turns
-the nibbles into bf16 (no interleave, no int -> float conversion).
+the nibbles into bf16 (no interleave, no int -> float conversion). The nibbles hold q in two's complement (not
+compressed-tensors' q + 8), the form Mosaic GPU's int4 -> bf16 conversion takes, so that the Mosaic GPU block matmul
+reads the same words (`int4_matmul_mgpu`: its K positions in this order, the activations permuted to match).
 
 Routing (`route_pairs`): the pairs are sorted by expert and cut into blocks of block_m pairs, each block holding one
 expert's tokens, so that a kernel reads only the experts actually touched. The Pallas-Triton kernel this module held
@@ -34,7 +36,9 @@ class Int4Experts(NamedTuple):
     """E routed experts in the kernel's layout. For gate [I, D], up [I, D] and down [D, I] (W [out, in]):
 
     *_packed int32 [E, out, in_p / 8], in_p = in rounded up to a multiple of 256: in each block of 256 inputs, word w
-        (of 32) holds input 32 * i + w of the block in bits [4i, 4i + 4), stored as q + 8; padding inputs hold q = 0.
+        (of 32) holds input 32 * i + w of the block in bits [4i, 4i + 4), q in two's complement; padding inputs hold
+        q = 0. Read as int4 [E, out, in_p] (nibble i of word w at position 8 w + i), position p of a block holds input
+        32 (p % 8) + p // 8: `int4_positions`.
     *_scale [E, in_p / 32, out], the scales' dtype: scale of group g (inputs 32g .. 32g + 31) for output row o.
     """
     gate_packed: jax.Array
@@ -87,10 +91,10 @@ def repack_linear(packed, scale):
     """compressed-tensors (packed [E, out, in/8], scale [E, out, in/32]) -> the kernel layout; one expert at a time."""
     def one(args):
         p, sc = args
-        q = unpack_int4(p) + 8                                              # [out, in] nibbles
+        q = unpack_int4(p) & 0xF                                            # [out, in] nibbles, two's complement
         out_dim, in_dim = q.shape
         pad = -in_dim % BLOCK_IN
-        q = jnp.pad(q, ((0, 0), (0, pad)), constant_values=8)
+        q = jnp.pad(q, ((0, 0), (0, pad)))
         q = q.reshape(out_dim, -1, NIBBLES_PER_WORD, BLOCK_IN // NIBBLES_PER_WORD).astype(jnp.uint32)
         shifts = (4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.uint32))[None, None, :, None]
         words = jnp.sum(q << shifts, axis=2, dtype=jnp.uint32)             # disjoint bits: sum == or
@@ -101,12 +105,12 @@ def repack_linear(packed, scale):
 
 
 def unpack_kernel_layout(packed):
-    """Kernel layout packed [E, out, in_p/8] (word w of a 256-input block holds input 32 i + w in nibble i, as value
-    + 8) -> the values int32 [E, out, in_p] in [-8, 7], in input order."""
+    """Kernel layout packed [E, out, in_p/8] (word w of a 256-input block holds input 32 i + w in nibble i, in two's
+    complement) -> the values int32 [E, out, in_p] in [-8, 7], in input order."""
     e, out_dim, words = packed.shape
     shifts = 4 * jnp.arange(NIBBLES_PER_WORD, dtype=jnp.int32)
     blocks = packed.reshape(e, out_dim, words // GROUP, 1, GROUP)
-    q = ((blocks >> shifts[None, None, None, :, None]) & 0xF) - 8                # [E, out, blocks, 8, 32]
+    q = (((blocks >> shifts[None, None, None, :, None]) & 0xF) ^ 8) - 8          # [E, out, blocks, 8, 32]
     return q.reshape(e, out_dim, -1)
 
 

@@ -13,9 +13,9 @@ nibble position i, i.e. per quantisation group of the block (`_DEQUANT_BF16X2`: 
 group scale applied in bf16x2). Nibble i's tile meets the block's tokens at inputs 32 i + w, a contiguous slice of
 x, in one tensor-core dot (wgmma, the tile straight from registers); the eight dots share one f32 accumulator.
 
-f32 activations (tests, references) take an exact path: all 8 nibbles unpacked to f32 (the pattern 0x4B000000 | n is
-2^23 + n: an OR and a subtraction), scaled, and multiplied in one IEEE dot with x's columns permuted to match
-(`_block_columns`).
+f32 activations (tests, references) take an exact path: all 8 nibbles unpacked to f32 (the pattern 0x4B000000 | (n ^ 8)
+is 2^23 + q + 8 for the two's complement nibble n of q: an XOR and a subtraction), scaled, and multiplied in one IEEE
+dot with x's columns permuted to match (`_block_columns`).
 
 Triton compiles on any machine, which the CPU tests use to build the kernels for sm_90 (tests/test_int4_moe_triton.py)
 and to lower the op for an H200 through XLA's Triton custom call (tests/test_triton_call.py).
@@ -121,17 +121,18 @@ def _block_columns(step, WORDS: tl.constexpr):
 @triton.jit
 def _dequantize(words, scale, dtype: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr):
     """words int32 [BN, WORDS], scale [BN, 8] (group i of the block for nibble i) -> [BN, 8 WORDS] of dtype, in the
-    order of `_block_columns`: (nibble - 8) * scale, exact in f32 before the final rounding."""
+    order of `_block_columns`: q * scale (q the nibble in two's complement), exact in f32 before the final rounding."""
     shifts = 4 * tl.arange(0, 8)
     nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF                       # [BN, WORDS, 8]
-    values = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0          # 2^23 + n - (2^23 + 8)
+    values = (nibbles ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0          # 2^23 + q + 8 - (2^23 + 8)
     values = values * scale.to(tl.float32)[:, None, :]
     return tl.reshape(values, (BN, 8 * WORDS)).to(dtype)
 
 
 # bf16x2 dequantization of two packed words, 16 weights, in 32 instructions: per byte, one prmt gathers the byte of
-# both words into the two 16-bit halves, and-or with 0x000F000F / 0x43004300 turns the low nibbles (after a shift,
-# the high ones) into the bf16 pair 128 + n, sub.bf16x2 136 makes them n - 8 (exact) and mul.bf16x2 applies the
+# both words into the two 16-bit halves, and-xor with 0x000F000F / 0x43084308 turns the low nibbles (after a shift,
+# the high ones; q in two's complement, so n ^ 8 = q + 8) into the bf16 pair 136 + q, sub.bf16x2 136 makes them q
+# (exact) and mul.bf16x2 applies the
 # group's scale (the one rounding, to bf16). Operands: $0-$7 the 8 nibbles (bf16x2 each), $8 $9 the words, $10-$17
 # the scales of nibbles 0-7 (bf16x2). Elementwise: the low half of every register is one element, the high half the
 # other, whichever two elements Triton packs.
@@ -139,8 +140,8 @@ _DEQUANT_BF16X2 = tl.constexpr("\n".join(["{", ".reg .b32 t, u, lo, hi, off;", "
     line for b in range(4) for line in (
         f"prmt.b32 t, $8, $9, 0x{0x0400 + b * 0x0101:04x};",
         "shr.b32 u, t, 4;",
-        "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;",
-        "lop3.b32 hi, u, 0x000F000F, 0x43004300, 0xEA;",
+        "lop3.b32 lo, t, 0x000F000F, 0x43084308, 0x6A;",
+        "lop3.b32 hi, u, 0x000F000F, 0x43084308, 0x6A;",
         "sub.rn.bf16x2 lo, lo, off;",
         "sub.rn.bf16x2 hi, hi, off;",
         f"mul.rn.bf16x2 ${2 * b}, lo, ${10 + 2 * b};",
@@ -163,7 +164,7 @@ def _group_columns(scales):
 @triton.jit
 def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
     """words int32 [BN, W]; the scales of rows [BN] at scale_ptr (group of nibble 0; nibble i's is ROW_STRIDE * i
-    further) -> the 8 nibble tiles (n - 8) * scale, bf16 [BN, W] each (`_DEQUANT_BF16X2`). The scales come in one
+    further) -> the 8 nibble tiles q * scale, bf16 [BN, W] each (`_DEQUANT_BF16X2`). The scales come in one
     [BN, 8] load, contiguous along the rows, which Triton's pipeliner copies ahead asynchronously with the weights
     (eight [BN] loads of 2-byte elements it issues synchronously: warps stalled on them, kernels.md)."""
     scales = tl.load(scale_ptr + rows[:, None] + ROW_STRIDE * tl.arange(0, 8)[None, :])
