@@ -37,8 +37,7 @@ from pallas_kernels.triton_call import bound_to
 
 # The default kernels and tiling through the other launchers of `triton_call` (not tilings: kept out of best_config).
 LAUNCH_PEERS = {"launch:xla": "xla", "launch:ffi": "ffi"}
-MOSAIC_PEER = "mosaic:block_matmul"   # int4_moe_mgpu: the Mosaic GPU block matmul, timed from MOSAIC_PEER_TOKENS
-MOSAIC_PEER_TOKENS = 1024
+MOSAIC_PEER = "mosaic:block_matmul"   # int4_moe_mgpu: the Mosaic GPU block matmul, timed at every M
 ROUTING_PEER = "routing:xla"  # the default kernels, routed by XLA's sort instead of the routing kernel
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
@@ -87,15 +86,15 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
 
 def mosaic_sweep(m: int, sweep_tokens: list[int]) -> dict[str, dict]:
     """{label: int4_moe_mgpu keyword arguments} of the Mosaic GPU int4_moe timed beside its default when M is one of
-    `sweep_tokens`: tokens per block, down at 64 rows per warpgroup (the default takes 128), clusters of two CTAs
-    sharing the activation tile (for both GEMMs, or gate_up only)."""
+    `sweep_tokens`: tokens per block, a whole 256-input block per step, down at 64 rows per warpgroup (the default
+    takes 128), clusters of two CTAs sharing the activation tile."""
     if m not in sweep_tokens:
         return {}
     Config = moe_mgpu.MgpuMatmulConfig
-    runs = {f"block_tokens={t}": dict(config=Config(block_tokens=t)) for t in (32, 64, 96)}
-    runs["down_rows_per_wg=64"] = dict(down_config=Config(rows_per_wg=64))
-    runs["cluster=2"] = dict(config=Config(cluster=2))
-    runs["gate_up_cluster=2"] = dict(config=Config(cluster=2), down_config=Config(rows_per_wg=128))
+    runs = {f"block_tokens={t}": dict(config=Config(block_tokens=t)) for t in (32, 64, 96, 128)}
+    runs["block_tokens=96,tile_k=256"] = dict(config=Config(block_tokens=96, tile_k=256))
+    runs["block_tokens=96,down_rows_per_wg=64"] = dict(config=Config(block_tokens=96),
+                                                       down_config=Config(block_tokens=96, rows_per_wg=64))
     runs["block_tokens=96,cluster=2"] = dict(config=Config(block_tokens=96, cluster=2))
     return runs
 
@@ -280,7 +279,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
     token_counts = [m for m in token_counts if not only_tokens or m in only_tokens]
     e, d, k = shape["experts"], shape["hidden"], shape["top_k"]
     experts = random_experts(jax.random.key(3), e, d, shape["inter"])
-    gate_up_bf16 = down_bf16 = int4_weights = mosaic_experts = None
+    gate_up_bf16 = down_bf16 = int4_weights = None
     tokamax_modules, tokamax_missing = (None, None) if interpret else load_tokamax()
     for m in token_counts:
         if time.time() > deadline:
@@ -328,14 +327,11 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 peers, missing_peers = _tokamax_fns(tokamax_modules)
                 peers_failed.update(missing_peers)
                 jobs += _checked_peer_jobs(peers, int4_sets, sub, ref, errors, peers_failed)
-            if m >= MOSAIC_PEER_TOKENS and not interpret:
-                if mosaic_experts is None:
-                    mosaic_experts = moe_mgpu.MgpuExperts.from_int4_experts(experts)
-                mosaic_sets = [(x, mosaic_experts, ids, w) for x, _, ids, w in sets]
+            if not interpret:
                 mosaic_fns = {MOSAIC_PEER: moe_mgpu.int4_moe}
                 for label, kwargs in mosaic_sweep(m, sweep_tokens).items():
                     mosaic_fns[f"{MOSAIC_PEER}:{label}"] = functools.partial(moe_mgpu.int4_moe, **kwargs)
-                jobs += _checked_peer_jobs(mosaic_fns, mosaic_sets, sub, ref, errors, peers_failed)
+                jobs += _checked_peer_jobs(mosaic_fns, sets, sub, ref, errors, peers_failed)
             t = time_jobs(jobs, reps)
             flops, bytes_, touched = moe_cost(np.asarray(ids0), shape)
             floor = roofline(flops, bytes_, ceil)
@@ -370,7 +366,7 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
         results.append(entry)
         _print_moe_row(entry)
         save()
-    del gate_up_bf16, down_bf16, int4_weights, mosaic_experts
+    del gate_up_bf16, down_bf16, int4_weights
     if not interpret:
         try:
             checks["int4_moe_f32_16_tokens"] = _moe_f32_check(moe_triton.int4_moe, experts, shape)

@@ -7,7 +7,12 @@ e = block_expert[b] (in [0, E); other values mark empty blocks, skipped):
 
     out[:, b's T columns] = dequant(w[e]) [N, K] @ acts[b's T rows, :]^T       (f32 accumulation)
 
-with dequant(w)[n, k] = w[n, k] * scales[k // 32, n] (w signed int4, the stored nibble minus 8). The output is
+with dequant(w)[n, p] = w[n, p] * scales[8 (p // 256) + p % 8, n]: w int4 [E, N, K] holds the K inputs in int4_moe's
+kernel layout read as positions (`int4_moe.int4_positions`, a bitcast of the Triton kernels' words: position p of a
+256-input block holds input 32 (p % 8) + p // 8, of the block's group p % 8), and acts come in the same order
+(`int4_moe.inputs_to_positions`). So 32 adjacent positions span the block's 8 groups, 4 inputs each; in wgmma's
+register layout a thread's weights of one row meet only two of them (columns 2c, 2c + 1 mod 8), and the [64, 32]
+scale tile is the block's [64, 8] one repeated (registers reused, no data movement). The output is
 transposed ([N, R], R = T x blocks) so that it feeds the next GEMM as wgmma's B operand without a transpose
 (`acts_k_major`): gate_up writes h^T [I, R], down reads it. `tokens_major_out` stores each tile transposed instead
 ([R, N]: down's y, whose rows the combine gathers). Columns (rows) of empty blocks are not written.
@@ -16,8 +21,9 @@ Structure: a persistent grid of one CTA per SM walking (block, row tile) pairs, 
 each other (their activation tile then comes from L2; with `cluster` = 2, two CTAs take adjacent row tiles together
 and the activation tile is multicast to both); per pair a pipeline (`emit_pipeline_warp_specialized`) with one TMA
 producer warpgroup and two consumer warpgroups, each dequantizing its 64 or 128 rows (`rows_per_wg`: one
-accumulator per 64) of the weight tile group by group (int4 loaded 8 nibbles per 32-bit load, relaid out while
-4-bit, converted, scaled by the group's row vector) and issuing one wgmma of K = 32 per group and accumulator.
+accumulator per 64) of the weight tile 32 positions at a time (int4 loaded 8 nibbles per 32-bit load, relaid out while
+4-bit, converted, scaled by the block's [64, 8] scales, loaded once per step) and issuing one wgmma of K = 32 per 32
+positions and accumulator.
 `a_in_shared`: stage each dequantized group in shared memory and take wgmma's A from there (Mosaic GPU's interpret
 mode takes no register A; the GPU path is the register one).
 
@@ -40,6 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int4_moe as ref
 
 GROUP = ref.GROUP      # inputs per scale (32)
+BLOCK_IN = ref.BLOCK_IN  # positions per block of 8 groups (256)
+GROUPS = BLOCK_IN // GROUP
 TOKENS = 128           # default columns of out per routed block (wgmma's N; MgpuMatmulConfig.block_tokens)
 ROWS_PER_WG = 64       # rows of out per consumer warpgroup (wgmma's M)
 CONSUMERS = 2
@@ -51,13 +59,13 @@ H200_SMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """tile_k inputs per pipeline step (a multiple of 32), stages in flight (None: the most, up to MAX_STAGES, that
-    fit the shared memory, `stages_that_fit`), the grid's CTAs (one per SM), block_tokens the tokens per routed block
-    (wgmma's N: a multiple of 32 up to 256; fewer pad less when experts see few tokens each), rows_per_wg the output
-    rows per consumer warpgroup and (block, row tile) pair, 64 per accumulator (128: each activation tile read from
-    L2 serves twice the weight rows, with twice the accumulators), cluster the CTAs (1 or 2) that take adjacent row
-    tiles of one block together, its activation tile loaded once for both (a TMA multicast: half the L2 reads of
-    activations)."""
+    """tile_k inputs per pipeline step (32, 64, 128 or 256: a step reads the scales of one block's 8 groups), stages
+    in flight (None: the most, up to MAX_STAGES, that fit the shared memory, `stages_that_fit`), the grid's CTAs (one
+    per SM), block_tokens the tokens per routed block (wgmma's N: a multiple of 32 up to 256; fewer pad less when
+    experts see few tokens each), rows_per_wg the output rows per consumer warpgroup and (block, row tile) pair, 64
+    per accumulator (128: each activation tile read from L2 serves twice the weight rows, with twice the
+    accumulators), cluster the CTAs (1 or 2) that take adjacent row tiles of one block together, its activation tile
+    loaded once for both (a TMA multicast: half the L2 reads of activations)."""
     tile_k: int = 128
     stages: int | None = None
     ctas: int = H200_SMS
@@ -66,8 +74,9 @@ class MgpuMatmulConfig:
     cluster: int = 1
 
     def __post_init__(self):
-        if self.tile_k % GROUP or not 0 < self.tile_k <= 512:
-            raise ValueError(f"MgpuMatmulConfig.tile_k={self.tile_k} must be a multiple of {GROUP} in [32, 512]")
+        if self.tile_k not in (32, 64, 128, 256):
+            raise ValueError(f"MgpuMatmulConfig.tile_k={self.tile_k} must be 32, 64, 128 or 256 (a step reads the "
+                             f"scales of one {BLOCK_IN}-input block)")
         if self.block_tokens % 32 or not 0 < self.block_tokens <= 256:
             raise ValueError(f"MgpuMatmulConfig.block_tokens={self.block_tokens} must be a multiple of 32 in "
                              "[32, 256]")
@@ -88,32 +97,27 @@ SHARED_BYTES = 227 * 1024      # the H200's shared memory per block
 def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool, block_tokens: int = TOKENS,
                     rows_per_wg: int = ROWS_PER_WG) -> int:
     """The most pipeline stages (<= MAX_STAGES) whose tiles fit SHARED_BYTES beside the epilogue's buffer: a stage
-    holds per product 2 rows_per_wg x tile_k int4 weights and tile_k / 32 x 2 rows_per_wg bf16 scales, and
-    block_tokens x tile_k bf16 activations (tile_k 128, 128 tokens, 64 rows per warpgroup: 41 KB with one product,
-    50 KB with two). At least 2 (the lowering refuses what does not fit)."""
+    holds per product 2 rows_per_wg x tile_k int4 weights and 8 x 2 rows_per_wg bf16 scales (its block's groups), and
+    block_tokens x tile_k bf16 activations (tile_k 128, 128 tokens, 64 rows per warpgroup: 42 KB with one product,
+    52 KB with two). At least 2 (the lowering refuses what does not fit)."""
     cta_rows = CONSUMERS * rows_per_wg
-    stage = products * (cta_rows * tile_k // 2 + tile_k // GROUP * cta_rows * 2) + block_tokens * tile_k * 2
+    stage = products * (cta_rows * tile_k // 2 + GROUPS * cta_rows * 2) + block_tokens * tile_k * 2
     fixed = CONSUMERS * block_tokens * rows_per_wg * jnp.dtype(out_dtype).itemsize + 4096     # epilogue, barriers
     if a_in_shared:
         fixed += CONSUMERS * products * tile_k * rows_per_wg * 2
     return max(2, min(MAX_STAGES, (SHARED_BYTES - fixed) // stage))
 
 
-def int4_from_kernel_layout(packed) -> jax.Array:
-    """int4_moe's kernel layout (packed int32 [E, out, in/8]) -> signed int4 [E, out, in] in input order."""
-    return ref.unpack_kernel_layout(packed).astype(jnp.int8).astype(jnp.int4)
-
-
 def check_operands(acts, block_expert, w, scales, acts_k_major: bool, block_tokens: int, block_start=None):
     """Shapes and dtypes of `int4_block_matmul`'s operands; a ValueError naming the mismatch."""
     if w.ndim != 3 or w.dtype != jnp.int4:
-        raise ValueError(f"w must be int4 [E, N, K], got {w.dtype} {w.shape}: convert with int4_from_kernel_layout")
+        raise ValueError(f"w must be int4 [E, N, K], got {w.dtype} {w.shape}: convert with int4_moe.int4_positions")
     e, n, k = w.shape
     if scales.shape != (e, k // GROUP, n) or scales.dtype != jnp.bfloat16:
         raise ValueError(f"scales must be bfloat16 [E, K/32, N] = {(e, k // GROUP, n)}, got {scales.dtype} "
                          f"{scales.shape}")
-    if n % ROWS or k % GROUP:
-        raise ValueError(f"N={n} must be a multiple of {ROWS} and K={k} of {GROUP}")
+    if n % ROWS or k % BLOCK_IN:
+        raise ValueError(f"N={n} must be a multiple of {ROWS} and K={k} of {BLOCK_IN} (int4_moe's padded inputs)")
     rows = block_expert.shape[0] * block_tokens
     if block_start is not None:
         if acts_k_major or block_start.shape != block_expert.shape or acts.ndim != 2 or acts.shape[0] < block_tokens:
@@ -165,7 +169,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, 
     stages = config.stages or stages_that_fit(tile_k, len(products), out_dtype, a_in_shared, tokens,
                                               config.rows_per_wg)
     epilogue_cols = math.gcd(EPILOGUE_COLS, tokens)
-    groups = tile_k // GROUP
+    chunks = tile_k // GROUP                                        # wgmma steps of K = 32 per pipeline step
     row_tiles = n // cta_rows
     cluster = config.cluster
     if row_tiles % cluster:
@@ -178,7 +182,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, 
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
     act_block = (tile_k, tokens) if acts_k_major else (tokens, tile_k)
     weight_specs = [plgpu.BlockSpec((cta_rows, tile_k), lambda s: (0, s), transforms=w_transforms),
-                    plgpu.BlockSpec((groups, cta_rows), lambda s: (s, 0))] * len(products)
+                    plgpu.BlockSpec((GROUPS, cta_rows), lambda s: (s * tile_k // BLOCK_IN, 0))] * len(products)
     act_spec = plgpu.BlockSpec(act_block, (lambda s: (s, 0)) if acts_k_major else (lambda s: (0, s)),
                                transforms=act_transforms, collective_axes=("cluster",) if cluster > 1 else None)
 
@@ -233,17 +237,21 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, 
 
                 def step(_, *refs_and_accs):
                     *weights_smem, acts_smem, accs = refs_and_accs
-                    for g in range(groups):
+                    tile_scales = []                    # per accumulator: [64, 32], column c holds group c % 8's
+                    for i in range(len(accs)):
+                        scales_smem = weights_smem[2 * (i // subs) + 1]
+                        block = scales_smem.at[:, sub_rows[i % subs]].transpose((1, 0))[...]     # [64, 8]
+                        block = plgpu.layout_cast(block, plgpu.Layout.WGMMA)
+                        tile_scales.append(jnp.concatenate([block] * (GROUP // GROUPS), axis=1))
+                    for g in range(chunks):
                         b = (acts_smem.at[pl.ds(g * GROUP, GROUP), :] if acts_k_major
                              else acts_smem.at[:, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))  # [32, tokens]
                         for i, acc in enumerate(accs):
-                            p, wg_rows = i // subs, sub_rows[i % subs]
-                            w_smem, scales_smem = weights_smem[2 * p], weights_smem[2 * p + 1]
-                            q = w_smem[wg_rows, pl.ds(g * GROUP, GROUP)]                      # int4 [64, 32]
+                            w_smem = weights_smem[2 * (i // subs)]
+                            q = w_smem[sub_rows[i % subs], pl.ds(g * GROUP, GROUP)]           # int4 [64, 32]
                             q = plgpu.layout_cast(plgpu.layout_cast(q, plgpu.Layout.WGMMA_UPCAST_4X),
                                                   plgpu.Layout.WGMMA)
-                            scale = scales_smem[g, wg_rows]                                  # [64] per row
-                            a = q.astype(jnp.bfloat16) * lax.broadcast_in_dim(scale, (ROWS_PER_WG, GROUP), (0,))
+                            a = q.astype(jnp.bfloat16) * tile_scales[i]
                             if a_in_shared:
                                 a_smem[wg, i, g] = a
                                 plgpu.commit_smem()
@@ -264,7 +272,7 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, 
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_scratch = (plgpu.SMEM((CONSUMERS, len(products) * subs, groups, ROWS_PER_WG, GROUP), jnp.bfloat16,
+    a_scratch = (plgpu.SMEM((CONSUMERS, len(products) * subs, chunks, ROWS_PER_WG, GROUP), jnp.bfloat16,
                             transforms=(plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(64)))
                  if a_in_shared else plgpu.SMEM((1,), jnp.float32))
     out_shape = (num_blocks * tokens, n) if tokens_major_out else (n, num_blocks * tokens)
@@ -284,8 +292,9 @@ def int4_block_matmul(acts, block_expert, w, scales, up=None, block_start=None, 
 def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, block_start=None, *,
                                 acts_k_major: bool = False, tokens_major_out: bool = False,
                                 block_tokens: int = TOKENS):
-    """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, then rounded to bf16 as the kernel feeds them
-    to wgmma; with `up`, silu(gate) * up in f32); columns (rows with tokens_major_out) of empty blocks are 0."""
+    """`int4_block_matmul` in f32 XLA (the weights dequantized exactly, each position with its group's scale, then
+    rounded to bf16 as the kernel feeds them to wgmma; with `up`, silu(gate) * up in f32); columns (rows with
+    tokens_major_out) of empty blocks are 0."""
     check_operands(acts, block_expert, w, scales, acts_k_major, block_tokens, block_start)
     ok = (block_expert >= 0) & (block_expert < w.shape[0])
     e = jnp.where(ok, block_expert, 0)
@@ -296,7 +305,7 @@ def int4_block_matmul_reference(acts, block_expert, w, scales, up=None, block_st
         a = a[jnp.minimum(block_start[:, None] + jnp.arange(block_tokens)[None, :], a.shape[0] - 1)]
 
     def product(w, scales):
-        dequant = w.astype(jnp.float32) * ref.expand_scales(scales)
+        dequant = w.astype(jnp.float32) * ref.position_scales(scales)
         dequant = dequant.astype(jnp.bfloat16).astype(jnp.float32)                 # [E, N, K]
         return jnp.einsum("bnk,btk->bnt", dequant[e], a, precision=lax.Precision.HIGHEST)
 

@@ -114,6 +114,30 @@ def unpack_kernel_layout(packed):
     return q.reshape(e, out_dim, -1)
 
 
+def int4_positions(packed):
+    """Kernel layout packed int32 [E, out, in_p/8] -> int4 [E, out, in_p] (a bitcast), nibble i of word w at position
+    8 w + i: position p of each 256-input block holds input 32 (p % 8) + p // 8, of the block's group p % 8."""
+    e, out_dim, words = packed.shape
+    return lax.bitcast_convert_type(packed, jnp.int4).reshape(e, out_dim, words * NIBBLES_PER_WORD)
+
+
+def inputs_to_positions(a, axis: int = -1):
+    """a [..., in, ...] -> [..., in_p, ...] along `axis`, padded with zeros to in_p (a multiple of 256) and permuted
+    into `int4_positions`' order: the operand that meets those weights position by position."""
+    axis = axis % a.ndim
+    pad = -a.shape[axis] % BLOCK_IN
+    a = jnp.pad(a, [(0, pad if d == axis else 0) for d in range(a.ndim)])
+    blocks = a.reshape(*a.shape[:axis], -1, NIBBLES_PER_WORD, GROUP, *a.shape[axis + 1:])     # [.., i, w, ..]
+    return jnp.swapaxes(blocks, axis + 1, axis + 2).reshape(*a.shape)                        # position 8 w + i
+
+
+def position_scales(scale):
+    """Group-major scales [E, in_p/32, out] -> f32 [E, out, in_p], the scale of each of `int4_positions`' positions
+    (group 8 (p // 256) + p % 8)."""
+    p = jnp.arange(scale.shape[1] * GROUP)
+    return jnp.swapaxes(scale.astype(jnp.float32), 1, 2)[:, :, p // BLOCK_IN * NIBBLES_PER_WORD + p % NIBBLES_PER_WORD]
+
+
 def expand_scales(scale):
     """Group-major scales [E, in/32, out] -> f32 [E, out, in], one per weight."""
     return jnp.repeat(jnp.swapaxes(scale, 1, 2).astype(jnp.float32), GROUP, axis=2)

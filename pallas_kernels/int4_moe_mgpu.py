@@ -1,84 +1,71 @@
-"""int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`): route the pairs into blocks of
-`config.block_tokens` tokens (XLA), gather x into the pairs' order by expert (each block reads a run of it, each
-expert's run aligned to 8 rows: `runs_by_expert`), one kernel for h^T = silu(x W_gate^T) * (x W_up^T) (the gated
-product, bf16 out, as the Triton kernels' h), one for down on h^T writing y [R, D] (tokens-major), then the weighted
-sum of each token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU). A peer of the Triton
-int4_moe at M >= 1024 (the benchmark's), not yet the op's kernel: the gather of x is a separate pass (M x K rows, not
-the blocks' padded bound), and its weights are a second copy of the experts in plain input order (`MgpuExperts`).
+"""int4_moe at large M through the Mosaic GPU block matmul (`int4_matmul_mgpu`), on the Triton kernels' weights
+(`Int4Experts`, read as int4 positions: a bitcast, no second copy): route the pairs into blocks of
+`config.block_tokens` tokens (XLA), gather x into the pairs' order by expert with its columns in the weights' position
+order (each block reads a run of it, each expert's run aligned to 8 rows: `runs_by_expert`), one kernel for
+h^T = silu(x W_gate^T) * (x W_up^T) (the gated product, bf16 out, as the Triton kernels' h), h^T's rows permuted into
+down's position order (XLA), one kernel for down on it writing y [R, D] (tokens-major), then the weighted sum of each
+token's pair rows (the Triton int4_moe's combine kernel, weighted; XLA on the CPU).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import int4_moe as ref
 from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels.int4_matmul_mgpu import (CONSUMERS, ROWS_PER_WG, START_MULTIPLE, MgpuMatmulConfig,
-                                             int4_block_matmul, int4_from_kernel_layout)
+                                             int4_block_matmul)
 from pallas_kernels.triton_call import LAUNCHERS, triton_call
 
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
 
 
-class MgpuExperts(NamedTuple):
-    """The routed experts for `int4_block_matmul`, in input order."""
-    gate: jax.Array              # int4 [E, I, D]
-    gate_scale: jax.Array        # bf16 [E, D / 32, I]
-    up: jax.Array                # int4 [E, I, D]
-    up_scale: jax.Array          # bf16 [E, D / 32, I]
-    down: jax.Array              # int4 [E, D, I]
-    down_scale: jax.Array        # bf16 [E, I / 32, D]
-
-    @classmethod
-    def from_int4_experts(cls, experts: ref.Int4Experts) -> MgpuExperts:
-        """One-time conversion from int4_moe's kernel layout (a second copy of the experts: ~9.5 GB at K2.6 with
-        their scales); scales in bf16, as the Triton kernels read them."""
-        d, i = experts.hidden_size, experts.intermediate_size
-
-        def convert(packed, scale, in_dim):
-            return (int4_from_kernel_layout(packed)[:, :, :in_dim],
-                    scale[:, :in_dim // ref.GROUP].astype(jnp.bfloat16))
-
-        return cls(*convert(experts.gate_packed, experts.gate_scale, d),
-                   *convert(experts.up_packed, experts.up_scale, d),
-                   *convert(experts.down_packed, experts.down_scale, i))
+def default_config(num_pairs: int, num_experts: int) -> MgpuMatmulConfig:
+    """Tokens per block (wgmma's N) by the pairs a touched expert sees: 32 while a handful (one token still pads to
+    32), 64 while a few dozen, 96 once the GEMMs are dense (M=4096: 7.79 ms against 8.13 at 128, kernels.md,
+    "Sixteenth session")."""
+    per_expert = num_pairs / num_experts
+    return MgpuMatmulConfig(block_tokens=32 if per_expert < 16 else 64 if per_expert < 48 else 96)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "down_config", "combine", "a_in_shared"))
-def int4_moe(x, experts: MgpuExperts, topk_ids, topk_weights, *, config: MgpuMatmulConfig = MgpuMatmulConfig(),
+def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: MgpuMatmulConfig | None = None,
              down_config: MgpuMatmulConfig | None = None, combine: str = moe_triton.LAUNCHER,
              a_in_shared: bool = False):
     """x bf16 [M, D], topk_ids [M, K] int, topk_weights [M, K] -> [M, D] bf16: `int4_moe_reference`'s semantics
-    (ids outside [0, E) contribute nothing). config: gate_up's block matmul (its block_tokens the routing's; the
-    gated product already holds two accumulators per warpgroup at 64 rows); down_config: down's (default: config
-    with 128 rows per warpgroup, two accumulators of its one product, where D is a multiple of 256); combine: the
-    Triton launcher (`triton_call.LAUNCHERS`) of the weighted sum of each token's pairs
+    (ids outside [0, E) contribute nothing). config: gate_up's block matmul (None: `default_config`; its block_tokens
+    the routing's; the gated product already holds two accumulators per warpgroup at 64 rows); down_config: down's
+    (default: config with 128 rows per warpgroup, two accumulators of its one product, where D is a multiple of 256);
+    combine: the Triton launcher (`triton_call.LAUNCHERS`) of the weighted sum of each token's pairs
     (`int4_moe_triton.combine_pairs`), or XLA_GATHER (`combine_pairs_xla`, the CPU's; ~10x slower on the H200);
     a_in_shared: `int4_block_matmul`'s (True for interpret mode)."""
     if combine not in (*LAUNCHERS, XLA_GATHER):
         raise ValueError(f"combine={combine!r} must be one of {(*LAUNCHERS, XLA_GATHER)}")
+    d = experts.hidden_size
+    config = config or default_config(topk_ids.size, experts.num_experts)
     if down_config is None:
-        wide = experts.down.shape[1] % (CONSUMERS * 2 * ROWS_PER_WG) == 0
+        wide = d % (CONSUMERS * 2 * ROWS_PER_WG) == 0
         down_config = dataclasses.replace(config, rows_per_wg=(2 if wide else 1) * ROWS_PER_WG)
     if down_config.block_tokens != config.block_tokens:
         raise ValueError(f"down_config.block_tokens={down_config.block_tokens} must equal config.block_tokens="
                          f"{config.block_tokens} (one routing serves both)")
-    if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != experts.down.shape[1]:
-        raise ValueError(f"x must be bfloat16 [M, D={experts.down.shape[1]}], got {x.dtype} {x.shape}")
+    if x.dtype != jnp.bfloat16 or x.ndim != 2 or x.shape[1] != d:
+        raise ValueError(f"x must be bfloat16 [M, D={d}], got {x.dtype} {x.shape}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be "
                          f"[M={x.shape[0]}, top_k]")
-    num_experts = experts.down.shape[0]
+    num_experts = experts.num_experts
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, config.block_tokens)
     tokens_of_rows, block_start = runs_by_expert(routing, topk_ids.shape[1], config.block_tokens)
-    h_t = int4_block_matmul(x[tokens_of_rows], routing.block_expert, experts.gate, experts.gate_scale,
-                            (experts.up, experts.up_scale), block_start, config=config,
+    weights = lambda packed, scale: (ref.int4_positions(packed), scale.astype(jnp.bfloat16))
+    h_t = int4_block_matmul(ref.inputs_to_positions(x)[tokens_of_rows], routing.block_expert,
+                            *weights(experts.gate_packed, experts.gate_scale),
+                            weights(experts.up_packed, experts.up_scale), block_start, config=config,
                             a_in_shared=a_in_shared)                          # bf16 [I, R]
-    y = int4_block_matmul(h_t, routing.block_expert, experts.down, experts.down_scale, acts_k_major=True,
+    y = int4_block_matmul(ref.inputs_to_positions(h_t, axis=0), routing.block_expert,
+                          *weights(experts.down_packed, experts.down_scale), acts_k_major=True,
                           tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
     pairs = (routing.pair_row_or_none(), y, topk_ids.shape, x.dtype, topk_weights.reshape(-1))   # one for both
     if combine == XLA_GATHER:

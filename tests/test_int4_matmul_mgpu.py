@@ -58,21 +58,6 @@ def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas, tokens, toke
     assert np.isnan(out[tokens:2 * tokens]).all()
 
 
-def test_kernel_layout_converts_to_input_order():
-    """int4_from_kernel_layout undoes int4_moe's repack: the int4 values in input order are the quantized weights."""
-    rng = np.random.default_rng(3)
-    q = rng.integers(-8, 8, (2, 128, 512))
-    scale = np.ones((2, 128, 512 // 32), np.float32)
-    down = rng.integers(-8, 8, (2, 512, 128))
-    experts = Int4Experts.from_compressed_tensors(*(jnp.asarray(a) for a in (
-        int4_layout.pack_int4(q), scale, int4_layout.pack_int4(q), scale, int4_layout.pack_int4(down),
-        np.ones((2, 512, 4), np.float32))))
-    got = MM.int4_from_kernel_layout(experts.gate_packed)
-    assert got.dtype == jnp.int4 and np.array_equal(np.asarray(got.astype(jnp.int8)), q)
-    got = MM.int4_from_kernel_layout(experts.down_packed)[:, :, :128]           # I = 128 padded to 256 inputs
-    assert np.array_equal(np.asarray(got.astype(jnp.int8)), down)
-
-
 def test_int4_moe_matches_reference():
     """The whole op at small shapes (E 4, D 256, I 128, top-2, ids of another device included, their weights NaN)
     against int4_moe_reference."""
@@ -88,12 +73,11 @@ def test_int4_moe_matches_reference():
     weights = jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
     weights = jnp.where((ids >= 0) & (ids < e), weights, jnp.nan)      # a foreign pair's weight is never read
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
-    mgpu_experts = MOE.MgpuExperts.from_int4_experts(experts)
     config = MM.MgpuMatmulConfig(tile_k=128, stages=2, block_tokens=32)
-    out = interpret(MOE.int4_moe, x, mgpu_experts, ids, weights, config=config, combine=MOE.XLA_GATHER,
+    out = interpret(MOE.int4_moe, x, experts, ids, weights, config=config, combine=MOE.XLA_GATHER,
                     a_in_shared=True)
     assert rel_err(out, int4_moe_reference(x, experts, ids, weights)) < 2e-2
-    none = interpret(MOE.int4_moe, x, mgpu_experts, foreign, weights, config=config, combine=MOE.XLA_GATHER,
+    none = interpret(MOE.int4_moe, x, experts, foreign, weights, config=config, combine=MOE.XLA_GATHER,
                      a_in_shared=True)
     assert np.array_equal(np.asarray(none, np.float32), np.zeros((m, d), np.float32))
 
@@ -162,7 +146,8 @@ def test_block_start_reads_each_block_from_its_row():
     assert rel_err(np.asarray(out)[:, written], np.asarray(want)[:, written]) < 1e-5
     assert np.isnan(np.asarray(out)[:, 32:64]).all()
     rows_of_block_2 = np.asarray(acts[32:64], np.float32)           # the reference itself reads rows 32..63
-    dequant = np.asarray(w[0].astype(jnp.float32)) * np.repeat(np.asarray(scales[0], np.float32).T, 32, axis=1)
+    group = np.arange(w.shape[2]) // 256 * 8 + np.arange(w.shape[2]) % 8              # position p's scale group
+    dequant = np.asarray(w[0].astype(jnp.float32)) * np.asarray(scales[0], np.float32).T[:, group]
     dequant = np.asarray(jnp.asarray(dequant, jnp.bfloat16), np.float32)
     assert rel_err(np.asarray(want)[:, 64:96], dequant @ rows_of_block_2.T) < 1e-5
 
@@ -203,8 +188,8 @@ def test_cluster_takes_adjacent_row_tiles():
 def test_int4_moe_lowers_for_h200_at_k26_shapes():
     """The whole op at M = 4096 with K2.6's 384 experts (D 7168, I 2048, top-8), as the benchmark times it (its
     combine through XLA's Triton custom call, which lowers on the CPU; jax-triton's needs the GPU)."""
-    gate = (spec((384, 2048, 7168), jnp.int4), spec((384, 224, 2048), jnp.bfloat16))
-    experts = MOE.MgpuExperts(*gate, *gate, spec((384, 7168, 2048), jnp.int4), spec((384, 64, 7168), jnp.bfloat16))
+    gate = (spec((384, 2048, 7168 // 8), jnp.int32), spec((384, 224, 2048), jnp.bfloat16))
+    experts = Int4Experts(*gate, *gate, spec((384, 7168, 2048 // 8), jnp.int32), spec((384, 64, 7168), jnp.bfloat16))
     text = lower_for_h200(functools.partial(MOE.int4_moe, combine="xla"), spec((4096, 7168), jnp.bfloat16), experts,
                           spec((4096, 8), jnp.int32), spec((4096, 8), jnp.float32))
     assert text.count("mosaic_gpu") >= 2 and "_weighted_combine_kernel" in text

@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels import int4_layout
 from pallas_kernels import ops
+from pallas_kernels import int4_moe as moe
 from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference, route_pairs
 from conftest import rel_err
 
@@ -57,6 +58,27 @@ def test_repack_round_trip():
     for got, k in zip(experts.dequantize(), range(3)):
         want = int4_layout.dequantize_int4(ct[2 * k], ct[2 * k + 1], dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_positions_meet_inputs_permuted_the_same_way():
+    """The Mosaic GPU kernels' view of the same words: int4_positions (a bitcast) times position_scales, against
+    inputs_to_positions(x), is the layer in input order, padding of D, I to 256 included; the nibbles are two's
+    complement (q, not q + 8)."""
+    rng = np.random.default_rng(2)
+    ct = compressed_tensors_experts(rng, experts=2, hidden=96, inter=512)
+    experts = Int4Experts.from_compressed_tensors(*ct)
+    words = np.asarray(experts.gate_packed).view(np.uint32)
+    q = np.asarray(int4_layout.unpack_int4(ct[0]))                                       # [E, I, D]
+    assert (words[0, 0, 0] & 0xF) == (q[0, 0, 0] & 0xF)                                 # input 0: word 0, nibble 0
+    for packed, scale, in_dim in ((experts.gate_packed, experts.gate_scale, 96),
+                                  (experts.down_packed, experts.down_scale, 512)):
+        w = moe.int4_positions(packed)
+        assert w.dtype == jnp.int4 and w.shape[2] == -(-in_dim // 256) * 256
+        x = rng.standard_normal((3, in_dim)).astype(np.float32)
+        got = jnp.einsum("eok,mk->emo", w.astype(jnp.float32) * moe.position_scales(scale),
+                         moe.inputs_to_positions(jnp.asarray(x)), precision="highest")
+        want = jnp.einsum("eok,mk->emo", moe.dequantize_kernel_layout(packed, scale, in_dim), x, precision="highest")
+        assert rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64])

@@ -215,13 +215,13 @@ def test_int4_block_matmul_mgpu(acts_k_major, n, k, tokens, cluster):
 
 @pytest.mark.parametrize("tokens", [64, 1024])
 def test_int4_moe_mgpu_k26(k26_experts, tokens):
-    """int4_moe through the Mosaic GPU block matmul at K2.6's experts against the reference (ids of other devices
-    included)."""
+    """int4_moe through the Mosaic GPU block matmul on the Triton kernels' weights (K2.6's experts) against the
+    reference (ids of other devices included)."""
     rng = np.random.default_rng(tokens)
     ids = jnp.asarray(rng.integers(-1, K26.num_experts + 1, (tokens, K26.num_experts_per_tok)), jnp.int32)
     weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
     x = jnp.asarray(rng.standard_normal((tokens, K26.hidden_size)), jnp.bfloat16)
-    out = MMOE.int4_moe(x, MMOE.MgpuExperts.from_int4_experts(k26_experts), ids, weights)
+    out = MMOE.int4_moe(x, k26_experts, ids, weights)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out[:32], REFERENCE_MOE(x[:32], k26_experts, ids[:32], weights[:32])) < 2e-2
 
