@@ -30,6 +30,7 @@ from jax import lax
 
 from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
+from pallas_kernels import ops
 from pallas_kernels import int4_moe_mgpu as moe_mgpu
 from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels.triton_call import bound_to
@@ -37,7 +38,8 @@ from pallas_kernels.triton_call import bound_to
 
 # The default kernels and tiling through the other launchers of `triton_call` (not tilings: kept out of best_config).
 LAUNCH_PEERS = {"launch:xla": "xla", "launch:ffi": "ffi"}
-MOSAIC_PEER = "mosaic:block_matmul"   # int4_moe_mgpu: the Mosaic GPU block matmul, timed at every M
+MOSAIC_PEER = "mosaic:block_matmul"   # int4_moe_mgpu: the Mosaic GPU block matmul, where the op runs Triton
+TRITON_PEER = "triton:default"        # int4_moe_triton at its default tiling, where the op runs Mosaic GPU
 ROUTING_PEER = "routing:xla"  # the default kernels, routed by XLA's sort instead of the routing kernel
 
 # The INT4 implementations the scripts time by name: the GPU kernel (Triton) and the pure-JAX reference.
@@ -48,7 +50,7 @@ def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
     """(experts E, hidden D, inter I, top_k) and the token counts M; `quick`: small ones, for a CPU smoke run."""
     if quick:
         return dict(experts=16, hidden=512, inter=256, top_k=4), (1, 8, 64)
-    return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 4096)
+    return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 2048, 4096)
 
 
 def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]) -> list:
@@ -291,9 +293,11 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 ids, w = moe_routing(jax.random.key(100 * m + s), m, e, k)
                 sets.append((jax.random.normal(jax.random.key(7 + s), (m, d), BF16), experts, ids, w))
             if interpret:   # the CPU smoke run: the reference in the kernel's place
+                backend = "reference (CPU)"
                 fns = {"kernel": jax.jit(moe.int4_moe_reference)}
             else:
-                fns = {"kernel": jax.jit(moe_triton.int4_moe)}
+                backend = ops.int4_moe_backend(*sets[0][:3])
+                fns = {"kernel": jax.jit(ops.int4_moe)}   # the op's dispatch; the Triton one's tilings and launchers:
                 for cfg in triton_sweep(m, m * k, e, sweep_tokens):
                     fns[f"kernel:{cfg}"] = jax.jit(lambda *a, cfg=cfg: moe_triton.int4_moe(*a, config=cfg))
                 for name, launcher in LAUNCH_PEERS.items():
@@ -328,7 +332,10 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                 peers_failed.update(missing_peers)
                 jobs += _checked_peer_jobs(peers, int4_sets, sub, ref, errors, peers_failed)
             if not interpret:
-                mosaic_fns = {MOSAIC_PEER: moe_mgpu.int4_moe}
+                other = ({TRITON_PEER: moe_triton.int4_moe} if backend == "mosaic_gpu"
+                         else {MOSAIC_PEER: moe_mgpu.int4_moe})
+                jobs += _checked_peer_jobs(other, sets, sub, ref, errors, peers_failed)
+                mosaic_fns = {}
                 for label, kwargs in mosaic_sweep(m, sweep_tokens).items():
                     mosaic_fns[f"{MOSAIC_PEER}:{label}"] = functools.partial(moe_mgpu.int4_moe, **kwargs)
                 jobs += _checked_peer_jobs(mosaic_fns, sets, sub, ref, errors, peers_failed)
@@ -339,10 +346,12 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
             b2b_us = t["kernel:back_to_back"]["us"] if "kernel:back_to_back" in t else None
             best = min((n for n in fns if n not in (*LAUNCH_PEERS, ROUTING_PEER)), key=lambda n: t[n]["us"])
             baselines = {n: t[n]["us"] for n in t
-                         if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:", "mosaic:"))}
+                         if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:", "mosaic:",
+                                          "triton:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
-            entry = dict(tokens=m, **shape, kernel="reference (CPU)" if interpret else "triton (jax-triton)",
-                         config=str(moe_triton.default_config(m * k, e)), touched_experts=touched,
+            config = (moe_mgpu.default_config(m * k, e) if backend == "mosaic_gpu"
+                      else moe_triton.default_config(m * k, e))
+            entry = dict(tokens=m, **shape, kernel=backend, config=str(config), touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
                          touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
@@ -359,7 +368,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          launch_peers_over_kernel={n: t[n]["us"] / k_us for n in LAUNCH_PEERS if n in t},
                          xla_routing_over_kernel=t[ROUTING_PEER]["us"] / k_us if ROUTING_PEER in t else None,
                          sweep_failed=failed, peers_failed=peers_failed,
-                         peers_rel_err={n: errors[n] for n in errors if n.startswith(("tokamax_", "mosaic:"))},
+                         peers_rel_err={n: errors[n] for n in errors
+                                        if n.startswith(("tokamax_", "mosaic:", "triton:"))},
                          timing_method=t["kernel"]["method"], timings=t)
         except Exception as ex:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(tokens=m, error=f"{type(ex).__name__}: {str(ex)[:2000]}")

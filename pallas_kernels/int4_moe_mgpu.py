@@ -22,6 +22,22 @@ from pallas_kernels.triton_call import LAUNCHERS, triton_call
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
 
 
+DENSE_PAIRS_PER_EXPERT = 48   # from here on the op's kernels are these (`prefers`): the GEMMs are dense
+
+
+def fits(x, experts: ref.Int4Experts) -> bool:
+    """Whether `int4_moe` takes these operands: bf16 x, and N of both GEMMs (I, D) whole tiles of 128 rows."""
+    rows = CONSUMERS * ROWS_PER_WG
+    return x.dtype == jnp.bfloat16 and experts.intermediate_size % rows == 0 and experts.hidden_size % rows == 0
+
+
+def prefers(num_pairs: int, num_experts: int) -> bool:
+    """Whether this op, not the Triton one, is int4_moe's kernel for this many (token, slot) pairs: once a touched
+    expert sees DENSE_PAIRS_PER_EXPERT pairs. Measured at K2.6 (kernels.md, "Sixteenth session"): M=4096 (85 per
+    expert) 8.07 against 10.37 ms; M=1024 (21) 5.56 against 3.72; M <= 64 1.7-1.9x slower."""
+    return num_pairs >= DENSE_PAIRS_PER_EXPERT * num_experts
+
+
 def default_config(num_pairs: int, num_experts: int) -> MgpuMatmulConfig:
     """Tokens per block (wgmma's N) by the pairs a touched expert sees: 32 while a handful (one token still pads to
     32), 64 while a few dozen, 96 once the GEMMs are dense (M=4096: 7.79 ms against 8.13 at 128, kernels.md,

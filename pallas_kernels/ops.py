@@ -5,10 +5,11 @@
 
 "auto" runs the kernels when JAX's default backend is the GPU and the references elsewhere. `interpret=None` runs a
 kernel in interpret mode exactly when the default backend is not the GPU. The choice is read when a function is
-traced: a jitted caller keeps the implementation it was traced with. The Triton kernels (int4_moe, tree_build,
-tree_accept, the attention where Mosaic GPU does not take it) have no interpret mode: in interpret mode those ops run
-their references (int4_moe and the tree ops also off the GPU); their CPU tests run them in Triton's interpreter.
-tree_verify_attention has two kernels, chosen per call by `attention_backend`.
+traced: a jitted caller keeps the implementation it was traced with. The Triton kernels (int4_moe's, tree_build,
+tree_accept, the attention where Mosaic GPU does not take it) and the Mosaic GPU int4_moe have no interpret mode
+here: in interpret mode those ops run their references (int4_moe and the tree ops also off the GPU); their CPU tests
+run them in Triton's interpreter and Mosaic GPU's. tree_verify_attention and int4_moe have two kernels each, chosen
+per call by `attention_backend` and `int4_moe_backend`.
 
 A kernel is added with one `_register` line and a thin public function calling `_call`.
 """
@@ -20,6 +21,7 @@ from typing import Callable
 import jax
 
 from pallas_kernels import int4_moe as _int4_moe
+from pallas_kernels import int4_moe_mgpu as _int4_moe_mgpu
 from pallas_kernels import int4_moe_triton as _int4_moe_triton
 from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
@@ -60,8 +62,24 @@ def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale
 
 # Measured against the Pallas-Triton kernel they replace: kernels.md, "Eighth session".
 _register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
-# Measured: experiments/notes/kernels.md, "int4_moe in Triton"; its CPU tests compile it for sm_90 and interpret it.
-_register("int4_moe", _int4_moe_triton.int4_moe, _int4_moe.int4_moe_reference, interpretable=False)
+def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids) -> str:
+    """The kernel `int4_moe` runs for these operands: "mosaic_gpu" where the Mosaic GPU op takes them and the GEMMs
+    are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 2304 at K2.6), else "triton". Measured: kernels.md,
+    "Sixteenth session"."""
+    dense = _int4_moe_mgpu.prefers(topk_ids.size, experts.num_experts)
+    return "mosaic_gpu" if dense and _int4_moe_mgpu.fits(x, experts) else "triton"
+
+
+def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool):
+    """int4_moe's kernel (`int4_moe_backend`); neither has an interpret mode here (the reference runs there)."""
+    if int4_moe_backend(x, experts, topk_ids) == "mosaic_gpu":
+        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights)
+    return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret)
+
+
+# Measured: experiments/notes/kernels.md, "int4_moe in Triton" and "Sixteenth session"; the CPU tests compile the
+# Triton kernels for sm_90 and interpret them, and run the Mosaic GPU op in its interpret mode.
+_register("int4_moe", _int4_moe_kernel, _int4_moe.int4_moe_reference, interpretable=False)
 # Measured against the Pallas-Triton kernels they replace: kernels.md, "Launching Triton kernels".
 _register("tree_build", _tree_triton.tree_build, _tree_build.tree_build_reference, interpretable=False)
 _register("tree_accept", _tree_triton.tree_accept, _tree_accept.tree_accept_reference, interpretable=False)
@@ -113,7 +131,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
 
 def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
     """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py (the op, its layout,
-    reference and routing) and pallas_kernels/int4_moe_triton.py (the GPU kernel)."""
+    reference and routing) and its kernels int4_moe_triton.py / int4_moe_mgpu.py (`int4_moe_backend` picks)."""
     return _call("int4_moe", x, experts, topk_ids, topk_weights)
 
 

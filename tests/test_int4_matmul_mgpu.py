@@ -12,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int4_layout
 from pallas_kernels import int4_matmul_mgpu as MM
 from pallas_kernels import int4_moe_mgpu as MOE
+from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
 from conftest import rel_err
 from triton_h200 import lower_for_h200, spec
@@ -193,6 +194,17 @@ def test_int4_moe_lowers_for_h200_at_k26_shapes():
     text = lower_for_h200(functools.partial(MOE.int4_moe, combine="xla"), spec((4096, 7168), jnp.bfloat16), experts,
                           spec((4096, 8), jnp.int32), spec((4096, 8), jnp.float32))
     assert text.count("mosaic_gpu") >= 2 and "_weighted_combine_kernel" in text
+
+
+def test_ops_runs_the_mosaic_gpu_op_for_dense_gemms():
+    """ops.int4_moe_backend at K2.6 (E 384, top-8): Mosaic GPU from 48 pairs per expert (M >= 2304) with bf16 x,
+    Triton below and for f32 x (the GPU test runs both through ops.int4_moe)."""
+    gate = (spec((384, 2048, 7168 // 8), jnp.int32), spec((384, 224, 2048), jnp.bfloat16))
+    experts = Int4Experts(*gate, *gate, spec((384, 7168, 2048 // 8), jnp.int32), spec((384, 64, 7168), jnp.bfloat16))
+    backend = lambda m, dtype=jnp.bfloat16: ops.int4_moe_backend(spec((m, 7168), dtype), experts,
+                                                                 spec((m, 8), jnp.int32))
+    assert [backend(m) for m in (1, 1024, 2303, 2304, 4096)] == ["triton"] * 3 + ["mosaic_gpu"] * 2
+    assert backend(4096, jnp.float32) == "triton"
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -226,6 +226,18 @@ def test_int4_moe_mgpu_k26(k26_experts, tokens):
     assert rel_err(out[:32], REFERENCE_MOE(x[:32], k26_experts, ids[:32], weights[:32])) < 2e-2
 
 
+def test_ops_int4_moe_runs_mosaic_gpu_for_dense_gemms(k26_experts):
+    """ops.int4_moe at M = 2304 (48 pairs per expert: the Mosaic GPU op, `int4_moe_backend`) against the reference
+    on the first 32 tokens."""
+    rng = np.random.default_rng(2304)
+    ids = jnp.asarray(rng.integers(0, K26.num_experts, (2304, K26.num_experts_per_tok)), jnp.int32)
+    weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2304, K26.hidden_size)), jnp.bfloat16)
+    assert ops.int4_moe_backend(x, k26_experts, ids) == "mosaic_gpu"
+    out = jax.jit(ops.int4_moe)(x, k26_experts, ids, weights)
+    assert rel_err(out[:32], REFERENCE_MOE(x[:32], k26_experts, ids[:32], weights[:32])) < 2e-2
+
+
 @pytest.mark.parametrize("budget", [16, 512])
 def test_tree_build_and_accept_k26(budget):
     """16 streams, L = 16, V = 163840 (half of them with tied log-probs): draft_topk gives the float64 reference
