@@ -22,7 +22,7 @@ from pallas_kernels.triton_call import LAUNCHERS, triton_call
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
 
 
-DENSE_PAIRS_PER_EXPERT = 48   # from here on the op's kernels are these (`prefers`): the GEMMs are dense
+DENSE_PAIRS_PER_EXPERT = 40   # from here on the op's kernels are these (`prefers`): the GEMMs are dense
 
 
 def fits(x, experts: ref.Int4Experts) -> bool:
@@ -33,8 +33,9 @@ def fits(x, experts: ref.Int4Experts) -> bool:
 
 def prefers(num_pairs: int, num_experts: int) -> bool:
     """Whether this op, not the Triton one, is int4_moe's kernel for this many (token, slot) pairs: once a touched
-    expert sees DENSE_PAIRS_PER_EXPERT pairs. Measured at K2.6 (kernels.md, "Sixteenth session"): M=4096 (85 per
-    expert) 8.07 against 10.37 ms; M=1024 (21) 5.56 against 3.72; M <= 64 1.7-1.9x slower."""
+    expert sees DENSE_PAIRS_PER_EXPERT pairs (M >= 1920 at K2.6). Measured at K2.6 (kernels.md, "Sixteenth
+    session"): M=4096 (85 per expert) 8.09 against 9.93 ms; M=2048 (43) 6.05 against 6.75; M=1024 (21) 5.84 against
+    3.75; M <= 256 1.7-1.9x slower."""
     return num_pairs >= DENSE_PAIRS_PER_EXPERT * num_experts
 
 

@@ -64,7 +64,7 @@ def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale
 _register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
 def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids) -> str:
     """The kernel `int4_moe` runs for these operands: "mosaic_gpu" where the Mosaic GPU op takes them and the GEMMs
-    are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 2304 at K2.6), else "triton". Measured: kernels.md,
+    are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 1920 at K2.6), else "triton". Measured: kernels.md,
     "Sixteenth session"."""
     dense = _int4_moe_mgpu.prefers(topk_ids.size, experts.num_experts)
     return "mosaic_gpu" if dense and _int4_moe_mgpu.fits(x, experts) else "triton"
