@@ -28,8 +28,8 @@ positions and accumulator.
 mode takes no register A; the GPU path is the register one).
 
 Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
-and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session" (`cluster` = 2 and the
-gated product at 128 rows per warpgroup have not run on a GPU).
+and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session" and "Sixteenth session"
+(`cluster` = 2: 1-3% slower; the gated product at 128 rows per warpgroup has not run on a GPU).
 """
 from __future__ import annotations
 
