@@ -62,24 +62,31 @@ def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale
 
 # Measured against the Pallas-Triton kernel they replace: kernels.md, "Eighth session".
 _register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
-def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids) -> str:
+def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts: int | None = None) -> str:
     """The kernel `int4_moe` runs for these operands: "mosaic_gpu" where the Mosaic GPU op takes them and the GEMMs
-    are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 1920 at K2.6), else "triton". Measured: kernels.md,
-    "Sixteenth session"."""
-    dense = _int4_moe_mgpu.prefers(topk_ids.size, experts.num_experts)
+    are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 1920 at K2.6), else "triton". routed_experts: the experts
+    the ids are drawn from (all devices' under expert parallelism, where `experts` holds a slice and most pairs are
+    another device's); default experts.num_experts. Measured: kernels.md, "Sixteenth session"."""
+    dense = _int4_moe_mgpu.prefers(topk_ids.size, routed_experts or experts.num_experts)
     return "mosaic_gpu" if dense and _int4_moe_mgpu.fits(x, experts) else "triton"
 
 
-def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool):
+def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
     """int4_moe's kernel (`int4_moe_backend`); neither has an interpret mode here (the reference runs there)."""
-    if int4_moe_backend(x, experts, topk_ids) == "mosaic_gpu":
-        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights)
+    if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
+        config = _int4_moe_mgpu.default_config(topk_ids.size, routed_experts or experts.num_experts)
+        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights, config=config)
     return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret)
+
+
+def _int4_moe_reference(x, experts, topk_ids, topk_weights, *, routed_experts: int | None):
+    del routed_experts                                  # the kernels' choice only
+    return _int4_moe.int4_moe_reference(x, experts, topk_ids, topk_weights)
 
 
 # Measured: experiments/notes/kernels.md, "int4_moe in Triton" and "Sixteenth session"; the CPU tests compile the
 # Triton kernels for sm_90 and interpret them, and run the Mosaic GPU op in its interpret mode.
-_register("int4_moe", _int4_moe_kernel, _int4_moe.int4_moe_reference, interpretable=False)
+_register("int4_moe", _int4_moe_kernel, _int4_moe_reference, interpretable=False)
 # Measured against the Pallas-Triton kernels they replace: kernels.md, "Launching Triton kernels".
 _register("tree_build", _tree_triton.tree_build, _tree_build.tree_build_reference, interpretable=False)
 _register("tree_accept", _tree_triton.tree_accept, _tree_accept.tree_accept_reference, interpretable=False)
@@ -129,10 +136,11 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
 
 
-def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights):
+def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights, *, routed_experts: int | None = None):
     """x [M, D], topk_ids [M, K], topk_weights [M, K] -> [M, D]. See pallas_kernels/int4_moe.py (the op, its layout,
-    reference and routing) and its kernels int4_moe_triton.py / int4_moe_mgpu.py (`int4_moe_backend` picks)."""
-    return _call("int4_moe", x, experts, topk_ids, topk_weights)
+    reference and routing) and its kernels int4_moe_triton.py / int4_moe_mgpu.py (`int4_moe_backend` picks, with
+    routed_experts the experts the ids are drawn from under expert parallelism)."""
+    return _call("int4_moe", x, experts, topk_ids, topk_weights, routed_experts=routed_experts)
 
 
 def tree_build(draft_logits, root, budget: int, topk: int | None = None):

@@ -198,13 +198,19 @@ def test_int4_moe_lowers_for_h200_at_k26_shapes():
 
 def test_ops_runs_the_mosaic_gpu_op_for_dense_gemms():
     """ops.int4_moe_backend at K2.6 (E 384, top-8): Mosaic GPU from 40 pairs per expert (M >= 1920) with bf16 x,
-    Triton below and for f32 x (the GPU test runs both through ops.int4_moe)."""
+    Triton below and for f32 x (the GPU test runs both through ops.int4_moe); under expert parallelism the routing's
+    expert count, not the device's, gives the pairs per expert."""
     gate = (spec((384, 2048, 7168 // 8), jnp.int32), spec((384, 224, 2048), jnp.bfloat16))
     experts = Int4Experts(*gate, *gate, spec((384, 7168, 2048 // 8), jnp.int32), spec((384, 64, 7168), jnp.bfloat16))
     backend = lambda m, dtype=jnp.bfloat16: ops.int4_moe_backend(spec((m, 7168), dtype), experts,
                                                                  spec((m, 8), jnp.int32))
     assert [backend(m) for m in (1, 1024, 1919, 1920, 4096)] == ["triton"] * 3 + ["mosaic_gpu"] * 2
     assert backend(4096, jnp.float32) == "triton"
+    local = experts._replace(**{f: spec((48, *getattr(experts, f).shape[1:]), getattr(experts, f).dtype)
+                                for f in Int4Experts._fields})          # one device's 48 of 384 (expert parallel)
+    ids = spec((1024, 8), jnp.int32)
+    assert ops.int4_moe_backend(spec((1024, 7168), jnp.bfloat16), local, ids) == "mosaic_gpu"      # pairs overcounted
+    assert ops.int4_moe_backend(spec((1024, 7168), jnp.bfloat16), local, ids, routed_experts=384) == "triton"
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -80,7 +80,8 @@ class MoE(nnx.Module):
         """
         if self.cfg.expert_quant == "int4":
             experts = self.int4_experts()
-            local = lambda x, e, i, w: ops.int4_moe(x, e, i, w.astype(jnp.float32))  # noqa: E731
+            local = lambda x, e, i, w: ops.int4_moe(x, e, i, w.astype(jnp.float32),  # noqa: E731
+                                                    routed_experts=self.cfg.num_experts)
         else:
             experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
             local = lambda x, e, i, w: routed_experts(x, *e, i, w)  # noqa: E731
