@@ -62,6 +62,8 @@ def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale
 
 # Measured against the Pallas-Triton kernel they replace: kernels.md, "Eighth session".
 _register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
+
+
 def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts: int | None = None) -> str:
     """The kernel `int4_moe` runs for these operands: "mosaic_gpu" where the Mosaic GPU op takes them and the GEMMs
     are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 1920 at K2.6), else "triton". routed_experts: the experts
@@ -73,10 +75,12 @@ def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts
 
 def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
     """int4_moe's kernel (`int4_moe_backend`); neither has an interpret mode here (the reference runs there)."""
+    pairs, routed = topk_ids.size, routed_experts or experts.num_experts     # each kernel's tiling by pairs per expert
     if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
-        config = _int4_moe_mgpu.default_config(topk_ids.size, routed_experts or experts.num_experts)
-        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights, config=config)
-    return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret)
+        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights,
+                                       config=_int4_moe_mgpu.default_config(pairs, routed))
+    return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret,
+                                     config=_int4_moe_triton.default_config(pairs, routed))
 
 
 def _int4_moe_reference(x, experts, topk_ids, topk_weights, *, routed_experts: int | None):
