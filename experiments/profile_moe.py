@@ -53,7 +53,7 @@ def main(_):
     ids, w = moe_routing(jax.random.key(4), F.tokens, num_experts, shape["top_k"])
     x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
     if F.kernel == MOSAIC:
-        config = launch.get("config", MgpuMatmulConfig())
+        config = launch.get("config")                                   # None: the op's default_config
         down = config if any(p.startswith("rows_per_wg=") for p in F.tiling) else None    # else down's default
         kernel = functools.partial(int4_moe_mgpu.int4_moe, config=config, down_config=down)
     else:

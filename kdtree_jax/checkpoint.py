@@ -2,7 +2,9 @@
 
 A checkpoint directory holds one orbax step per save (`<directory>/<step>/`) with two items:
   params  the `nnx.Param` state as a pure dict (StandardSave), each array in the dtype it had when saved
-  meta    JSON: {"kind": "target" | "drafter", "config": the ModelConfig or DrafterConfig as a dict}
+  meta    JSON: {"kind": "target" | "drafter", "config": the ModelConfig or DrafterConfig as a dict}, and for a
+          target with INT4 experts "int4_nibbles": their encoding in the kernels' layout (`Int4Experts.NIBBLES`;
+          a checkpoint without it, or with another, is refused: the words would be read as other values)
 and beside them FILE_SIZES, the size of every file of the step when it was written. Restores build the model
 abstractly (no random init), refuse a model larger than the devices' memory, check that the step's files are all
 there with their sizes (a missing or truncated file is reported as corrupt, by name), compare the checkpoint's tree of
@@ -25,6 +27,7 @@ from kdtree_jax import memory
 from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
+from pallas_kernels.int4_moe import Int4Experts
 
 TARGET, DRAFTER = "target", "drafter"
 FILE_SIZES = "file_sizes.json"  # in each step directory: {file path relative to the step: bytes when saved}
@@ -41,6 +44,8 @@ def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
     directory = os.path.abspath(directory)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     meta = {"kind": kind, "config": dataclasses.asdict(cfg)}
+    if kind == TARGET and cfg.expert_quant == "int4":
+        meta["int4_nibbles"] = Int4Experts.NIBBLES
     with _manager(directory, read_only=False) as mngr:
         mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
@@ -69,7 +74,9 @@ def read_target_config(directory: str, step: int | None = None) -> ModelConfig:
     """The ModelConfig stored with a target checkpoint (no array is read)."""
     meta = read_meta(directory, step)
     _expect_kind(meta, TARGET, directory)
-    return _config_from_dict(ModelConfig, meta["config"])
+    cfg = _config_from_dict(ModelConfig, meta["config"])
+    _expect_int4_nibbles(meta, cfg, directory)
+    return cfg
 
 
 def restore_drafter(directory: str, target_cfg: ModelConfig, step: int | None = None,
@@ -87,8 +94,11 @@ def restore_drafter(directory: str, target_cfg: ModelConfig, step: int | None = 
 def restore_params_into(directory: str, model: Transformer | Drafter, step: int | None = None,
                         shardings: Shardings = None) -> Transformer | Drafter:
     """Overwrite `model`'s params (in place, cast to the model's dtypes) with a checkpoint of the same shapes."""
-    kind, _ = _kind_and_config(model)
-    _expect_kind(read_meta(directory, step), kind, directory)
+    kind, cfg = _kind_and_config(model)
+    meta = read_meta(directory, step)
+    _expect_kind(meta, kind, directory)
+    if kind == TARGET:
+        _expect_int4_nibbles(meta, cfg, directory)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, _restore_params(directory, step, state, shardings))
     nnx.update(model, state)
@@ -208,6 +218,14 @@ def _kind_and_config(model) -> tuple[str, ModelConfig | DrafterConfig]:
     if isinstance(model, Drafter):
         return DRAFTER, model.cfg
     raise ValueError(f"cannot checkpoint a {type(model).__name__}; pass a Transformer or a Drafter")
+
+
+def _expect_int4_nibbles(meta: dict, cfg: ModelConfig, directory: str) -> None:
+    if cfg.expert_quant == "int4" and meta.get("int4_nibbles") != Int4Experts.NIBBLES:
+        raise ValueError(f"checkpoint {os.path.abspath(directory)} stores its INT4 experts with nibbles "
+                         f"{meta.get('int4_nibbles', 'q + 8 (saved before the sixteenth session)')!r}, not "
+                         f"{Int4Experts.NIBBLES!r} as the kernels read them: re-import the model from its HF "
+                         "directory (generate.py --init=<hf dir>) and save it again")
 
 
 def _expect_kind(meta: dict, kind: str, directory: str) -> None:

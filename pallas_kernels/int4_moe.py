@@ -41,6 +41,8 @@ class Int4Experts(NamedTuple):
         32 (p % 8) + p // 8: `int4_positions`.
     *_scale [E, in_p / 32, out], the scales' dtype: scale of group g (inputs 32g .. 32g + 31) for output row o.
     """
+    NIBBLES = "twos_complement"   # the encoding of q in each nibble, recorded in checkpoints (kdtree_jax.checkpoint)
+
     gate_packed: jax.Array
     gate_scale: jax.Array
     up_packed: jax.Array

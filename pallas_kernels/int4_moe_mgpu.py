@@ -32,17 +32,18 @@ def fits(x, experts: ref.Int4Experts) -> bool:
 
 
 def prefers(num_pairs: int, num_experts: int) -> bool:
-    """Whether this op, not the Triton one, is int4_moe's kernel for this many (token, slot) pairs: once a touched
-    expert sees DENSE_PAIRS_PER_EXPERT pairs (M >= 1920 at K2.6). Measured at K2.6 (kernels.md, "Sixteenth
+    """Whether this op, not the Triton one, is int4_moe's kernel for this many (token, slot) pairs: from
+    DENSE_PAIRS_PER_EXPERT pairs per routed expert on average (M >= 1920 at K2.6). Measured at K2.6 (kernels.md, "Sixteenth
     session"): M=4096 (85 per expert) 8.09 against 9.93 ms; M=2048 (43) 6.05 against 6.75; M=1024 (21) 5.84 against
     3.75; M <= 256 1.7-1.9x slower."""
     return num_pairs >= DENSE_PAIRS_PER_EXPERT * num_experts
 
 
 def default_config(num_pairs: int, num_experts: int) -> MgpuMatmulConfig:
-    """Tokens per block (wgmma's N) by the pairs a touched expert sees: 32 while a handful (one token still pads to
-    32), 64 while a few dozen, 96 once the GEMMs are dense (M=4096: 7.79 ms against 8.13 at 128, kernels.md,
-    "Sixteenth session")."""
+    """Tokens per block (wgmma's N) by the pairs per routed expert on average: 32 below 16 (one token still pads to
+    32), 64 below 48 (M=2048 at K2.6: 6.05 ms), 96 from there (M=4096: 8.07 ms against 9.01 at 128 and 11.66 at 64,
+    kernels.md, "Sixteenth session"). Under expert parallelism num_experts is the routing's (all devices'): `ops`
+    passes the config so."""
     per_expert = num_pairs / num_experts
     return MgpuMatmulConfig(block_tokens=32 if per_expert < 16 else 64 if per_expert < 48 else 96)
 

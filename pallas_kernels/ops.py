@@ -69,13 +69,19 @@ def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts
     are dense (`int4_moe_mgpu.fits` and `prefers`: M >= 1920 at K2.6), else "triton". routed_experts: the experts
     the ids are drawn from (all devices' under expert parallelism, where `experts` holds a slice and most pairs are
     another device's); default experts.num_experts. Measured: kernels.md, "Sixteenth session"."""
-    dense = _int4_moe_mgpu.prefers(topk_ids.size, routed_experts or experts.num_experts)
+    dense = _int4_moe_mgpu.prefers(topk_ids.size, _routed(experts, routed_experts))
     return "mosaic_gpu" if dense and _int4_moe_mgpu.fits(x, experts) else "triton"
+
+
+def _routed(experts: _int4_moe.Int4Experts, routed_experts: int | None) -> int:
+    """The experts the ids are drawn from: routed_experts, never fewer than this device's (a smaller count would
+    undercount the routed blocks the kernels' grids are sized for)."""
+    return max(routed_experts or 0, experts.num_experts)
 
 
 def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
     """int4_moe's kernel (`int4_moe_backend`); neither has an interpret mode here (the reference runs there)."""
-    pairs, routed = topk_ids.size, routed_experts or experts.num_experts     # each kernel's tiling by pairs per expert
+    pairs, routed = topk_ids.size, _routed(experts, routed_experts)     # each kernel's tiling by pairs per expert
     if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
         return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights,
                                        config=_int4_moe_mgpu.default_config(pairs, routed))

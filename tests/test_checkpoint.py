@@ -1,5 +1,6 @@
 """Orbax round trips of the target and the drafter; restoring into a different config fails loudly."""
 import dataclasses
+import json
 import os
 
 import jax
@@ -153,3 +154,29 @@ def test_a_corrupt_checkpoint_is_reported_as_corrupt(tmp_path, target, damage, n
                                          rf"again or save it again") as e:
         checkpoint.restore_target(path)
     assert "\n" not in str(e.value)
+
+
+def test_int4_target_records_its_nibble_encoding(tmp_path):
+    """An INT4 target's meta names its nibbles' encoding; a checkpoint without it (saved when the nibbles held q + 8)
+    is refused with the fix, not read as other values."""
+    model = Transformer(config.tiny().replace(expert_quant="int4"), nnx.Rngs(2))
+    path = checkpoint.save(tmp_path / "int4", model)
+    assert checkpoint.read_meta(path)["int4_nibbles"] == "twos_complement"
+    _assert_same_params(checkpoint.restore_target(path), model)
+    step_dir = os.path.join(path, "0")
+    meta_file = os.path.join(step_dir, "meta", "metadata")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    del meta["int4_nibbles"]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    sizes_file = os.path.join(step_dir, checkpoint.FILE_SIZES)
+    with open(sizes_file) as f:
+        sizes = json.load(f)
+    sizes[os.path.join("meta", "metadata")] = os.path.getsize(meta_file)
+    with open(sizes_file, "w") as f:
+        json.dump(sizes, f)
+    with pytest.raises(ValueError, match="q \\+ 8.*re-import"):
+        checkpoint.restore_target(path)
+    with pytest.raises(ValueError, match="q \\+ 8"):
+        checkpoint.restore_params_into(path, model)

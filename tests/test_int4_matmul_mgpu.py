@@ -12,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int4_layout
 from pallas_kernels import int4_matmul_mgpu as MM
 from pallas_kernels import int4_moe_mgpu as MOE
+from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import ops
 from pallas_kernels.int4_moe import Int4Experts, int4_moe_reference
 from conftest import rel_err
@@ -34,10 +35,10 @@ def interpret(fn, *args, **kwargs):
 
 @pytest.mark.parametrize("acts_k_major", [False, True], ids=["acts_rows", "acts_k_major"])
 @pytest.mark.parametrize("tile_k,ctas,tokens,tokens_major_out,rows_per_wg,cluster", [
-    (64, 132, 128, False, 64, 1), (128, 1, 128, False, 64, 1), (64, 132, 96, True, 64, 1),
-    (128, 2, 32, False, 64, 1), (128, 1, 64, True, 128, 1), (128, 2, 64, False, 64, 2)],
-    ids=["tile_k_64", "tile_k_128_one_cta", "96_tokens_major_out", "32_tokens_two_ctas", "128_rows_per_wg",
-         "cluster_of_2"])
+    (64, 132, 128, False, 64, 1), (128, 1, 128, False, 64, 1), (32, 132, 96, True, 64, 1),
+    (256, 2, 32, False, 64, 1), (128, 1, 64, True, 128, 1), (128, 2, 64, False, 64, 2)],
+    ids=["tile_k_64", "tile_k_128_one_cta", "tile_k_32_96_tokens_major_out", "tile_k_256_32_tokens_two_ctas",
+         "128_rows_per_wg", "cluster_of_2"])
 def test_block_matmul_matches_reference(acts_k_major, tile_k, ctas, tokens, tokens_major_out, rows_per_wg, cluster):
     """Three blocks, one of them empty (expert id E): every written column (row, tokens-major) equals the f32
     reference and the empty block's are never written; two row tiles (N = 256; one with 128 rows per warpgroup), K
@@ -211,6 +212,28 @@ def test_ops_runs_the_mosaic_gpu_op_for_dense_gemms():
     ids = spec((1024, 8), jnp.int32)
     assert ops.int4_moe_backend(spec((1024, 7168), jnp.bfloat16), local, ids) == "mosaic_gpu"      # pairs overcounted
     assert ops.int4_moe_backend(spec((1024, 7168), jnp.bfloat16), local, ids, routed_experts=384) == "triton"
+
+
+def test_ops_picks_each_kernels_tiling_from_the_routed_experts(monkeypatch):
+    """ops' int4_moe kernel gives both kernels the tiling for the routing's expert count (one device's 48 of 384
+    under expert parallelism: 1024 tokens are 21 pairs per routed expert, not 171), never below the device's own
+    count; the Mosaic GPU op needs bf16 x and I, D in whole 128-row tiles (`fits`)."""
+    calls = []
+    monkeypatch.setattr(ops._int4_moe_triton, "int4_moe", lambda *a, config, interpret: calls.append(config))
+    monkeypatch.setattr(ops._int4_moe_mgpu, "int4_moe", lambda *a, config: calls.append(config))
+    local = Int4Experts(spec((48, 2048, 7168 // 8), jnp.int32), spec((48, 224, 2048), jnp.bfloat16),
+                        spec((48, 2048, 7168 // 8), jnp.int32), spec((48, 224, 2048), jnp.bfloat16),
+                        spec((48, 7168, 2048 // 8), jnp.int32), spec((48, 64, 7168), jnp.bfloat16))
+    x, ids, w = spec((1024, 7168), jnp.bfloat16), spec((1024, 8), jnp.int32), spec((1024, 8), jnp.float32)
+    ops._int4_moe_kernel(x, local, ids, w, interpret=False, routed_experts=384)
+    ops._int4_moe_kernel(x, local, ids, w, interpret=False, routed_experts=None)
+    ops._int4_moe_kernel(x, local, ids, w, interpret=False, routed_experts=8)          # fewer than held: 48
+    assert calls[0] == MT.default_config(8192, 384)
+    assert calls[1] == MM.MgpuMatmulConfig(block_tokens=96) and calls[2] == calls[1]    # 171 pairs per expert
+    assert MOE.fits(x, local)
+    odd = local._replace(gate_packed=spec((48, 2112, 7168 // 8), jnp.int32))            # I = 2112: 16.5 tiles
+    assert not MOE.fits(x, odd) and ops.int4_moe_backend(spec((8192, 7168), jnp.bfloat16), odd,
+                                                         spec((8192, 8), jnp.int32)) == "triton"
 
 
 @pytest.mark.parametrize("bad,match", [

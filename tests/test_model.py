@@ -10,6 +10,7 @@ from kdtree_jax.cache import init_cache
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.model.moe import route
 from kdtree_jax.model.transformer import Transformer
+from pallas_kernels import ops
 from conftest import rel_err
 
 
@@ -136,3 +137,15 @@ def test_int4_experts_equal_dequantized_bf16_experts():
     got = int4(toks, pos, init_cache(cfg, s, 8), causal(s, t)).logits
     want = dense(toks, pos, init_cache(cfg, s, 8), causal(s, t)).logits
     assert rel_err(got, want) < 1e-5
+
+
+def test_int4_layers_give_ops_the_routing_expert_count(monkeypatch):
+    """Each INT4 MoE layer calls ops.int4_moe with routed_experts = the config's experts (under expert parallelism a
+    device holds a slice; the kernels' dispatch and tilings count pairs per routed expert)."""
+    cfg = config_lib.tiny().replace(expert_quant="int4")
+    model = Transformer(cfg, nnx.Rngs(5))
+    seen, real = [], ops.int4_moe
+    monkeypatch.setattr(ops, "int4_moe", lambda *a, **k: seen.append(k.get("routed_experts")) or real(*a, **k))
+    toks = jax.random.randint(jax.random.key(2), (1, 3), 0, cfg.vocab_size)
+    model(toks, jnp.arange(3)[None], init_cache(cfg, 1, 8), causal(1, 3))
+    assert seen and set(seen) == {cfg.num_experts}
