@@ -18,10 +18,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 STAGES = ("draft", "build", "verify", "accept", "commit")
 
 
+HANG_S = 900   # a guard against a hung script, not a timing: bench_decode's small table took ~200 s on a loaded CPU
+
+
 def run_script(name: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
