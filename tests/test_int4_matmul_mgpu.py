@@ -236,6 +236,25 @@ def test_ops_picks_each_kernels_tiling_from_the_routed_experts(monkeypatch):
                                                          spec((8192, 8), jnp.int32)) == "triton"
 
 
+def test_int4_moe_lowers_inside_expert_parallel():
+    """The op as each device runs it under expert parallelism (tp=2: 192 of K2.6's 384 experts, every token, ids
+    shifted, the outputs psummed; the tiling for the routing's 384): inside the model's shard_map with its varying
+    axes checked, both Mosaic GPU kernels and the Triton combine lower for an abstract 2 x H200 mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from kdtree_jax.model.parallel import expert_parallel
+    from triton_h200 import h200_mesh
+
+    mesh = h200_mesh((1, 2), ("data", "tp"))
+    arg = lambda shape, dtype, part=P(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, part))
+    gate = (arg((384, 2048, 7168 // 8), jnp.int32, P("tp")), arg((384, 224, 2048), jnp.bfloat16, P("tp")))
+    experts = Int4Experts(*gate, *gate, arg((384, 7168, 2048 // 8), jnp.int32, P("tp")),
+                          arg((384, 64, 7168), jnp.bfloat16, P("tp")))
+    local = lambda x, e, i, w: MOE.int4_moe(x, e, i, w, combine="xla", config=MOE.default_config(i.size, 384))
+    text = lower_for_h200(lambda *a: expert_parallel(local, *a), arg((4096, 7168), jnp.bfloat16), experts,
+                          arg((4096, 8), jnp.int32), arg((4096, 8), jnp.float32), mesh=mesh)
+    assert text.count("custom_call @mosaic_gpu") == 2 and "_weighted_combine_kernel" in text and "all_reduce" in text
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(w=spec((2, 128, 256), jnp.int8)), "w must be int4"),
     (dict(scales=spec((2, 8, 128), jnp.float32)), "scales must be bfloat16"),
