@@ -30,9 +30,9 @@ from jax import lax
 
 from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
 from pallas_kernels import int4_moe as moe
-from pallas_kernels import ops
 from pallas_kernels import int4_moe_mgpu as moe_mgpu
 from pallas_kernels import int4_moe_triton as moe_triton
+from pallas_kernels import ops
 from pallas_kernels.triton_call import bound_to
 
 

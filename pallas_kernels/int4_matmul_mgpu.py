@@ -23,9 +23,8 @@ and the activation tile is multicast to both); per pair a pipeline (`emit_pipeli
 producer warpgroup and two consumer warpgroups, each dequantizing its 64 or 128 rows (`rows_per_wg`: one
 accumulator per 64) of the weight tile 32 positions at a time (int4 loaded 8 nibbles per 32-bit load, relaid out while
 4-bit, converted, scaled by the block's [64, 8] scales, loaded once per step) and issuing one wgmma of K = 32 per 32
-positions and accumulator.
-`a_in_shared`: stage each dequantized 32-position chunk in shared memory and take wgmma's A from there (Mosaic GPU's interpret
-mode takes no register A; the GPU path is the register one).
+positions and accumulator. `a_in_shared`: stage each dequantized 32-position chunk in shared memory and take wgmma's
+A from there (Mosaic GPU's interpret mode takes no register A; the GPU path is the register one).
 
 Off the GPU it runs only in Mosaic GPU's interpret mode, which the caller sets (`plgpu.force_gpu_interpret_mode`)
 and which needs `a_in_shared=True`. Measured on the H200: kernels.md, "Fifteenth session" and "Sixteenth session"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -20,9 +21,7 @@ from pallas_kernels.int4_matmul_mgpu import (CONSUMERS, ROWS_PER_WG, START_MULTI
 from pallas_kernels.triton_call import LAUNCHERS, triton_call
 
 XLA_GATHER = "xla_gather"      # int4_moe's combine in XLA (one row gather per slot), for the CPU
-
-
-DENSE_PAIRS_PER_EXPERT = 40   # from here on the op's kernels are these (`prefers`): the GEMMs are dense
+DENSE_PAIRS_PER_EXPERT = 40    # from here on the op's kernels are these (`prefers`): the GEMMs are dense
 
 
 def fits(x, experts: ref.Int4Experts) -> bool:
@@ -33,9 +32,9 @@ def fits(x, experts: ref.Int4Experts) -> bool:
 
 def prefers(num_pairs: int, num_experts: int) -> bool:
     """Whether this op, not the Triton one, is int4_moe's kernel for this many (token, slot) pairs: from
-    DENSE_PAIRS_PER_EXPERT pairs per routed expert on average (M >= 1920 at K2.6). Measured at K2.6 (kernels.md, "Sixteenth
-    session"): M=4096 (85 per expert) 8.09 against 9.93 ms; M=2048 (43) 6.05 against 6.75; M=1024 (21) 5.84 against
-    3.75; M <= 256 1.7-1.9x slower."""
+    DENSE_PAIRS_PER_EXPERT pairs per routed expert on average (M >= 1920 at K2.6). Measured at K2.6 (kernels.md,
+    "Sixteenth session"): M=4096 (85 per expert) 8.09 against 9.93 ms; M=2048 (43) 6.05 against 6.75; M=1024 (21)
+    5.84 against 3.75; M <= 256 1.7-1.9x slower."""
     return num_pairs >= DENSE_PAIRS_PER_EXPERT * num_experts
 
 
@@ -77,13 +76,13 @@ def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: Mgp
     num_experts = experts.num_experts
     routing = ref.route_pairs(topk_ids, topk_weights, num_experts, config.block_tokens)
     tokens_of_rows, block_start = runs_by_expert(routing, topk_ids.shape[1], config.block_tokens)
-    weights = lambda packed, scale: (ref.int4_positions(packed), scale.astype(jnp.bfloat16))
+    as_positions = lambda packed, scale: (ref.int4_positions(packed), scale.astype(jnp.bfloat16))   # the bitcast
     h_t = int4_block_matmul(ref.inputs_to_positions(x)[tokens_of_rows], routing.block_expert,
-                            *weights(experts.gate_packed, experts.gate_scale),
-                            weights(experts.up_packed, experts.up_scale), block_start, config=config,
+                            *as_positions(experts.gate_packed, experts.gate_scale),
+                            as_positions(experts.up_packed, experts.up_scale), block_start, config=config,
                             a_in_shared=a_in_shared)                          # bf16 [I, R]
     y = int4_block_matmul(ref.inputs_to_positions(h_t, axis=0), routing.block_expert,
-                          *weights(experts.down_packed, experts.down_scale), acts_k_major=True,
+                          *as_positions(experts.down_packed, experts.down_scale), acts_k_major=True,
                           tokens_major_out=True, config=down_config, a_in_shared=a_in_shared)   # bf16 [R, D]
     pairs = (routing.pair_row_or_none(), y, topk_ids.shape, x.dtype, topk_weights.reshape(-1))   # one for both
     if combine == XLA_GATHER:

@@ -132,10 +132,9 @@ def _dequantize(words, scale, dtype: tl.constexpr, BN: tl.constexpr, WORDS: tl.c
 # bf16x2 dequantization of two packed words, 16 weights, in 32 instructions: per byte, one prmt gathers the byte of
 # both words into the two 16-bit halves, and-xor with 0x000F000F / 0x43084308 turns the low nibbles (after a shift,
 # the high ones; q in two's complement, so n ^ 8 = q + 8) into the bf16 pair 136 + q, sub.bf16x2 136 makes them q
-# (exact) and mul.bf16x2 applies the
-# group's scale (the one rounding, to bf16). Operands: $0-$7 the 8 nibbles (bf16x2 each), $8 $9 the words, $10-$17
-# the scales of nibbles 0-7 (bf16x2). Elementwise: the low half of every register is one element, the high half the
-# other, whichever two elements Triton packs.
+# (exact) and mul.bf16x2 applies the group's scale (the one rounding, to bf16). Operands: $0-$7 the 8 nibbles
+# (bf16x2 each), $8 $9 the words, $10-$17 the scales of nibbles 0-7 (bf16x2). Elementwise: the low half of every
+# register is one element, the high half the other, whichever two elements Triton packs.
 _DEQUANT_BF16X2 = tl.constexpr("\n".join(["{", ".reg .b32 t, u, lo, hi, off;", "mov.b32 off, 0x43084308;"] + [
     line for b in range(4) for line in (
         f"prmt.b32 t, $8, $9, 0x{0x0400 + b * 0x0101:04x};",
