@@ -1,8 +1,8 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
-against XLA's `combine_partials`, side by side: the evidence for `MAX_KERNEL_SPLITS`. Beside the default the kernel
-runs with two steps of loads in flight (`stages_2`), with 8-row tiles (`rows_8`: twice the programs) and with steps of
-twice the splits over 8 warps (`warps_8`).
+against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the default the kernel
+runs with two and three steps of loads in flight (`stages_2`, `stages_3`), with half-width column tiles and twice the
+splits per step (`half_cols`: twice the programs) and with steps of twice the splits over 8 warps (`warps_8`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,
@@ -57,11 +57,11 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                 continue
             args = combine_inputs(jax.random.key(splits * 1000 + rows), splits, rows, dtype,
                                   -jnp.inf if normalized else attn.NEG_INF)
+            splits_step, block_rows, width = combine.tiling(splits, 1, rows, COLS)
             pow2 = triton.next_power_of_2(splits)
-            variants = {"kernel": {}, "stages_2": dict(stages=2),
-                        "rows_8": dict(block=(min(pow2, combine.TILE_ELEMENTS // (8 * 16)), 8, 16)),
-                        "warps_8": dict(block=(min(pow2, 2 * combine.TILE_ELEMENTS // (16 * 16)), 16, 16),
-                                        num_warps=8)}
+            variants = {"kernel": {}, "stages_2": dict(stages=2), "stages_3": dict(stages=3),
+                        "half_cols": dict(block=(min(pow2, 2 * splits_step), block_rows, width // 2)),
+                        "warps_8": dict(block=(min(pow2, 2 * splits_step), block_rows, width), num_warps=8)}
             fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(
                        call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n, **kw))
                    for name, kw in variants.items()}

@@ -8,12 +8,13 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
   o_p = out[p, s, r] (unnormalised) or l_p * out[p, s, r] (normalised)
 
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
-(XLA: three launches). One program combines a tile of rows and columns of one stream over every split in one pass,
-`tiling`'s BS splits per step, rescaling its sums when the running max grows. Measured on the H200 (device time,
-bf16 partials of 64 rows, kernels.md "Tenth session"): 1.7 / 2.7 / 4.9 / 7.9 / 12.6 us at 8 / 32 / 66 / 132 / 256
-splits against XLA's busy 2.3 / 5.5 / 7.4 / 9.0 / 9.9 (the two-pass version before it: 11.2 us at 132, 19.0 at
-256); loads kept in flight over 2-3 steps made it slower. So `merge` runs the kernel up to MAX_KERNEL_SPLITS = 132
-splits and XLA's combine above.
+(XLA: three launches). One program combines a tile of rows and columns of one stream over every split, `tiling`'s
+BS splits per step, in two passes: the rows' largest max, then the weighted outputs added element by element into
+registers (summed over the splits once, at the end). Its tiles are whole rows of up to 128 contiguous columns.
+The one-pass kernel before it (a running max, its sums rescaled as it grew, and a reduction across threads at every
+step over 16-column tiles) took 7.9 / 12.6 us at 132 / 256 splits of 64 bf16 rows on the H200, against XLA's busy
+9.0 / 9.9, so XLA combined above 132 splits (kernels.md, "Tenth session"); this one: kernels.md, "Seventeenth
+session".
 """
 from __future__ import annotations
 
@@ -25,11 +26,10 @@ from pallas_kernels import tree_verify_attention as op
 
 LAUNCHER = "xla"     # compiled into XLA's executable, like the attention kernels
 BLOCK_ROWS = 16
-MAX_BLOCK_COLS = 128
-MIN_BLOCK_COLS = 16
-TARGET_PROGRAMS = 2 * op.NUM_SMS   # narrower column tiles until the grid fills the GPU twice
+MAX_BLOCK_COLS = 128               # 256 B of a bf16 partial row per load
+MIN_BLOCK_COLS = 32
+TARGET_PROGRAMS = 256              # fewer rows, then narrower columns per program until the grid has this many
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
-MAX_KERNEL_SPLITS = 132            # measured: above, XLA's combine is faster (module docstring)
 STAGES = 1                         # steps of loads in flight (2-3 measured slower: kernels.md, "Tenth session")
 
 
@@ -39,47 +39,56 @@ def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr,
                     BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr,
                     STAGES: tl.constexpr):
     """Program (row tile, column tile, stream): out [SPLITS, STREAMS, PART_ROWS, PART_COLS], max / sum [SPLITS,
-    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns). One pass over the
-    splits, BS a step, with a running max (the sums and outputs rescaled when it grows), the loads of STAGES steps
-    in flight."""
+    STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns). Two passes over the
+    splits, BS a step: the rows' largest max, then the weighted outputs and sums added element by element into
+    [BS, BR, BC] / [BS, BR] registers (no step waits on another's arithmetic, no reduction across threads until
+    the end), the loads of STAGES steps in flight."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.program_id(2)
     row_ok = rows < ROWS
     col_ok = cols < COLS
-    top = tl.full((BR,), float("-inf"), tl.float32)
-    total = tl.zeros((BR,), tl.float32)
-    acc = tl.zeros((BR, BC), tl.float32)
+    tops = tl.full((BS, BR), float("-inf"), tl.float32)
+    for first in tl.range(0, SPLITS, BS):
+        split = first + tl.arange(0, BS)
+        ok = (split < SPLITS)[:, None] & row_ok[None, :]
+        tops = tl.maximum(tops, tl.load(max_ptr + ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :],
+                                        mask=ok, other=float("-inf")))
+    top = tl.max(tops, axis=0)
+    base = tl.where(top == float("-inf"), 0.0, top)    # a row no split saw: weights 0, not NaN
+    totals = tl.zeros((BS, BR), tl.float32)
+    acc = tl.zeros((BS, BR, BC), tl.float32)
     for first in tl.range(0, SPLITS, BS, num_stages=STAGES):
         split = first + tl.arange(0, BS)
         ok = (split < SPLITS)[:, None] & row_ok[None, :]
         part = ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :]                       # [BS, BR]
-        row_max = tl.load(max_ptr + part, mask=ok, other=float("-inf"))
-        row_sum = tl.load(sum_ptr + part, mask=ok, other=0.0)
+        weight = tl.exp(tl.load(max_ptr + part, mask=ok, other=float("-inf")) - base[None, :])
+        weighted_sum = weight * tl.load(sum_ptr + part, mask=ok, other=0.0)
         out = tl.load(out_ptr + part.to(tl.int64)[:, :, None] * PART_COLS + cols[None, None, :],
                       mask=ok[:, :, None] & col_ok[None, None, :], other=0.0)                     # [BS, BR, BC]
-        new_top = tl.maximum(top, tl.max(row_max, axis=0))
-        base = tl.where(new_top == float("-inf"), 0.0, new_top)    # nothing seen yet: weights 0, not NaN
-        rescale = tl.exp(top - base)
-        weight = tl.exp(row_max - base[None, :])
-        weighted_sum = weight * row_sum
-        total = total * rescale + tl.sum(weighted_sum, axis=0)
+        totals += weighted_sum
         factor = weighted_sum if NORMALIZED else weight
-        acc = acc * rescale[:, None] + tl.sum(factor[:, :, None] * out.to(tl.float32), axis=0)
-        top = new_top
+        acc += factor[:, :, None] * out.to(tl.float32)
+    total = tl.sum(totals, axis=0)
     inverse = tl.where(total > 0, 1.0 / total, 0.0)
     tl.store(result_ptr + (s * ROWS + rows).to(tl.int64)[:, None] * COLS + cols[None, :],
-             (acc * inverse[:, None]).to(result_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+             (tl.sum(acc, axis=0) * inverse[:, None]).to(result_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int, int, int]:
-    """(splits, rows, columns) per program step: rows up to BLOCK_ROWS, the widest column tile (a power of two in
-    [MIN_BLOCK_COLS, MAX_BLOCK_COLS]) whose grid still has TARGET_PROGRAMS programs, and as many splits as keep a
-    step's tile within TILE_ELEMENTS."""
+    """(splits, rows, columns) per program step: the widest column tile up to MAX_BLOCK_COLS (contiguous loads), the
+    most rows up to BLOCK_ROWS, then fewer rows and narrower columns (down to MIN_BLOCK_COLS) until the grid has
+    TARGET_PROGRAMS programs; as many splits as keep a step's tile within TILE_ELEMENTS."""
+    width = min(MAX_BLOCK_COLS, triton.next_power_of_2(cols))
     block_rows = min(BLOCK_ROWS, triton.next_power_of_2(rows))
-    width = MAX_BLOCK_COLS
-    while width > MIN_BLOCK_COLS and num_streams * triton.cdiv(rows, block_rows) * triton.cdiv(cols, width) \
-            < TARGET_PROGRAMS:
+
+    def programs():
+        return num_streams * triton.cdiv(rows, block_rows) * triton.cdiv(cols, width)
+
+    while block_rows > 1 and programs() < TARGET_PROGRAMS:
+        block_rows //= 2
+    while width > MIN_BLOCK_COLS and programs() < TARGET_PROGRAMS:
         width //= 2
     splits = max(1, min(triton.next_power_of_2(num_splits), TILE_ELEMENTS // (block_rows * width)))
     return splits, block_rows, width
@@ -111,8 +120,8 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
 
 
 def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):
-    """`combine`'s result, by the Triton kernel up to MAX_KERNEL_SPLITS splits and by XLA's `combine_partials`
-    above, or always when `call` is None (no Triton: a Mosaic GPU kernel in interpret mode)."""
-    if call is not None and out.shape[0] <= MAX_KERNEL_SPLITS:
+    """`combine`'s result, by the Triton kernel, or by XLA's `combine_partials` when `call` is None (no Triton: a
+    Mosaic GPU kernel in interpret mode)."""
+    if call is not None:
         return combine(call, out, row_max, row_sum, rows=rows, cols=cols, dtype=dtype, normalized=normalized)
     return op.combine_partials(out, row_max, row_sum, normalized=normalized)[:, :rows, :cols].astype(dtype)

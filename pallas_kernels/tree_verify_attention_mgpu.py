@@ -13,8 +13,7 @@ wholly inside the prefix take no bias; the few blocks from the one holding the p
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
 each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
-`tree_verify_attention_combine.merge` joins (one Triton kernel up to 132 splits, else and in interpret mode XLA's
-`combine_partials`); with one split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the
+`tree_verify_attention_combine.merge` joins (one Triton kernel; in interpret mode XLA's `combine_partials`); with one split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the
 programs join their tile's partials themselves after a semaphore wait; measured slower than the separate combine
 (kernels.md, "Ninth session").
 

@@ -7,7 +7,7 @@ The op's semantics, tiling (`AttentionConfig`, `default_config`), input check an
 [block_q, C + R]; a program streams its piece of the prefix in blocks of block_k rows with an online softmax (the
 576-wide score as two dots), the last piece also takes the tree block under `visible`; one split normalises and
 writes the output, more write partials (acc, max, sum) that `tree_verify_attention_combine.merge` joins (one more
-Triton kernel through the same `call` up to 132 splits, XLA above).
+Triton kernel through the same `call`).
 
 Measured on the H200 against the Pallas-Triton kernel it replaced (the same program): 3-7% slower on most cases,
 equal at 8 query rows, 1.18x faster with one split (kernels.md, "Eighth session"). On the CPU it runs in Triton's

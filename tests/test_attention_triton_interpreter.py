@@ -73,13 +73,14 @@ def test_fully_masked_rows(num_splits):
 
 
 @in_child
-@pytest.mark.parametrize("normalized,empty_max,splits", [(False, -1e30, 5), (True, float("-inf"), 5),
-                                                        (False, -1e30, 37)])
-def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits):
+@pytest.mark.parametrize("normalized,empty_max,splits,block", [(False, -1e30, 5, None), (True, float("-inf"), 5, None),
+                                                              (False, -1e30, 37, (8, 4, 16))])
+def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits, block):
     """The split-K combine kernel on both kernels' partial formats (the Triton kernel's unnormalised f32 with a
-    finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits in one step and 37 in steps
-    of `tiling`'s size with a partial last one, some splits empty for some rows and one row empty in every split (its
-    output 0), fewer rows and columns kept than the partials hold."""
+    finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits at `tiling`'s block, and 37
+    in steps of 8 with a partial last one over tiles of 4 rows and 16 columns that the kept rows and columns end
+    within, some splits empty for some rows and one row empty in every split (its output 0), fewer rows and
+    columns kept than the partials hold."""
     from conftest import rel_err
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_combine as AC
@@ -87,7 +88,6 @@ def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits):
 
     rng = np.random.default_rng(3 + normalized)
     streams, part_rows, rows, part_cols, cols = 2, 24, 19, 48, 40
-    assert (AC.tiling(splits, streams, rows, cols)[0] < splits) == (splits == 37)
     out = rng.standard_normal((splits, streams, part_rows, part_cols)).astype(np.float32)
     row_max = rng.standard_normal((splits, streams, part_rows)).astype(np.float32) * 3
     row_sum = rng.uniform(0.5, 4.0, (splits, streams, part_rows)).astype(np.float32)
@@ -95,7 +95,7 @@ def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits):
     empty[:, 1, 7] = True
     row_max[empty], row_sum[empty], out[empty] = empty_max, 0.0, 0.0
     got = AC.combine(interpreter_call, out, row_max, row_sum, rows=rows, cols=cols, dtype=np.float32,
-                     normalized=normalized)
+                     normalized=normalized, block=block)
     want = A.combine_partials(out, row_max, row_sum, normalized=normalized)[:, :rows, :cols]
     assert got.shape == (streams, rows, cols) and np.isfinite(np.asarray(got)).all()
     assert rel_err(got, want) < 1e-6 and not np.asarray(got)[1, 7].any()

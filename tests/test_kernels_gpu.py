@@ -93,8 +93,8 @@ def test_attention_f32_k26(config):
 @pytest.mark.parametrize("splits", [2, 16, 66, 256])
 @pytest.mark.parametrize("normalized,dtype", [(False, jnp.float32), (True, jnp.bfloat16)], ids=["triton", "mosaic"])
 def test_attention_combine_kernel(splits, normalized, dtype):
-    """The split-K combine kernel at split counts on both sides of `merge`'s MAX_KERNEL_SPLITS, on both kernels'
-    partial formats (decode shapes: 8 and 128 rows of 512 columns), against XLA's combine_partials."""
+    """The split-K combine kernel at 2 to 256 splits, on both kernels' partial formats (decode shapes: 8 and 128 rows
+    of 512 columns), against XLA's combine_partials."""
     from pallas_kernels import tree_verify_attention_combine as AC
     from pallas_kernels.triton_call import bound_to
 

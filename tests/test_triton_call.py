@@ -17,7 +17,6 @@ from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
 from pallas_kernels import tree_triton as TT
 from pallas_kernels import tree_verify_attention as A
-from pallas_kernels import tree_verify_attention_combine as AC
 from pallas_kernels import tree_verify_attention_triton as AT
 from pallas_kernels.tree import TreeArrays
 from pallas_kernels import triton_ffi
@@ -113,15 +112,14 @@ def test_tree_kernels_lower_to_one_xla_triton_call_each():
 @pytest.mark.parametrize("streams,nodes,heads,prefix", [(1, 1, 8, 32768), (2, 16, 8, 4096), (1, 256, 64, 4096)])
 def test_tree_verify_attention_lowers_to_xla_triton_calls(streams, nodes, heads, prefix):
     """The Triton tree-verify attention at K2.6 shapes: the 16-row tile with 256 splits, 64-row tiles with splits
-    (the attention kernel, then the combine kernel up to MAX_KERNEL_SPLITS splits, XLA's above), one split (the
-    attention kernel alone)."""
+    (the attention kernel, then the combine kernel), one split (the attention kernel alone)."""
     lat, rope, n = 512, 64, prefix + nodes
     args = (spec((streams, nodes, heads, lat), BF16), spec((streams, nodes, heads, rope), BF16),
             spec((streams, n, lat), BF16), spec((streams, n, rope), BF16), spec((streams,), I32),
             spec((streams, nodes, nodes), jnp.bool_))
     text = lower_for_h200(lambda *a: AT.tree_verify_attention(*a, scale=0.07), *args)
     splits = A.default_config(streams, nodes * heads, n).num_splits
-    combined = 1 < splits <= AC.MAX_KERNEL_SPLITS        # the combine kernel, else XLA's combine (or none)
+    combined = splits > 1                                # the combine kernel (or none)
     assert text.count(XLA_TRITON_TARGET) == 1 + combined and 'name = "_attention_kernel"' in text
     assert ('name = "_combine_kernel"' in text) == combined
 
@@ -181,5 +179,5 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
     attention = functools.partial(AT.tree_verify_attention, scale=0.07)
     text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
     splits = A.default_config(s, t * h // 2, n).num_splits
-    combined = 1 < splits <= AC.MAX_KERNEL_SPLITS
+    combined = splits > 1
     assert text.count(XLA_TRITON_TARGET) == 1 + combined and "tensor<2x16x8x512xbf16>" in text
