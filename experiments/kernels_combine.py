@@ -1,7 +1,7 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
 against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the default the kernel
-runs with two and three steps of loads in flight (`stages_2`, `stages_3`), with half-width column tiles and twice the
+runs with one and three steps of loads in flight (`stages_1`, `stages_3`), with half-width column tiles and twice the
 splits per step (`half_cols`: twice the programs) and with steps of twice the splits over 8 warps (`warps_8`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
@@ -59,7 +59,7 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                                   -jnp.inf if normalized else attn.NEG_INF)
             splits_step, block_rows, width = combine.tiling(splits, 1, rows, COLS)
             pow2 = triton.next_power_of_2(splits)
-            variants = {"kernel": {}, "stages_2": dict(stages=2), "stages_3": dict(stages=3),
+            variants = {"kernel": {}, "stages_1": dict(stages=1), "stages_3": dict(stages=3),
                         "half_cols": dict(block=(min(pow2, 2 * splits_step), block_rows, width // 2)),
                         "warps_8": dict(block=(min(pow2, 2 * splits_step), block_rows, width), num_warps=8)}
             fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(

@@ -30,27 +30,28 @@ MAX_BLOCK_COLS = 128               # 256 B of a bf16 partial row per load
 MIN_BLOCK_COLS = 32
 TARGET_PROGRAMS = 256              # fewer rows, then narrower columns per program until the grid has this many
 TILE_ELEMENTS = 4096               # f32 elements of one step's [splits, rows, columns] tile (32 per thread)
-STAGES = 1                         # steps of loads in flight (2-3 measured slower: kernels.md, "Tenth session")
+PIPELINED_STAGES = 3               # steps of loads in flight where there are PIPELINE_FROM_STEPS steps or more
+PIPELINE_FROM_STEPS = 4            # (fewer: 1 stage; kernels.md, "Seventeenth session")
 
 
 @triton.jit
 def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr, STREAMS: tl.constexpr,
                     PART_ROWS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, PART_COLS: tl.constexpr,
-                    BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, NORMALIZED: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, MAX_BS: tl.constexpr,
+                    NORMALIZED: tl.constexpr, STAGES: tl.constexpr):
     """Program (row tile, column tile, stream): out [SPLITS, STREAMS, PART_ROWS, PART_COLS], max / sum [SPLITS,
     STREAMS, PART_ROWS] -> result [STREAMS, ROWS, COLS] (its first ROWS rows and COLS columns). Two passes over the
-    splits, BS a step: the rows' largest max, then the weighted outputs and sums added element by element into
-    [BS, BR, BC] / [BS, BR] registers (no step waits on another's arithmetic, no reduction across threads until
-    the end), the loads of STAGES steps in flight."""
+    splits: the rows' largest max (MAX_BS splits a step), then the weighted outputs and sums (BS a step) added
+    element by element into [BS, BR, BC] / [BS, BR] registers (no step waits on another's arithmetic, no reduction
+    across threads until the end), the loads of STAGES steps in flight."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     s = tl.program_id(2)
     row_ok = rows < ROWS
     col_ok = cols < COLS
-    tops = tl.full((BS, BR), float("-inf"), tl.float32)
-    for first in tl.range(0, SPLITS, BS):
-        split = first + tl.arange(0, BS)
+    tops = tl.full((MAX_BS, BR), float("-inf"), tl.float32)
+    for first in tl.range(0, SPLITS, MAX_BS):
+        split = first + tl.arange(0, MAX_BS)
         ok = (split < SPLITS)[:, None] & row_ok[None, :]
         tops = tl.maximum(tops, tl.load(max_ptr + ((split * STREAMS + s) * PART_ROWS)[:, None] + rows[None, :],
                                         mask=ok, other=float("-inf")))
@@ -94,13 +95,18 @@ def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int
     return splits, block_rows, width
 
 
+def stages_for(num_splits: int, block_splits: int) -> int:
+    """Steps of loads in flight: PIPELINED_STAGES from PIPELINE_FROM_STEPS steps over the splits, else 1."""
+    return PIPELINED_STAGES if triton.cdiv(num_splits, block_splits) >= PIPELINE_FROM_STEPS else 1
+
+
 def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool,
-            block: tuple[int, int, int] | None = None, stages: int = STAGES, num_warps: int = 4):
+            block: tuple[int, int, int] | None = None, stages: int | None = None, num_warps: int = 4):
     """Partials out [P, S, R, Cp] (f32 unnormalised, or `normalized` within each split in any float dtype),
     row_max / row_sum [P, S, R] f32 (R >= rows, Cp >= cols) -> [S, rows, cols] in dtype, through
     `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` bound to a
     launcher on the GPU; Triton's interpreter in the tests). block: (splits, rows, columns) per step, powers of two
-    (default `tiling`); stages: steps of loads in flight; num_warps per program."""
+    (default `tiling`); stages: steps of loads in flight (default `stages_for`); num_warps per program."""
     if out.ndim != 4:
         raise ValueError(f"combine: partials out {out.shape} must be [P, S, R, Cp]")
     splits, streams, part_rows, part_cols = out.shape
@@ -109,6 +115,7 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
         raise ValueError(f"combine: partials out {out.shape}, max {row_max.shape}, sum {row_sum.shape} must be "
                          f"[P, S, R, Cp], [P, S, R], [P, S, R] with R >= rows={rows} and Cp >= cols={cols}")
     block_splits, block_rows, width = block or tiling(splits, streams, rows, cols)
+    stages = stages_for(splits, block_splits) if stages is None else stages
     if min(block_splits, block_rows, width) < 1 or any(b & (b - 1) for b in (block_splits, block_rows, width)) \
             or stages < 1:
         raise ValueError(f"combine: block {block} must be three powers of two and stages={stages} >= 1")
@@ -116,7 +123,9 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
                 out_shape=jax.ShapeDtypeStruct((streams, rows, cols), dtype),
                 grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=num_warps,
                 num_stages=stages, SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols,
-                PART_COLS=part_cols, BS=block_splits, BR=block_rows, BC=width, NORMALIZED=normalized, STAGES=stages)
+                PART_COLS=part_cols, BS=block_splits, BR=block_rows, BC=width,
+                MAX_BS=max(block_splits, min(triton.next_power_of_2(splits), TILE_ELEMENTS // block_rows)),
+                NORMALIZED=normalized, STAGES=stages)
 
 
 def merge(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normalized: bool):

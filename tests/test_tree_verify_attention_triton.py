@@ -24,15 +24,17 @@ def test_bf16_kernel_compiles_for_h200(streams, nodes, heads, capacity):
     assert ("wgmma.mma_async" in ptx) == (cfg.block_q == 64) and "st.global" in ptx
 
 
-@pytest.mark.parametrize("part,normalized", [("*fp32", False), ("*bf16", True)])
-def test_combine_kernel_compiles_for_h200(part, normalized):
-    """The split-K combine of both attention kernels' partials (the Triton one's f32, the Mosaic GPU one's bf16)."""
+@pytest.mark.parametrize("part,normalized,rows", [("*fp32", False, 8), ("*bf16", True, 64)])
+def test_combine_kernel_compiles_for_h200(part, normalized, rows):
+    """The split-K combine of both attention kernels' partials at 132 splits (the Triton one's f32 over 8 rows: two
+    steps, one stage; the Mosaic GPU one's bf16 over 64 rows: five steps, their loads pipelined)."""
     pointers = {"out_ptr": part, "max_ptr": "*fp32", "sum_ptr": "*fp32", "result_ptr": "*bf16"}
-    block_splits, block_rows, width = AC.tiling(132, 1, 8, 512)
-    constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=8, COLS=512, PART_COLS=512, BS=block_splits,
-                     BR=block_rows, BC=width, NORMALIZED=normalized, STAGES=AC.STAGES)
-    ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, 2).asm["ptx"]
-    assert "ex2.approx" in ptx and "st.global" in ptx
+    block_splits, block_rows, width = AC.tiling(132, 1, rows, 512)
+    stages = AC.stages_for(132, block_splits)
+    constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=rows, COLS=512, PART_COLS=512, BS=block_splits,
+                     BR=block_rows, BC=width, MAX_BS=256, NORMALIZED=normalized, STAGES=stages)
+    ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, stages).asm["ptx"]
+    assert "ex2.approx" in ptx and "st.global" in ptx and ("cp.async" in ptx) == (stages > 1) == normalized
 
 
 def test_interpret_mode_is_refused():
