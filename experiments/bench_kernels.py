@@ -39,6 +39,8 @@ flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whos
                   "alternative tilings; '' for none")
 flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case (those it admits: at "
                   "most prefix / (2 block_k), at most 4 waves of programs)")
+flags.DEFINE_list("attention_cases", [], "the attention cases to run, each 'S/H/N/T' (streams, heads, prefix, "
+                  "nodes; default: every case)")
 flags.DEFINE_list("moe_tokens", [], "the int4_moe token counts M to run (default: every case)")
 flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M whose int4_moe case sweeps tilings")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
@@ -72,7 +74,8 @@ def main(_):
     RESULTS.update(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=dev.device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), code=code_version(),
                              sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
-                             attention_splits=F.attention_splits, moe_tokens=F.moe_tokens,
+                             attention_splits=F.attention_splits, attention_cases=F.attention_cases,
+                             moe_tokens=F.moe_tokens,
                              moe_sweep_tokens=F.moe_sweep_tokens,
                              xla_flags=os.environ.get("XLA_FLAGS", "")),
                    ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
@@ -93,7 +96,7 @@ def main(_):
             RESULTS["checks"]["attention_f32"] = f"{type(e).__name__}: {str(e)[:2000]}"
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
-                      "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump)
+                      "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases)
     if "mgpu" in F.sections:
         run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s, F.reps, F.quick, _dump)
     if "combine" in F.sections:

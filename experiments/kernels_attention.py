@@ -44,6 +44,11 @@ def attention_cases(quick: bool) -> list[dict]:
     return cases + [dict(streams=8, heads=8, prefix=32768, nodes=64)]
 
 
+def case_name(case: dict) -> str:
+    """'S/H/N/T' of a case (the --attention_cases form)."""
+    return f"{case['streams']}/{case['heads']}/{case['prefix']}/{case['nodes']}"
+
+
 def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -> list[attn.AttentionConfig]:
     """Alternative configs of the Triton kernel timed beside the op: the split-K counts `splits` on every case (those
     it admits: at most N' / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four
@@ -58,7 +63,9 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
         return split_configs
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
-        variants = [dict(block_k=128), dict(block_k=32, num_stages=3), more]
+        variants = [dict(block_k=32, num_stages=3), dict(block_k=32, num_stages=4),
+                    dict(block_k=32, num_stages=4, num_splits=attn.NUM_SMS), dict(num_stages=3, num_splits=attn.NUM_SMS),
+                    more]
     else:
         variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer]
     return split_configs + [dataclasses.replace(base, **v) for v in variants]
@@ -104,13 +111,20 @@ def attention_peers(args, interpret: bool) -> dict:
 
 
 def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
-                  splits: list[int], save) -> None:
+                  splits: list[int], save, only_cases: list[str] = ()) -> None:
     """Time every case (the op, the Triton kernel at the configs of attention_sweep, each kernel alone, the XLA
     reference) against the ceilings `ceil`; one row per case appended to `results`, printed, then `save()`; no new
-    case past `deadline` (time.time())."""
+    case past `deadline` (time.time()). only_cases: the cases to run as 'S/H/N/T' (empty: all); a ValueError names
+    those that are not cases."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
-    for ci, case in enumerate(attention_cases(quick)):
+    cases = attention_cases(quick)
+    names = [case_name(case) for case in cases]
+    if set(only_cases) - set(names):
+        raise ValueError(f"attention cases {sorted(set(only_cases) - set(names))} are not cases; choose from {names}")
+    for ci, case in enumerate(cases):
+        if only_cases and names[ci] not in only_cases:
+            continue
         if time.time() > deadline:
             results.append(dict(case, skipped="time budget"))
             continue
