@@ -63,9 +63,8 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
         return split_configs
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
-        variants = [dict(block_k=32, num_stages=3), dict(block_k=32, num_stages=4),
-                    dict(block_k=32, num_stages=4, num_splits=attn.NUM_SMS), dict(num_stages=3, num_splits=attn.NUM_SMS),
-                    more]
+        variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6),
+                    dict(block_k=64, num_stages=2, num_splits=2 * attn.NUM_SMS), more]
     else:
         variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer]
     return split_configs + [dataclasses.replace(base, **v) for v in variants]

@@ -56,33 +56,41 @@ class AttentionConfig:
 # A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels_sweep.json: 128 or 256
 # programs of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS:
 # multiprocessors of an H200. PROGRAMS_PER_SM: resident programs per multiprocessor by tile: the 8-warp 64-row tile
-# holds ~200 KB of shared memory (one per SM), the 4-warp 16/32-row tiles fit two. PROGRAM_OVERHEAD_BLOCKS: a
+# holds ~200 KB of shared memory (one per SM), the 4-warp 16-row tile's four stages of 32-row blocks ~130 KB (one), the
+# 4-warp 32-row tile fits two. PROGRAM_OVERHEAD_BLOCKS: a
 # program's fixed cost (q tile, tree block, partial write) in cache blocks; fitted on the sweep (0 picks many waves of
 # tiny programs, 1-12 fit equally). RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM bandwidth on the H200 (about
 # 780 TFLOP/s / 4.3 TB/s), to express a call's floor in bytes. PARTIAL_BUDGET: the partials (f32, written and read
 # back) may move at most this fraction of those bytes.
 NUM_SMS = 132
-PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
+PROGRAMS_PER_SM = {16: 1, 32: 2, 64: 1}
 PROGRAM_OVERHEAD_BLOCKS = 2
 RIDGE_FLOP_PER_BYTE = 180
 PARTIAL_BUDGET = 1.0
 MIN_BLOCKS_PER_SPLIT = 2
+# Decode tile (<= 16 query rows): 32-row cache blocks, 4 stages, so three blocks are in flight while one is scored
+# (H=8 T=1 N=32768 on the H200: 18.0 us at 132 splits against 21.7 with 2 stages of 64 rows at 256; kernels.md,
+# "Seventeenth session").
+DECODE_BLOCK_K = 32
+DECODE_STAGES = 4
 
 
 def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 512, rope: int = 64,
                    itemsize: int = 2) -> AttentionConfig:
     """A tiling for `num_streams` streams of `num_rows` = T * H query rows over a cache of `capacity` rows."""
+    block_k, num_stages = 64, 2
     if num_rows <= 16:
         block_q, num_warps = 16, 4
+        block_k, num_stages = DECODE_BLOCK_K, DECODE_STAGES
     elif num_rows <= 32:
         block_q, num_warps = 32, 4
     else:
         block_q, num_warps = 64, 8
-    block_k = 64
     partial_bytes = num_streams * num_rows * pl.next_power_of_2(lat) * 4 * 2
     num_splits = split_count(query_tiles(num_streams, num_rows, block_q), capacity, block_k, wave_slots(block_q),
                              partial_bytes, call_floor_bytes(num_streams, num_rows, capacity, lat, rope, itemsize))
-    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+    return AttentionConfig(block_q=block_q, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                           num_stages=num_stages)
 
 
 def split_count(tiles: int, capacity: int, block_k: int, slots: int, partial_bytes: int, floor_bytes: float) -> int:

@@ -128,10 +128,11 @@ def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
         assert splits == 1
 
 
-def test_few_rows_over_a_long_prefix_take_one_wave_not_the_triton_kernels_two():
-    """H=8 T=1 N=32768: the Triton kernel fits two 16-row programs per multiprocessor and takes 256 splits; this
-    kernel's 64-row programs take 132 (kernels.md, "The Mosaic GPU whole op on the H200")."""
-    assert A.default_config(1, 8, 32832).num_splits == 256
+def test_few_rows_over_a_long_prefix_take_one_wave():
+    """H=8 T=1 N=32768: one program per multiprocessor in both kernels (the Triton kernel's 16-row decode tile with
+    four stages of 32-row blocks, this kernel's 64-row tile), so one split each."""
+    config = A.default_config(1, 8, 32832)
+    assert (config.block_q, config.block_k, config.num_stages, config.num_splits) == (16, 32, 4, 132)
     assert AM.default_num_splits(1, 8, 32832) == 132
 
 
