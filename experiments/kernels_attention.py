@@ -51,7 +51,7 @@ def case_name(case: dict) -> str:
 
 def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -> list[attn.AttentionConfig]:
     """Alternative configs of the Triton kernel timed beside the op: the split-K counts `splits` on every case (those
-    it admits: at most N' / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on four
+    it admits: at most N' / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on five
     prefix-32768 cases."""
     rows = case["nodes"] * case["heads"]
     base = attn.default_config(case["streams"], rows, cache_rows(case))
@@ -59,14 +59,15 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
                      if s != base.num_splits and s <= attn.max_splits(cache_rows(case), base.block_k)
                      and attn.query_tiles(case["streams"], rows, base.block_q) * s <= 4 * attn.wave_slots(base.block_q)]
     if (not tilings or quick or case["prefix"] != 32768 or case["streams"] > 1
-            or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 16), (64, 256))):
+            or (case["heads"], case["nodes"]) not in ((8, 1), (8, 16), (64, 1), (64, 16), (64, 256))):
         return split_configs
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
         variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6),
                     dict(block_k=64, num_stages=2, num_splits=2 * attn.NUM_SMS), more]
     else:
-        variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer]
+        variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer,
+                    dict(block_k=32, num_stages=4), dict(block_k=16, num_stages=6)]    # more cache rows in flight
     return split_configs + [dataclasses.replace(base, **v) for v in variants]
 
 
