@@ -1,8 +1,9 @@
 """bench_kernels section `combine` (not in the default list; GPU only): the split-K combine of the tree-verify
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
-against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the default the kernel
-runs with one and three steps of loads in flight (`stages_1`, `stages_3`), with half-width column tiles and twice the
-splits per step (`half_cols`: twice the programs) and with steps of twice the splits over 8 warps (`warps_8`).
+against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the
+default the kernel runs with one and three steps of loads in flight (`stages_1`, `stages_3`), with half-width column
+tiles and twice the splits per step (`half_cols`: twice the programs) and with steps of twice the splits over 8 warps
+(`warps_8`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,

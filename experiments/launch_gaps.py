@@ -6,10 +6,10 @@ last end) against their busy time (sum of durations), per variant, on decode cas
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 experiments/launch_gaps.py --label=no_command_buffers \
         --out=experiments/results/launch_gaps_no_command_buffers.json
 
-Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel up to 132 splits or XLA's
-above), `triton` (the Triton kernel and its combine), `mosaic_partials` (the Mosaic GPU kernel and its input fusions,
-no combine), `mosaic_twice` (two Mosaic GPU kernels of different scales in one call: is there a gap before the second
-too?), `mosaic_combine_in_kernel` (the kernel joining its own partials: a zeroed semaphore buffer, then the kernel).
+Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel), `triton` (the Triton
+kernel and its combine), `mosaic_partials` (the Mosaic GPU kernel and its input fusions, no combine), `mosaic_twice`
+(two Mosaic GPU kernels of different scales in one call: is there a gap before the second too?),
+`mosaic_combine_in_kernel` (the kernel joining its own partials: a zeroed semaphore buffer, then the kernel).
 GPU only. Writes the JSON (--out) with the host and device events of each variant's median call (`timeline`: when
 each launch was issued on the host against when its kernel ran), and a bar plot of span and busy time beside it.
 """

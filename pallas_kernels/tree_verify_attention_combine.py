@@ -10,7 +10,7 @@ writes out unnormalised (f32), the Mosaic GPU one normalised within the split (b
 and 0 for a row with nothing to attend (every l_p = 0). The reference is `tree_verify_attention.combine_partials`
 (XLA: three launches). One program combines a tile of rows and columns of one stream over every split, `tiling`'s
 BS splits per step, in two passes: the rows' largest max, then the weighted outputs added element by element into
-registers (summed over the splits once, at the end). Its tiles are whole rows of up to 128 contiguous columns.
+registers (summed over the splits once, at the end). Its tiles take up to 128 contiguous columns of each row.
 The one-pass kernel before it (a running max, its sums rescaled as it grew, and a reduction across threads at every
 step over 16-column tiles) took 7.9 / 12.6 us at 132 / 256 splits of 64 bf16 rows on the H200, against XLA's busy
 9.0 / 9.9, so XLA combined above 132 splits (kernels.md, "Tenth session"); this one: kernels.md, "Seventeenth
@@ -95,6 +95,12 @@ def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int
     return splits, block_rows, width
 
 
+def max_block_splits(num_splits: int, block_splits: int, block_rows: int) -> int:
+    """Splits per step of the first pass (the max; [splits, rows] tiles): all of them, up to TILE_ELEMENTS / rows,
+    at least the second pass's block_splits."""
+    return max(block_splits, min(triton.next_power_of_2(num_splits), TILE_ELEMENTS // block_rows))
+
+
 def stages_for(num_splits: int, block_splits: int) -> int:
     """Steps of loads in flight: PIPELINED_STAGES from PIPELINE_FROM_STEPS steps over the splits, else 1."""
     return PIPELINED_STAGES if triton.cdiv(num_splits, block_splits) >= PIPELINE_FROM_STEPS else 1
@@ -106,7 +112,8 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
     row_max / row_sum [P, S, R] f32 (R >= rows, Cp >= cols) -> [S, rows, cols] in dtype, through
     `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` bound to a
     launcher on the GPU; Triton's interpreter in the tests). block: (splits, rows, columns) per step, powers of two
-    (default `tiling`); stages: steps of loads in flight (default `stages_for`); num_warps per program."""
+    (default `tiling`; many splits over many rows take many steps of a few splits: the split heuristics keep P small
+    there); stages: steps of loads in flight (default `stages_for`); num_warps per program."""
     if out.ndim != 4:
         raise ValueError(f"combine: partials out {out.shape} must be [P, S, R, Cp]")
     splits, streams, part_rows, part_cols = out.shape
@@ -118,13 +125,14 @@ def combine(call, out, row_max, row_sum, *, rows: int, cols: int, dtype, normali
     stages = stages_for(splits, block_splits) if stages is None else stages
     if min(block_splits, block_rows, width) < 1 or any(b & (b - 1) for b in (block_splits, block_rows, width)) \
             or stages < 1:
-        raise ValueError(f"combine: block {block} must be three powers of two and stages={stages} >= 1")
+        raise ValueError(f"combine: block {(block_splits, block_rows, width)} must be three powers of two and "
+                         f"stages={stages} >= 1")
     return call(out, row_max, row_sum, kernel=_combine_kernel,
                 out_shape=jax.ShapeDtypeStruct((streams, rows, cols), dtype),
                 grid=(triton.cdiv(rows, block_rows), triton.cdiv(cols, width), streams), num_warps=num_warps,
                 num_stages=stages, SPLITS=splits, STREAMS=streams, PART_ROWS=part_rows, ROWS=rows, COLS=cols,
                 PART_COLS=part_cols, BS=block_splits, BR=block_rows, BC=width,
-                MAX_BS=max(block_splits, min(triton.next_power_of_2(splits), TILE_ELEMENTS // block_rows)),
+                MAX_BS=max_block_splits(splits, block_splits, block_rows),
                 NORMALIZED=normalized, STAGES=stages)
 
 

@@ -13,9 +13,9 @@ wholly inside the prefix take no bias; the few blocks from the one holding the p
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
 each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
-`tree_verify_attention_combine.merge` joins (one Triton kernel; in interpret mode XLA's `combine_partials`); with one split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the
-programs join their tile's partials themselves after a semaphore wait; measured slower than the separate combine
-(kernels.md, "Ninth session").
+`tree_verify_attention_combine.merge` joins (one Triton kernel; in interpret mode XLA's `combine_partials`); with one
+split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the programs join their tile's partials
+themselves after a semaphore wait; measured slower than the separate combine (kernels.md, "Ninth session").
 
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
 streams c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA.
@@ -372,9 +372,9 @@ def fits(q_lat, q_rope, c_kv, k_rope) -> bool:
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     """Split-K count for this kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with this
     kernel's programs: 64-row tiles, one resident per multiprocessor (~218 KB of shared memory), bf16 partials of the
-    padded rows. Where the Triton kernel fits two 16-row programs per multiprocessor and so takes two waves of programs
-    (few query rows over a long prefix: H=8 T=1 N=32768, 256 splits; a shape `ops` sends to the Triton kernel, timed
-    here by direct calls), this takes one (132) (kernels.md, "The Mosaic GPU whole op on the H200")."""
+    padded rows. Few query rows over a long prefix (H=8 T=1 N=32768, a shape `ops` sends to the Triton kernel, timed
+    here by direct calls) take one wave, 132 splits, as the Triton kernel's decode tile does (kernels.md, "The Mosaic
+    GPU whole op on the H200", "Seventeenth session")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,

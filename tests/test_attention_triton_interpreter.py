@@ -74,13 +74,14 @@ def test_fully_masked_rows(num_splits):
 
 @in_child
 @pytest.mark.parametrize("normalized,empty_max,splits,block", [(False, -1e30, 5, None), (True, float("-inf"), 5, None),
-                                                              (False, -1e30, 37, (8, 4, 16))])
+                                                              (False, -1e30, 37, (8, 4, 16)),
+                                                              (True, float("-inf"), 300, (64, 16, 8))])
 def test_combine_kernel_matches_the_xla_combine(normalized, empty_max, splits, block):
     """The split-K combine kernel on both kernels' partial formats (the Triton kernel's unnormalised f32 with a
     finite max for an empty split, the Mosaic GPU one's normalised with -inf): 5 splits at `tiling`'s block, and 37
     in steps of 8 with a partial last one over tiles of 4 rows and 16 columns that the kept rows and columns end
-    within, some splits empty for some rows and one row empty in every split (its output 0), fewer rows and
-    columns kept than the partials hold."""
+    within, 300 in two steps of the first pass (256 splits of 16 rows) and five of the second, some splits empty for
+    some rows and one row empty in every split (its output 0), fewer rows and columns kept than the partials hold."""
     from conftest import rel_err
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_combine as AC

@@ -32,7 +32,8 @@ def test_combine_kernel_compiles_for_h200(part, normalized, rows):
     block_splits, block_rows, width = AC.tiling(132, 1, rows, 512)
     stages = AC.stages_for(132, block_splits)
     constants = dict(SPLITS=132, STREAMS=1, PART_ROWS=64, ROWS=rows, COLS=512, PART_COLS=512, BS=block_splits,
-                     BR=block_rows, BC=width, MAX_BS=256, NORMALIZED=normalized, STAGES=stages)
+                     BR=block_rows, BC=width, MAX_BS=AC.max_block_splits(132, block_splits, block_rows),
+                     NORMALIZED=normalized, STAGES=stages)
     ptx = compile_for_h200(AC._combine_kernel, pointers, constants, 4, stages).asm["ptx"]
     assert "ex2.approx" in ptx and "st.global" in ptx and ("cp.async" in ptx) == (stages > 1) == normalized
 
