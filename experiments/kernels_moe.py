@@ -50,7 +50,7 @@ def moe_shapes(quick: bool) -> tuple[dict, tuple[int, ...]]:
     """(experts E, hidden D, inter I, top_k) and the token counts M; `quick`: small ones, for a CPU smoke run."""
     if quick:
         return dict(experts=16, hidden=512, inter=256, top_k=4), (1, 8, 64)
-    return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 2048, 4096)
+    return dict(experts=384, hidden=7168, inter=2048, top_k=8), (1, 8, 64, 256, 1024, 1536, 2048, 4096)
 
 
 def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]) -> list:
