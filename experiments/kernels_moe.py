@@ -349,9 +349,8 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:", "mosaic:",
                                           "triton:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
-            config = (moe_mgpu.default_config(m * k, e) if backend == "mosaic_gpu"
-                      else moe_triton.default_config(m * k, e))
-            entry = dict(tokens=m, **shape, kernel=backend, config=str(config), touched_experts=touched,
+            entry = dict(tokens=m, **shape, kernel=backend, config=str(ops.int4_moe_config(*sets[0][:3])),
+                         touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
                          touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,

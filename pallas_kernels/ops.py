@@ -79,14 +79,22 @@ def _routed(experts: _int4_moe.Int4Experts, routed_experts: int | None) -> int:
     return max(routed_experts or 0, experts.num_experts)
 
 
-def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
-    """int4_moe's kernel (`int4_moe_backend`); neither has an interpret mode here (the reference runs there)."""
-    pairs, routed = topk_ids.size, _routed(experts, routed_experts)     # each kernel's tiling by pairs per expert
+def int4_moe_config(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts: int | None = None):
+    """The tiling `int4_moe_backend`'s kernel runs with: that kernel's `default_config` by the pairs per routed
+    expert (`int4_moe_mgpu.MgpuMatmulConfig` or `int4_moe_triton.TritonMoeConfig`)."""
+    pairs, routed = topk_ids.size, _routed(experts, routed_experts)
     if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
-        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights,
-                                       config=_int4_moe_mgpu.default_config(pairs, routed))
-    return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret,
-                                     config=_int4_moe_triton.default_config(pairs, routed))
+        return _int4_moe_mgpu.default_config(pairs, routed)
+    return _int4_moe_triton.default_config(pairs, routed)
+
+
+def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
+    """int4_moe's kernel (`int4_moe_backend`) at `int4_moe_config`; neither has an interpret mode here (the
+    reference runs there)."""
+    config = int4_moe_config(x, experts, topk_ids, routed_experts)
+    if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
+        return _int4_moe_mgpu.int4_moe(x, experts, topk_ids, topk_weights, config=config)
+    return _int4_moe_triton.int4_moe(x, experts, topk_ids, topk_weights, interpret=interpret, config=config)
 
 
 def _int4_moe_reference(x, experts, topk_ids, topk_weights, *, routed_experts: int | None):
