@@ -82,8 +82,9 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       dataclasses.replace(base, num_stages=4),
                       dataclasses.replace(base, num_stages=2, down_num_stages=None)]
 
-    if base.block_m <= moe_triton.MAX_TOKENS_AS_M:     # the dots' other orientation (mma.sync against wgmma)
-        candidates.append(dataclasses.replace(base, tokens_as_m=not base.tokens_as_m))
+    if base.block_m <= moe_triton.MAX_TOKENS_AS_M:     # the dots' other orientation (mma.sync against wgmma); mma.sync
+        candidates += [dataclasses.replace(base, tokens_as_m=not base.tokens_as_m),     # also splits over 8 warps
+                       dataclasses.replace(base, tokens_as_m=True, num_warps=8)]
 
     def launchable(c):      # grouped blocks sit on the grid's second axis (`run_kernels` refuses an overflow)
         return not c.group_by_block or moe.num_route_blocks(n_pairs, num_experts, c.block_m) <= moe_triton.MAX_GRID_Y

@@ -44,11 +44,12 @@ def down(dtype: str, config):
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
 LARGE_UNGROUPED_3_STAGES = dataclasses.replace(LARGE, group_by_block=False, down_num_stages=None)
-FLIPPED = [dataclasses.replace(c, tokens_as_m=not c.tokens_as_m) for c in (SMALL, SMALL_WIDE, MEDIUM, SPLIT_K)]
+FLIPPED = [dataclasses.replace(c, tokens_as_m=not c.tokens_as_m) for c in (SMALL, SMALL_WIDE, MEDIUM, SPLIT_K)] + [
+    dataclasses.replace(SMALL, tokens_as_m=True, num_warps=8)]
 CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES, *FLIPPED],
                ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
                     "large_blocks_ungrouped_3_stages", "small_blocks_flipped", "small_blocks_wide_rows_flipped",
-                    "medium_blocks_flipped", "split_k_flipped"])
+                    "medium_blocks_flipped", "split_k_flipped", "small_blocks_mma_sync_8_warps"])
 
 
 def test_large_tiling_groups_blocks_unless_the_grid_overflows():
