@@ -69,7 +69,8 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                                   gate_up_splits=splits, tokens_as_m=tokens_as_m)
                            for splits, stages, tokens_as_m in ((2, 4, False), (2, 3, False), (4, 3, False),
                                                                (2, 4, True), (2, 3, True))]
-            candidates.append(dataclasses.replace(base, down_block_n=64, tokens_as_m=True))
+            candidates += [dataclasses.replace(base, block_n=rows, down_block_n=rows, num_warps=warps, tokens_as_m=True)
+                           for rows, warps in ((32, 2), (32, 1), (16, 1))]     # small programs, many per SM
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),

@@ -51,8 +51,9 @@ class TritonMoeConfig:
     weights; kernels.md, "Thirteenth session").
     tokens_as_m: the dots take the block's tokens as their M side (acc [block_m, block_n] = act @ tile^T), not the
     weight rows. With block_m <= 32 (below wgmma's M of 64) Triton then compiles them to mma.sync, whose accumulator
-    chain needs no wait after each nibble tile's wgmma (kernels.md, "Eighteenth session"); larger blocks would
-    stage the weights in shared memory for wgmma, so they keep the rows as M."""
+    chain needs no wait after each nibble tile's wgmma, and block_n may be 16 or 32 (programs of 1-2 warps, no
+    warpgroup); larger blocks would stage the weights in shared memory for wgmma, so they keep the rows as M.
+    Measured: kernels.md, "Eighteenth session"."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -66,11 +67,13 @@ class TritonMoeConfig:
     tokens_as_m: bool = False
 
     def __post_init__(self):
-        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
+        rows = 16 if self.tokens_as_m else 64      # the weight rows are mma.sync's N, or wgmma's M (>= 64)
+        for name, low, high in (("block_m", 16, 256), ("block_n", rows, 256), ("down_block_n", rows, 256),
                                 ("gate_up_splits", 1, 8)):
             value = getattr(self, name)
             if value is not None and (not low <= value <= high or value & (value - 1)):
-                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
+                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]"
+                                 + ("" if self.tokens_as_m or name == "block_m" else " (16 with tokens_as_m)"))
         for name in ("words", "down_words"):
             if getattr(self, name) not in (16, 32) and (name == "words" or getattr(self, name) is not None):
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be 16 or 32 (128 or 256 inputs "
