@@ -66,11 +66,8 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=16, block_n=128, words=32, num_stages=3)]
         if n_pairs < moe_triton.WIDE_ROWS_PAIRS:       # few experts: split-K gate_up for more programs in flight
             candidates += [Config(block_m=16, block_n=64, words=32, num_stages=stages, down_block_n=128,
-                                  gate_up_splits=splits, tokens_as_m=tokens_as_m)
-                           for splits, stages, tokens_as_m in ((2, 4, False), (2, 3, False), (4, 3, False),
-                                                               (2, 4, True), (2, 3, True))]
-            candidates += [dataclasses.replace(base, block_n=rows, down_block_n=rows, num_warps=warps, tokens_as_m=True)
-                           for rows, warps in ((32, 2), (32, 1), (16, 1))]     # small programs, many per SM
+                                  gate_up_splits=splits)
+                           for splits, stages in ((2, 4), (2, 3), (4, 3), (4, 2))]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),
@@ -82,10 +79,6 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                       Config(block_m=64, block_n=128, words=32, num_warps=8, group_by_block=True, down_num_stages=2),
                       dataclasses.replace(base, num_stages=4),
                       dataclasses.replace(base, num_stages=2, down_num_stages=None)]
-
-    if base.block_m <= moe_triton.MAX_TOKENS_AS_M:     # the dots' other orientation (mma.sync against wgmma); mma.sync
-        candidates += [dataclasses.replace(base, tokens_as_m=not base.tokens_as_m),     # also splits over 8 warps
-                       dataclasses.replace(base, tokens_as_m=True, num_warps=8)]
 
     def launchable(c):      # grouped blocks sit on the grid's second axis (`run_kernels` refuses an overflow)
         return not c.group_by_block or moe.num_route_blocks(n_pairs, num_experts, c.block_m) <= moe_triton.MAX_GRID_Y

@@ -48,12 +48,7 @@ class TritonMoeConfig:
     group_by_block: launch a block's programs (its row tiles) next to each other (grid [tiles, blocks]) instead of
     one row tile of every block after another ([blocks, tiles]): the block's inputs (x rows for gate_up, h rows for
     down) are then read from DRAM once and from L2 by the rest (ncu at M=4096: down moved 14.9 GB for 3.2 GB of
-    weights; kernels.md, "Thirteenth session").
-    tokens_as_m: the dots take the block's tokens as their M side (acc [block_m, block_n] = act @ tile^T), not the
-    weight rows. With block_m <= 32 (below wgmma's M of 64) Triton then compiles them to mma.sync, whose accumulator
-    chain needs no wait after each nibble tile's wgmma, and block_n may be 16 or 32 (programs of 1-2 warps, no
-    warpgroup); larger blocks would stage the weights in shared memory for wgmma, so they keep the rows as M.
-    Measured: kernels.md, "Eighteenth session"."""
+    weights; kernels.md, "Thirteenth session")."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -64,16 +59,13 @@ class TritonMoeConfig:
     down_num_stages: int | None = None
     gate_up_splits: int = 1
     group_by_block: bool = False
-    tokens_as_m: bool = False
 
     def __post_init__(self):
-        rows = 16 if self.tokens_as_m else 64      # the weight rows are mma.sync's N, or wgmma's M (>= 64)
-        for name, low, high in (("block_m", 16, 256), ("block_n", rows, 256), ("down_block_n", rows, 256),
+        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
                                 ("gate_up_splits", 1, 8)):
             value = getattr(self, name)
             if value is not None and (not low <= value <= high or value & (value - 1)):
-                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]"
-                                 + ("" if self.tokens_as_m or name == "block_m" else " (16 with tokens_as_m)"))
+                raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
         for name in ("words", "down_words"):
             if getattr(self, name) not in (16, 32) and (name == "words" or getattr(self, name) is not None):
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be 16 or 32 (128 or 256 inputs "
@@ -81,16 +73,12 @@ class TritonMoeConfig:
         for name in ("num_stages", "down_num_stages"):
             if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 8:
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be in [1, 8]")
-        if self.tokens_as_m and self.block_m > MAX_TOKENS_AS_M:
-            raise ValueError(f"TritonMoeConfig.tokens_as_m needs block_m <= {MAX_TOKENS_AS_M} (got {self.block_m}): "
-                             "larger blocks reach wgmma, which would stage the weight tiles in shared memory")
 
     def down_tiling(self) -> tuple[int, int, int]:
         """(rows per program, words per step, pipeline stages) of the down kernel."""
         return self.down_block_n or self.block_n, self.down_words or self.words, self.down_num_stages or self.num_stages
 
 
-MAX_TOKENS_AS_M = 32      # largest block_m that tokens_as_m takes (below wgmma's M = 64: mma.sync)
 MAX_GRID_Y = 65535        # CUDA's limit on a grid's second and third axes
 WIDE_ROWS_PAIRS = 32      # from this many pairs the small-block tiling takes 128-row programs (measured at 8 pairs,
                           # M = 1, and 64, M = 8; the threshold between them is not measured)
@@ -187,48 +175,19 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, acc, TOKENS_AS_M: tl.constexpr):
-    """acc + sum_i tiles[i] . act_i^T ([BN, BM]; TOKENS_AS_M: its transpose act_i . tiles[i]^T, [BM, BN]): tiles the
-    8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the pointers of nibble 0's inputs at columns
-    act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide. The loads are masked only where the width is
-    not a whole number of 256-input blocks (then they cannot be vectorized)."""
+def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc):
+    """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
+    pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide, of
+    which only the rows_ok [BM] are read (the block's padding rows are 0: with one token per block, as at M <= 64,
+    they would otherwise move 15 of every 16 activation bytes). The mask is constant along a row, so the loads stay
+    vectorized; where the width is not a whole number of 256-input blocks the columns are masked too."""
     for i in tl.static_range(8):
         if ACT_WIDTH % 256 == 0:
-            act = tl.load(act_ptr + 32 * i)
+            act = tl.load(act_ptr + 32 * i, mask=rows_ok[:, None], other=0.0)
         else:
-            act = tl.load(act_ptr + 32 * i, mask=(act_cols + 32 * i < ACT_WIDTH)[None, :], other=0.0)
-        if TOKENS_AS_M:
-            acc = tl.dot(act, tl.trans(tiles[i]), acc)
-        else:
-            acc = tl.dot(tiles[i], tl.trans(act), acc)
-    return acc
-
-
-@triton.jit
-def _exact_dot(w, act, acc, TOKENS_AS_M: tl.constexpr):
-    """The f32 path's dot: acc + w [BN, K] . act [K, BM] ([BN, BM]; TOKENS_AS_M: its transpose, [BM, BN]), IEEE."""
-    if TOKENS_AS_M:
-        acc = tl.dot(tl.trans(act), tl.trans(w), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, act, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _accumulator(BM: tl.constexpr, BN: tl.constexpr, TOKENS_AS_M: tl.constexpr):
-    """A zero f32 accumulator: [BM, BN] with the tokens as the dots' M side, else [BN, BM]."""
-    if TOKENS_AS_M:
-        acc = tl.zeros((BM, BN), tl.float32)
-    else:
-        acc = tl.zeros((BN, BM), tl.float32)
-    return acc
-
-
-@triton.jit
-def _rows_major(acc, TOKENS_AS_M: tl.constexpr):
-    """The accumulator as [BN, BM] (weight rows first), whichever side the dots took the tokens on."""
-    if TOKENS_AS_M:
-        acc = tl.trans(acc)
+            act = tl.load(act_ptr + 32 * i, mask=rows_ok[:, None] & (act_cols + 32 * i < ACT_WIDTH)[None, :],
+                          other=0.0)
+        acc = tl.dot(tiles[i], tl.trans(act), acc)
     return acc
 
 
@@ -254,8 +213,7 @@ def _block_and_tile(GROUP_BY_BLOCK: tl.constexpr):
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                    TOKENS_AS_M: tl.constexpr):
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's; with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
     h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
@@ -278,8 +236,8 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         gate_q = gate_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
         up_q = up_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER
-        acc_g = _accumulator(BM, BN, TOKENS_AS_M)
-        acc_u = _accumulator(BM, BN, TOKENS_AS_M)
+        acc_g = tl.zeros((BN, BM), tl.float32)
+        acc_u = tl.zeros((BN, BM), tl.float32)
         for step in tl.range(first, first + steps):
             block = step * WORDS // 32
             w_gate = tl.load(gate_q + step * WORDS)
@@ -287,22 +245,20 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
             if dtype == tl.bfloat16:
                 scale_at = expert_scales + block * 8 * INTER
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
-                act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]       # [BM, W]; padding rows repeat a token
+                act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]                   # [BM, W]
                 tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, rows_in, INTER)
-                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_g, TOKENS_AS_M)
+                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, tok_ok, acc_g)
                 tiles = _dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER)
-                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, acc_u, TOKENS_AS_M)
+                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, tok_ok, acc_u)
             else:
                 scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
                 cols = _block_columns(step, WORDS)
                 act = tl.load(x_ptr + tok[None, :] * HIDDEN + cols[:, None],
                               mask=(cols < HIDDEN)[:, None] & tok_ok[None, :], other=0.0)              # [8 W, BM]
                 w_g = _dequantize(w_gate, tl.load(gate_s_ptr + scale_at), dtype, BN, WORDS)
-                acc_g = _exact_dot(w_g, act, acc_g, TOKENS_AS_M)
+                acc_g = tl.dot(w_g, act, acc_g, input_precision="ieee")
                 w_u = _dequantize(w_up, tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
-                acc_u = _exact_dot(w_u, act, acc_u, TOKENS_AS_M)
-        acc_g = _rows_major(acc_g, TOKENS_AS_M)
-        acc_u = _rows_major(acc_u, TOKENS_AS_M)
+                acc_u = tl.dot(w_u, act, acc_u, input_precision="ieee")
         if SPLITS == 1:
             h = acc_g * tl.sigmoid(acc_g) * acc_u                                              # [BN, BM]
             out_rows = b * BM + tl.arange(0, BM)
@@ -338,8 +294,7 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 @triton.jit
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                 TOKENS_AS_M: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     e = tl.load(block_expert_ptr + b)
@@ -347,13 +302,14 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         dtype = h_ptr.dtype.element_ty
         h_cols: tl.constexpr = ROW_WORDS * 8
         pair_rows = b * BM + tl.arange(0, BM)
+        tok_ok = tl.load(block_token_ptr + pair_rows) < NUM_TOKENS
         rows = n * BN + tl.arange(0, BN)
         rows_in = _clamped_rows(rows, HIDDEN, HIDDEN)
         word = tl.arange(0, WORDS)
         group = tl.arange(0, 8)
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN
-        acc = _accumulator(BM, BN, TOKENS_AS_M)
+        acc = tl.zeros((BN, BM), tl.float32)
         for step in tl.range(0, ROW_WORDS // WORDS):
             block = step * WORDS // 32
             w = tl.load(down_q + step * WORDS)
@@ -361,16 +317,14 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
                 tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
-                acc = _nibble_dots(tiles, act_at, cols, h_cols, acc, TOKENS_AS_M)
+                acc = _nibble_dots(tiles, act_at, cols, h_cols, tok_ok, acc)
             else:
                 scale_rows = block * 8 + group
                 scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
                 cols = _block_columns(step, WORDS)
                 act = tl.load(h_ptr + pair_rows[None, :].to(tl.int64) * h_cols + cols[:, None])        # [8 W, BM]
-                acc = _exact_dot(_dequantize(w, scale, dtype, BN, WORDS), act, acc, TOKENS_AS_M)
-        acc = _rows_major(acc, TOKENS_AS_M)
+                acc = tl.dot(_dequantize(w, scale, dtype, BN, WORDS), act, acc, input_precision="ieee")
         weight = tl.load(block_weight_ptr + pair_rows)
-        tok_ok = tl.load(block_token_ptr + pair_rows) < NUM_TOKENS
         y = acc * weight[None, :]
         tl.store(y_ptr + pair_rows[None, :].to(tl.int64) * HIDDEN + rows[:, None], y.to(dtype),
                  mask=tok_ok[None, :] & (rows < HIDDEN)[:, None])
@@ -511,7 +465,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
-                  GROUP_BY_BLOCK=cfg.group_by_block, TOKENS_AS_M=cfg.tokens_as_m)
+                  GROUP_BY_BLOCK=cfg.group_by_block)
     if cfg.group_by_block and num_blocks > MAX_GRID_Y:
         raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
                          f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")

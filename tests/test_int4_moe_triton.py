@@ -21,8 +21,7 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words, stages = config.down_tiling() if down else (config.block_n, config.words, config.num_stages)
-    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block,
-                     TOKENS_AS_M=config.tokens_as_m)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, stages)
 
 
@@ -44,12 +43,9 @@ def down(dtype: str, config):
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
 LARGE_UNGROUPED_3_STAGES = dataclasses.replace(LARGE, group_by_block=False, down_num_stages=None)
-FLIPPED = [dataclasses.replace(c, tokens_as_m=not c.tokens_as_m) for c in (SMALL, SMALL_WIDE, MEDIUM, SPLIT_K)] + [
-    dataclasses.replace(SMALL, tokens_as_m=True, num_warps=8)]
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES, *FLIPPED],
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES],
                ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
-                    "large_blocks_ungrouped_3_stages", "small_blocks_flipped", "small_blocks_wide_rows_flipped",
-                    "medium_blocks_flipped", "split_k_flipped", "small_blocks_mma_sync_8_warps"])
+                    "large_blocks_ungrouped_3_stages"])
 
 
 def test_large_tiling_groups_blocks_unless_the_grid_overflows():
@@ -73,17 +69,12 @@ def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
 
 @pytest.mark.parametrize("config", **CONFIGS)
 @pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
-def test_bf16_kernels_compile_to_tensor_cores_with_packed_dequantization(make, config):
-    """bf16: the weights are dequantized two at a time (bf16x2 sub and mul) and multiplied on the tensor cores
-    within the H200's 227 KB of shared memory: by wgmma with the weight rows as M, by mma.sync (no wgmma, so no wait
-    per nibble tile) with tokens_as_m."""
+def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
+    """bf16: the weights are dequantized two at a time (bf16x2 sub and mul) and multiplied on the Hopper tensor cores
+    (wgmma), within the H200's 227 KB of shared memory."""
     compiled = make("bf16", config)
     ptx = compiled.asm["ptx"]
-    assert "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
-    if config.tokens_as_m:
-        assert "mma.sync.aligned.m16n8k16" in ptx and "wgmma" not in ptx
-    else:
-        assert "wgmma.mma_async" in ptx
+    assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
     assert compiled.metadata.shared <= 227 * 1024
 
 
@@ -144,8 +135,7 @@ def test_route_kernel_compiles_to_one_program(tokens):
 
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8),
                                  dict(down_block_n=96), dict(down_words=64), dict(gate_up_splits=3),
-                                 dict(gate_up_splits=16), dict(num_stages=0), dict(down_num_stages=9),
-                                 dict(block_m=64, tokens_as_m=True)])
+                                 dict(gate_up_splits=16), dict(num_stages=0), dict(down_num_stages=9)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):
         MT.TritonMoeConfig(**bad)
