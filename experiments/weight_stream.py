@@ -98,7 +98,8 @@ def main(_):
     rng = np.random.default_rng(0)
     rows = []
     for m in (int(t) for t in F.tokens):
-        ids_sets = [rng.permutation(F.experts)[:m * TOP_K].reshape(m, TOP_K) for _ in range(F.id_sets)]
+        ids_sets = [np.stack([rng.choice(F.experts, TOP_K, replace=False) for _ in range(m)])
+                    for _ in range(F.id_sets)]
         touched = [jnp.asarray(np.unique(ids).astype(np.int32)) for ids in ids_sets]
         weights = jnp.full((m, TOP_K), 1.0 / TOP_K, jnp.bfloat16)
         xs = [jax.random.normal(jax.random.key(i), (m, F.hidden), jnp.bfloat16) for i in range(F.id_sets)]
