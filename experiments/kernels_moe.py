@@ -89,7 +89,7 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
 def mosaic_sweep(m: int, sweep_tokens: list[int]) -> dict[str, dict]:
     """{label: int4_moe_mgpu keyword arguments} of the Mosaic GPU int4_moe timed beside its default when M is one of
     `sweep_tokens`: tokens per block, a whole 256-input block per step, down at 64 rows per warpgroup (the default
-    takes 128), clusters of two CTAs sharing the activation tile."""
+    takes 128), clusters of two CTAs sharing the activation tile, gate_up at 128 rows per warpgroup."""
     if m not in sweep_tokens:
         return {}
     Config = moe_mgpu.MgpuMatmulConfig
@@ -98,6 +98,8 @@ def mosaic_sweep(m: int, sweep_tokens: list[int]) -> dict[str, dict]:
     runs["block_tokens=96,down_rows_per_wg=64"] = dict(config=Config(block_tokens=96),
                                                        down_config=Config(block_tokens=96, rows_per_wg=64))
     runs["block_tokens=96,cluster=2"] = dict(config=Config(block_tokens=96, cluster=2))
+    for tokens in (64, 96):     # the gated product at 128 rows per warpgroup (4 accumulators), not yet run on a GPU
+        runs[f"block_tokens={tokens},rows_per_wg=128"] = dict(config=Config(block_tokens=tokens, rows_per_wg=128))
     return runs
 
 
