@@ -4,7 +4,7 @@ pipeline stages) and only adds them up, timed beside the op itself (`ops.int4_mo
 
 Two layouts of the words of one expert's matrix [N rows, W words] (`int4_moe.Int4Experts`):
 - `rows`: as stored today. A program of BN rows reads, per step, WORDS contiguous words (128 B at 32 words) of each
-  of its BN rows; the rows lie W words apart.
+  of its BN rows; the rows lie W words apart. BN, WORDS, warps: the op's default tiling at that M.
 - `tiles`: the same words regrouped so that each program's step is one contiguous [BN, WORDS] tile (8 KB at BN=64),
   the layout a Marlin-style repack would give.
 
@@ -42,19 +42,21 @@ flags.DEFINE_string("launcher", moe_triton.LAUNCHER, "triton_call launcher of th
 flags.DEFINE_string("out", "experiments/results/weight_stream.json", "JSON results (a PNG beside it)")
 F = flags.FLAGS
 TOP_K = 8
-WORDS = 32          # words per row per step, as the kernels' default tilings read
 
 
 @triton.jit
 def _stream_kernel(expert_ptr, first_ptr, second_ptr, out_ptr, ROWS: tl.constexpr, ROW_WORDS: tl.constexpr,
                    BN: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, TWO: tl.constexpr):
-    """Program (expert slot b, rows n): the [BN, ROW_WORDS] words of rows n of expert expert[b] in first
+    """Program (expert slot b, rows n): the [BN, ROW_WORDS] words of rows n of expert expert[b] (-1: a padding slot,
+    nothing read) in first
     [E, ROWS, ROW_WORDS] (and second, TWO: gate_up's two matrices), WORDS words of each row per step, each converted
     to bf16 and summed by a tensor-core dot (which makes Triton's pipeliner copy the steps ahead into shared memory,
     as it does the kernels' words: plain loads are not pipelined); TILED: the words stored as
     [E, ROWS / BN, ROW_WORDS / WORDS, BN, WORDS]. out [blocks * programs * BN, 16] f32."""
     b, n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + b).to(tl.int64)
+    if e < 0:
+        return
     r = tl.arange(0, BN)
     w = tl.arange(0, WORDS)
     steps: tl.constexpr = ROW_WORDS // WORDS
@@ -72,22 +74,24 @@ def _stream_kernel(expert_ptr, first_ptr, second_ptr, out_ptr, ROWS: tl.constexp
     tl.store(out_ptr + rows_out[:, None] * 16 + tl.arange(0, 16)[None, :], acc)
 
 
-def tiled(words, bn: int):
-    """[E, N, W] -> the same words as [E, N / BN, W / WORDS, BN, WORDS] (flattened back to [E, N, W])."""
+def tiled(words, bn: int, step_words: int):
+    """[E, N, W] -> the same words as [E, N / BN, W / step_words, BN, step_words] (flattened back to [E, N, W])."""
     e, n, w = words.shape
-    t = words.reshape(e, n // bn, bn, w // WORDS, WORDS).transpose(0, 1, 3, 2, 4)
+    t = words.reshape(e, n // bn, bn, w // step_words, step_words).transpose(0, 1, 3, 2, 4)
     return t.reshape(e, n, w)
 
 
-def stream(expert_ids, first, second, *, bn: int, stages: int, tiled_layout: bool):
-    """The stream kernel over the touched experts expert_ids [B] (one program row each)."""
+def stream(expert_ids, first, second, *, bn: int, step_words: int, warps: int, stages: int, tiled_layout: bool):
+    """The stream kernel over the touched experts expert_ids [B] (-1: padding; one program row each)."""
     _, rows, row_words = first.shape
+    if rows % bn or row_words % step_words:
+        raise ValueError(f"weight_stream: a [{rows}, {row_words}] matrix is not whole [{bn}, {step_words}] tiles")
     programs = rows // bn
     out = jax.ShapeDtypeStruct((expert_ids.shape[0] * programs * bn, 16), jnp.float32)
     return triton_call(expert_ids, first, first if second is None else second, kernel=_stream_kernel,
-                       out_shape=out, grid=(expert_ids.shape[0], programs), num_warps=4, num_stages=stages,
-                       launcher=F.launcher, ROWS=rows, ROW_WORDS=row_words, BN=bn, WORDS=WORDS, TILED=tiled_layout,
-                       TWO=second is not None)
+                       out_shape=out, grid=(expert_ids.shape[0], programs), num_warps=warps, num_stages=stages,
+                       launcher=F.launcher, ROWS=rows, ROW_WORDS=row_words, BN=bn, WORDS=step_words,
+                       TILED=tiled_layout, TWO=second is not None)
 
 
 def main(_):
@@ -100,35 +104,39 @@ def main(_):
     for m in (int(t) for t in F.tokens):
         ids_sets = [np.stack([rng.choice(F.experts, TOP_K, replace=False) for _ in range(m)])
                     for _ in range(F.id_sets)]
-        touched = [jnp.asarray(np.unique(ids).astype(np.int32)) for ids in ids_sets]
+        distinct = [np.unique(ids).astype(np.int32) for ids in ids_sets]
+        width = max(len(d) for d in distinct)    # one shape for every set (-1 pads): one compile, warmed up
+        touched = [jnp.asarray(np.pad(d, (0, width - len(d)), constant_values=-1)) for d in distinct]
         weights = jnp.full((m, TOP_K), 1.0 / TOP_K, jnp.bfloat16)
         xs = [jax.random.normal(jax.random.key(i), (m, F.hidden), jnp.bfloat16) for i in range(F.id_sets)]
         cfg = moe_triton.default_config(m * TOP_K, F.experts)
-        down_bn = cfg.down_tiling()[0]
+        down_bn, down_words, _ = cfg.down_tiling()
         words = {"gate_up": 2 * experts.gate_packed[0].size * 4, "down": experts.down_packed[0].size * 4}
-        scales = {"gate_up": 2 * experts.gate_scale[0].size * 2, "down": experts.down_scale[0].size * 2}
+        scales = {"gate_up": 2 * experts.gate_scale[0].nbytes, "down": experts.down_scale[0].nbytes}
         jobs = [Job("op", jax.jit(lambda x, ids, ex: ops.int4_moe(x, ex, ids, weights)),
                     [(xs[i], jnp.asarray(ids_sets[i], jnp.int32), experts) for i in range(F.id_sets)])]
         layouts = {"rows": (experts.gate_packed, experts.up_packed, experts.down_packed)}
-        layouts["tiles"] = tuple(jax.block_until_ready(tiled(a, bn)) for a, bn in
-                                 ((experts.gate_packed, cfg.block_n), (experts.up_packed, cfg.block_n),
-                                  (experts.down_packed, down_bn)))
+        layouts["tiles"] = tuple(jax.block_until_ready(tiled(a, bn, w)) for a, bn, w in
+                                 ((experts.gate_packed, cfg.block_n, cfg.words), (experts.up_packed, cfg.block_n,
+                                                                                  cfg.words),
+                                  (experts.down_packed, down_bn, down_words)))
         for layout, (gate, up, down) in layouts.items():
             for stages in (int(s) for s in F.stages):
-                kw = dict(stages=stages, tiled_layout=layout == "tiles")
+                kw = dict(stages=stages, tiled_layout=layout == "tiles", warps=cfg.num_warps)
                 jobs.append(Job(f"gate_up:{layout}:{stages}", jax.jit(
-                    lambda ids, g, u, kw=kw: stream(ids, g, u, bn=cfg.block_n, **kw)),
+                    lambda ids, g, u, kw=kw: stream(ids, g, u, bn=cfg.block_n, step_words=cfg.words, **kw)),
                     [(t, gate, up) for t in touched]))
                 jobs.append(Job(f"down:{layout}:{stages}", jax.jit(
-                    lambda ids, d, kw=kw: stream(ids, d, None, bn=down_bn, **kw)), [(t, down) for t in touched]))
+                    lambda ids, d, kw=kw: stream(ids, d, None, bn=down_bn, step_words=down_words, **kw)),
+                    [(t, down) for t in touched]))
         times = time_jobs(jobs, F.reps)
-        n_touched = int(np.mean([t.shape[0] for t in touched]))
+        n_touched = float(np.mean([len(d) for d in distinct]))     # the sets' work differs by a few experts
         op_kernels = times["op"].get("kernels_us", {})
         for name, t in times.items():        # the streams read the words only, the op also the scales
             part = name.split(":")[0]
             moved = (words[part] if part in words else sum(words.values()) + sum(scales.values())) * n_touched
             us = t["us"]
-            row = dict(tokens=m, touched=n_touched, variant=name, us=us, span_us=t["us"], busy_us=t.get("busy_us"),
+            row = dict(tokens=m, touched=n_touched, variant=name, us=us, busy_us=t.get("busy_us"),
                        GBps=moved / (us * 1e-6) / 1e9, kernels_us=t.get("kernels_us"))
             row["copy_fraction"] = row["GBps"] / ceil["copy_GBps"]
             rows.append(row)
@@ -142,9 +150,9 @@ def main(_):
     print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s")
     print(f"{'M':>5s} {'touched':>7s} {'variant':24s} {'us':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:
-        print(f"{r['tokens']:5d} {r['touched']:7d} {r['variant']:24s} {r['us']:8.1f} {r['GBps']:7.0f} "
+        print(f"{r['tokens']:5d} {r['touched']:7.1f} {r['variant']:24s} {r['us']:8.1f} {r['GBps']:7.0f} "
               f"{r['copy_fraction']:7.1%}")
-    meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, launcher=F.launcher, words=WORDS,
+    meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, launcher=F.launcher,
                 code=os.environ.get("KDTREE_CODE", ""))
     os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
     with open(F.out, "w") as f:

@@ -51,7 +51,8 @@ class TritonMoeConfig:
     weights; kernels.md, "Thirteenth session").
     unroll: pipeline steps per loop iteration (1 or 2; Triton's loop_unroll_factor). Each iteration of Triton's
     cp.async pipeline ends at a barrier of all the program's warps, the largest stall at M=1 (ncu, kernels.md,
-    "Eighteenth session"); two steps per iteration halve the barriers per byte, and a stage then holds two steps."""
+    "Eighteenth session"); two steps per iteration halve the barriers per byte, and a stage then holds two steps
+    (at the M=1 tiling 2 stages take 70 KB, 3 take 123 KB: one program per SM). Not yet measured on a GPU."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -184,8 +185,8 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc):
     """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
     pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide, of
-    which only the rows_ok [BM] are read (the block's padding rows are 0: with one token per block, as at M <= 64,
-    they would otherwise move 15 of every 16 activation bytes). The mask is constant along a row, so the loads stay
+    which only the rows_ok [BM] are read: a block's padding rows count as 0 (down's h tiles are mostly padding rows
+    at M <= 64; measured, kernels.md, "Eighteenth session"). The mask is constant along a row, so the loads stay
     vectorized; where the width is not a whole number of 256-input blocks the columns are masked too."""
     for i in tl.static_range(8):
         if ACT_WIDTH % 256 == 0:
@@ -222,7 +223,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                     WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
                     UNROLL: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
-    expert's; with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
+    expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
     h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     steps: tl.constexpr = ROW_WORDS // WORDS // SPLITS
@@ -303,7 +304,8 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
                  UNROLL: tl.constexpr):
-    """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's."""
+    """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's (the block's
+    padding rows of y are not written)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     e = tl.load(block_expert_ptr + b)
     if e < NUM_EXPERTS:
@@ -461,6 +463,9 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     grid=, num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; the tests pass Triton's interpreter on
     the CPU). xla_routing: route through XLA at every M (`route`; the benchmark's peer of the routing kernel)."""
     ref.check_inputs(x, experts, topk_ids, topk_weights)
+    if x.size >= 2 ** 31:
+        raise ValueError(f"int4_moe_triton: x {x.shape} has 2^31 or more elements, past the kernels' 32-bit offsets "
+                         f"into x: call it on fewer than {2 ** 31 // x.shape[1]} tokens at a time")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"int4_moe_triton takes x in bfloat16 or float32, got {x.dtype}; cast x first")
     m, d = x.shape

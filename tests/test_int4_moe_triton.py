@@ -80,6 +80,13 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     assert compiled.metadata.shared <= 227 * 1024
 
 
+def test_unroll_puts_two_steps_in_each_pipeline_iteration():
+    """unroll=2 over split-K's 7 steps per program (bounds known only at run time): the loop body holds two steps'
+    dots and a remainder loop the third, so Triton's IR has three times the dots of unroll=1."""
+    dots = [gate_up("bf16", dataclasses.replace(SPLIT_K, unroll=u)).asm["ttir"].count("tt.dot") for u in (1, 2)]
+    assert dots[1] == 3 * dots[0] > 0
+
+
 @pytest.mark.parametrize("config", CONFIGS["argvalues"] + [dataclasses.replace(LARGE, down_num_stages=4)],
                          ids=CONFIGS["ids"] + ["large_blocks_down_4_stages"])
 def test_f32_kernels_compile_with_ieee_dots(config):
@@ -174,6 +181,13 @@ def test_interpret_mode_is_refused_with_the_alternatives_named():
     x = jnp.zeros((1, 512), jnp.float32)
     with pytest.raises(ValueError, match="no interpret mode"):
         MT.int4_moe(x, None, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
+
+
+def test_more_activations_than_32_bit_offsets_reach_are_refused():
+    """x with 2^31 elements or more (~300k tokens at D = 7168) would wrap the kernels' int32 offsets into x: refused
+    with the largest token count that fits, not silently read from the wrong rows."""
+    with pytest.raises(ValueError, match="fewer than 299593 tokens"):
+        trace_run_kernels(SMALL, tokens=2 ** 31 // 7168 + 1)
 
 
 def test_activations_other_than_bf16_or_f32_are_refused():

@@ -34,7 +34,7 @@ def test_in_the_interpreter():
     (4, 1024, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(gate_up_splits=4)),           # 4 steps, I off the block
     (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True)),    # grid [tiles, blocks]: more
     (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True, gate_up_splits=2)),  # blocks than tiles
-    (3, 768, 96, [[0, 2], [2, 0], [1, -1]], 16, dict(unroll=2)),             # two steps per iteration, 3 steps
+    (3, 768, 96, [[0, 2], [2, 0], [1, -1]], 16, dict(unroll=2)),   # accepted (the interpreter does not unroll)
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err
@@ -150,11 +150,12 @@ def test_nibble_dots_equal_their_einsum(width, first_col, words):
     tiles = jnp.asarray(rng.standard_normal((8, bn, words)), jnp.float32)
     masked = np.arange(bm) % 3 == 1
     act = rng.standard_normal((bm, width)).astype(np.float32)
-    act[masked] = np.nan                              # a masked row is never read
+    act[masked] = np.nan                              # a masked row adds nothing
     out = jax.ShapeDtypeStruct((bn, bm), jnp.float32)
     got = interpreter_call(tiles, jnp.asarray(act), kernel=_nibble_dots_kernel, out_shape=out, grid=(1,), BN=bn, BM=bm, W=words,
                            WIDTH=width, FIRST=first_col)
     cols = first_col + 32 * np.arange(8)[:, None] + np.arange(words)[None, :]             # [8, W]
     padded = np.concatenate([np.where(masked[:, None], 0.0, act), np.zeros((bm, 256), np.float32)], axis=1)
+    # the NaN rows must contribute exactly 0 (a masked load's `other`), not NaN
     want = np.einsum("inw,miw->nm", np.asarray(tiles, np.float64), padded[:, cols] * (cols < width))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
