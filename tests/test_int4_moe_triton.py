@@ -173,8 +173,8 @@ def test_group_by_block_refuses_more_blocks_than_the_grid_axis_holds():
     """2^20 pairs in blocks of 16 are more than CUDA's 65535 on the grid's second axis, where group_by_block puts
     the blocks; the error names the fixes."""
     with pytest.raises(ValueError, match="caps at 65535: use group_by_block=False or a larger block_m"):
-        trace_run_kernels(MT.TritonMoeConfig(group_by_block=True), tokens=2 ** 19)
-    trace_run_kernels(MT.TritonMoeConfig(), tokens=2 ** 19)       # [blocks, tiles]: the blocks on the first axis
+        trace_run_kernels(MT.TritonMoeConfig(group_by_block=True), tokens=2 ** 17, top_k=8)
+    trace_run_kernels(MT.TritonMoeConfig(), tokens=2 ** 17, top_k=8)     # [blocks, tiles]: the blocks on the first axis
 
 
 def test_interpret_mode_is_refused_with_the_alternatives_named():
