@@ -94,6 +94,14 @@ def stream(expert_ids, first, second, *, bn: int, step_words: int, warps: int, s
                        TILED=tiled_layout, TWO=second is not None)
 
 
+def result_row(*, tokens: int, touched: float, copy_gbps: float, variant: str, us: float, expert_bytes: int,
+               **extra) -> dict:
+    """One table row: `variant` moved expert_bytes per touched expert in `us`, as GB/s and a fraction of copy."""
+    gbps = expert_bytes * touched / (us * 1e-6) / 1e9
+    return dict(tokens=tokens, touched=touched, variant=variant, us=us, GBps=gbps, copy_fraction=gbps / copy_gbps,
+                **extra)
+
+
 def main(_):
     if jax.default_backend() != "gpu":
         cli.fail("weight_stream.py times the H200's memory system: run it on the GPU")
@@ -116,10 +124,8 @@ def main(_):
         jobs = [Job("op", jax.jit(lambda x, ids, ex: ops.int4_moe(x, ex, ids, weights)),
                     [(xs[i], jnp.asarray(ids_sets[i], jnp.int32), experts) for i in range(F.id_sets)])]
         layouts = {"rows": (experts.gate_packed, experts.up_packed, experts.down_packed)}
-        layouts["tiles"] = tuple(jax.block_until_ready(tiled(a, bn, w)) for a, bn, w in
-                                 ((experts.gate_packed, cfg.block_n, cfg.words), (experts.up_packed, cfg.block_n,
-                                                                                  cfg.words),
-                                  (experts.down_packed, down_bn, down_words)))
+        tilings = ((cfg.block_n, cfg.words), (cfg.block_n, cfg.words), (down_bn, down_words))
+        layouts["tiles"] = tuple(jax.block_until_ready(tiled(a, *t)) for a, t in zip(layouts["rows"], tilings))
         for layout, (gate, up, down) in layouts.items():
             for stages in (int(s) for s in F.stages):
                 kw = dict(stages=stages, tiled_layout=layout == "tiles", warps=cfg.num_warps)
@@ -132,21 +138,15 @@ def main(_):
         times = time_jobs(jobs, F.reps)
         n_touched = float(np.mean([len(d) for d in distinct]))     # the sets' work differs by a few experts
         op_kernels = times["op"].get("kernels_us", {})
+        case = dict(tokens=m, touched=n_touched, copy_gbps=ceil["copy_GBps"])
         for name, t in times.items():        # the streams read the words only, the op also the scales
             part = name.split(":")[0]
-            moved = (words[part] if part in words else sum(words.values()) + sum(scales.values())) * n_touched
-            us = t["us"]
-            row = dict(tokens=m, touched=n_touched, variant=name, us=us, busy_us=t.get("busy_us"),
-                       GBps=moved / (us * 1e-6) / 1e9, kernels_us=t.get("kernels_us"))
-            row["copy_fraction"] = row["GBps"] / ceil["copy_GBps"]
-            rows.append(row)
+            moved = words[part] if part in words else sum(words.values()) + sum(scales.values())
+            rows.append(result_row(**case, variant=name, us=t["us"], expert_bytes=moved, busy_us=t.get("busy_us"),
+                                   kernels_us=t.get("kernels_us")))
         if "_gate_up_kernel" in op_kernels:      # the op's own two kernels, for the table
-            for part in ("gate_up", "down"):
-                moved = (words[part] + scales[part]) * n_touched
-                us = op_kernels[f"_{part}_kernel"]
-                rows.append(dict(tokens=m, touched=n_touched, variant=f"{part}:op_kernel", us=us,
-                                 GBps=moved / (us * 1e-6) / 1e9, copy_fraction=moved / (us * 1e-6) / 1e9 /
-                                 ceil["copy_GBps"]))
+            rows += [result_row(**case, variant=f"{part}:op_kernel", us=op_kernels[f"_{part}_kernel"],
+                                expert_bytes=words[part] + scales[part]) for part in ("gate_up", "down")]
     print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s")
     print(f"{'M':>5s} {'touched':>7s} {'variant':24s} {'us':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:

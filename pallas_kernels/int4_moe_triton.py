@@ -223,8 +223,9 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                     WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
                     UNROLL: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
-    expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums x W_gate^T and x W_up^T into
-    h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns] (`_gate_up_reduce_kernel` finishes h)."""
+    expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums
+    x W_gate^T and x W_up^T into h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns]
+    (`_gate_up_reduce_kernel` finishes h)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     steps: tl.constexpr = ROW_WORDS // WORDS // SPLITS
     first = tl.program_id(2) * steps

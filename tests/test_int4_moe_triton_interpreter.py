@@ -152,8 +152,8 @@ def test_nibble_dots_equal_their_einsum(width, first_col, words):
     act = rng.standard_normal((bm, width)).astype(np.float32)
     act[masked] = np.nan                              # a masked row adds nothing
     out = jax.ShapeDtypeStruct((bn, bm), jnp.float32)
-    got = interpreter_call(tiles, jnp.asarray(act), kernel=_nibble_dots_kernel, out_shape=out, grid=(1,), BN=bn, BM=bm, W=words,
-                           WIDTH=width, FIRST=first_col)
+    got = interpreter_call(tiles, jnp.asarray(act), kernel=_nibble_dots_kernel, out_shape=out, grid=(1,), BN=bn,
+                           BM=bm, W=words, WIDTH=width, FIRST=first_col)
     cols = first_col + 32 * np.arange(8)[:, None] + np.arange(words)[None, :]             # [8, W]
     padded = np.concatenate([np.where(masked[:, None], 0.0, act), np.zeros((bm, 256), np.float32)], axis=1)
     # the NaN rows must contribute exactly 0 (a masked load's `other`), not NaN
