@@ -68,8 +68,6 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
             candidates += [Config(block_m=16, block_n=64, words=32, num_stages=stages, down_block_n=128,
                                   gate_up_splits=splits)
                            for splits, stages in ((2, 4), (2, 3), (4, 3), (4, 2))]
-        candidates += [dataclasses.replace(base, unroll=2, num_stages=2, down_num_stages=2),   # half the barriers
-                       dataclasses.replace(base, unroll=2, num_stages=3, down_num_stages=2)]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),

@@ -48,11 +48,7 @@ class TritonMoeConfig:
     group_by_block: launch a block's programs (its row tiles) next to each other (grid [tiles, blocks]) instead of
     one row tile of every block after another ([blocks, tiles]): the block's inputs (x rows for gate_up, h rows for
     down) are then read from DRAM once and from L2 by the rest (ncu at M=4096: down moved 14.9 GB for 3.2 GB of
-    weights; kernels.md, "Thirteenth session").
-    unroll: pipeline steps per loop iteration (1 or 2; Triton's loop_unroll_factor). Each iteration of Triton's
-    cp.async pipeline ends at a barrier of all the program's warps, the largest stall at M=1 (ncu, kernels.md,
-    "Eighteenth session"); two steps per iteration halve the barriers per byte, and a stage then holds two steps
-    (at the M=1 tiling 2 stages take 70 KB, 3 take 123 KB: one program per SM). Not yet measured on a GPU."""
+    weights; kernels.md, "Thirteenth session")."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -63,7 +59,6 @@ class TritonMoeConfig:
     down_num_stages: int | None = None
     gate_up_splits: int = 1
     group_by_block: bool = False
-    unroll: int = 1
 
     def __post_init__(self):
         for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
@@ -75,8 +70,6 @@ class TritonMoeConfig:
             if getattr(self, name) not in (16, 32) and (name == "words" or getattr(self, name) is not None):
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be 16 or 32 (128 or 256 inputs "
                                  "per step)")
-        if self.unroll not in (1, 2):
-            raise ValueError(f"TritonMoeConfig.unroll={self.unroll} must be 1 or 2 (pipeline steps per iteration)")
         for name in ("num_stages", "down_num_stages"):
             if getattr(self, name) is not None and not 1 <= getattr(self, name) <= 8:
                 raise ValueError(f"TritonMoeConfig.{name}={getattr(self, name)} must be in [1, 8]")
@@ -220,8 +213,7 @@ def _block_and_tile(GROUP_BY_BLOCK: tl.constexpr):
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums
     x W_gate^T and x W_up^T into h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns]
@@ -247,7 +239,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER
         acc_g = tl.zeros((BN, BM), tl.float32)
         acc_u = tl.zeros((BN, BM), tl.float32)
-        for step in tl.range(first, first + steps, loop_unroll_factor=UNROLL):
+        for step in tl.range(first, first + steps):
             block = step * WORDS // 32
             w_gate = tl.load(gate_q + step * WORDS)
             w_up = tl.load(up_q + step * WORDS)
@@ -303,8 +295,7 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 @triton.jit
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                 UNROLL: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's (the block's
     padding rows of y are not written)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
@@ -321,7 +312,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN
         acc = tl.zeros((BN, BM), tl.float32)
-        for step in tl.range(0, ROW_WORDS // WORDS, loop_unroll_factor=UNROLL):
+        for step in tl.range(0, ROW_WORDS // WORDS):
             block = step * WORDS // 32
             w = tl.load(down_q + step * WORDS)
             if dtype == tl.bfloat16:
@@ -479,7 +470,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
-                  GROUP_BY_BLOCK=cfg.group_by_block, UNROLL=cfg.unroll)
+                  GROUP_BY_BLOCK=cfg.group_by_block)
     if cfg.group_by_block and num_blocks > MAX_GRID_Y:
         raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
                          f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")

@@ -21,8 +21,7 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words, stages = config.down_tiling() if down else (config.block_n, config.words, config.num_stages)
-    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block,
-                     UNROLL=config.unroll)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, stages)
 
 
@@ -44,10 +43,9 @@ def down(dtype: str, config):
 SMALL, SMALL_WIDE, MEDIUM, LARGE = (MT.default_config(8 * m, 384) for m in (1, 8, 1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=2, down_block_n=128, gate_up_splits=4)
 LARGE_UNGROUPED_3_STAGES = dataclasses.replace(LARGE, group_by_block=False, down_num_stages=None)
-UNROLLED = dataclasses.replace(SMALL, unroll=2, num_stages=2, down_num_stages=2)
-CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES, UNROLLED],
+CONFIGS = dict(argvalues=[SMALL, SMALL_WIDE, MEDIUM, LARGE, SPLIT_K, LARGE_UNGROUPED_3_STAGES],
                ids=["small_blocks", "small_blocks_wide_rows", "medium_blocks", "large_blocks", "split_k",
-                    "large_blocks_ungrouped_3_stages", "small_blocks_unrolled"])
+                    "large_blocks_ungrouped_3_stages"])
 
 
 def test_large_tiling_groups_blocks_unless_the_grid_overflows():
@@ -78,13 +76,6 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "mul.rn.bf16x2" in ptx and "sub.rn.bf16x2" in ptx
     assert compiled.metadata.shared <= 227 * 1024
-
-
-def test_unroll_puts_two_steps_in_each_pipeline_iteration():
-    """unroll=2 over split-K's 7 steps per program (bounds known only at run time): the loop body holds two steps'
-    dots and a remainder loop the third, so Triton's IR has three times the dots of unroll=1."""
-    dots = [gate_up("bf16", dataclasses.replace(SPLIT_K, unroll=u)).asm["ttir"].count("tt.dot") for u in (1, 2)]
-    assert dots[1] == 3 * dots[0] > 0
 
 
 @pytest.mark.parametrize("config", CONFIGS["argvalues"] + [dataclasses.replace(LARGE, down_num_stages=4)],
@@ -144,7 +135,7 @@ def test_route_kernel_compiles_to_one_program(tokens):
 
 @pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_m=24), dict(block_n=32), dict(words=8),
                                  dict(down_block_n=96), dict(down_words=64), dict(gate_up_splits=3),
-                                 dict(gate_up_splits=16), dict(num_stages=0), dict(down_num_stages=9), dict(unroll=3)])
+                                 dict(gate_up_splits=16), dict(num_stages=0), dict(down_num_stages=9)])
 def test_config_refuses_tiles_the_kernels_cannot_take(bad):
     with pytest.raises(ValueError, match="TritonMoeConfig"):
         MT.TritonMoeConfig(**bad)
