@@ -106,16 +106,18 @@ def test_bench_round_tiny(tmp_path):
 
 
 def test_bench_decode_small_table(tmp_path):
-    """The shipped checkpoints, 3 held-out prompts: every (T, batch) group and policy present, greedy outputs equal
-    ar's on the CPU, histograms that count the rounds, the plot written; a spent time budget skips groups."""
+    """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present, outputs equal ar's
+    on the CPU, histograms that count the rounds, the plot written; a spent time budget skips every (temperature,
+    batch) group. Sampled decoding is checked by test_sampling and test_decode: a second temperature here would
+    double the script's compiles (~130 s of the suite on two cores, experiments/notes/testing.md)."""
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
     run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=2",
-               "--temperatures=0,1", "--topk=3", "--rounds_per_check=2", f"--out={out}", f"--plot={png}")
+               "--temperatures=0", "--topk=3", "--rounds_per_check=2", f"--out={out}", f"--plot={png}")
     result = json.loads(out.read_text())
     assert result["meta"]["skipped_groups"] == [] and result["meta"]["topk"] == 3 and png.stat().st_size > 0
     runs = result["runs"]
     groups = {(r["temperature"], r["batch"]) for r in runs}
-    assert groups == {(0.0, 2), (1.0, 2)}  # 3 prompts in batches of 2: a full and a ragged last batch
+    assert groups == {(0.0, 2)}  # 3 prompts in batches of 2: a full and a ragged last batch
     for r in runs:
         assert [x["policy"] for x in runs if (x["temperature"], x["batch"]) == (r["temperature"], r["batch"])] == \
             ["ar", "chain", "ddtree"]
@@ -125,7 +127,7 @@ def test_bench_decode_small_table(tmp_path):
         assert r["tau"] == pytest.approx(emitted / r["rounds"])
         if r["policy"] == "ar":
             assert r["accept_hist"][1:] == [0] * (len(r["accept_hist"]) - 1)  # one token a round
-        assert r["identical_to_ar"] is (True if r["temperature"] == 0 else None)
+        assert r["identical_to_ar"] is True and r["agree_prefix"] == 1.0
         assert r["speedup"] > 0
 
     skipped = tmp_path / "skipped.json"
