@@ -26,7 +26,9 @@ streams x 13 tokens, 2048 checked tokens per T, T = 0.7 / 1.0 / 1.3): sum_t (1 -
 sampling chi-square 6.6 / 5.2 / 6.3 and z 1.2 / 0.0 / 0.0; under the bug chi-square 2254 / 3499 / 4625 and
 z 54 / 65 / 74. A subtler bug, sampling the nodes below the root at T = 1 whatever T, gives chi-square 198 / 3 / 54
 and z -9.5 / 0.6 / 6.6 (caught at T = 0.7 and 1.3; with 64 streams it gave 37 and -4.8 at T = 0.7: not reliably
-caught, hence 256). The slow variant (512 streams x 25 tokens, ~8000 checked tokens per T) resolves smaller errors.
+caught, hence 256). The default run checks ddtree at T = 0.7 and 1.3, which catch both bugs (T = 1 adds no power
+against either, and AR's test samples at T = 1); the slow variant (512 streams x 25 tokens, ~8000 checked tokens per
+T) takes all three T and resolves smaller errors.
 """
 import jax
 import jax.numpy as jnp
@@ -134,7 +136,7 @@ def check_ddtree(target, temperature: float, streams: int, max_new: int) -> None
     assert decoder.generate([PROMPT] * streams, spec, seed=1).tokens == tokens.tolist()  # reproducible by seed
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_ddtree_tokens_follow_the_target(target, temperature):
     check_ddtree(target, temperature, streams=256, max_new=13)
 
