@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import BF16, ROTATE_BYTES, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import (BF16, ROTATE_BYTES, Job, back_to_back_job, gb_per_s, rel_err, roofline, tflop_per_s,
+                                time_jobs, try_candidates)
 from pallas_kernels import ops
 from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
@@ -160,7 +161,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          back_to_back_us={name: t[f"{name}:back_to_back"]["us"] for name in ("kernel", "reference")},
                          speedup_vs_reference_back_to_back=(t["reference:back_to_back"]["us"]
                                                             / t["kernel:back_to_back"]["us"]),
-                         GBps=bytes_ / (k_us * 1e-6) / 1e9, TFLOPs=flops / (k_us * 1e-6) / 1e12,
+                         GBps=gb_per_s(bytes_, k_us), TFLOPs=tflop_per_s(flops, k_us),
                          roofline_us=floor, roofline_fraction=floor / k_us, rel_err_bf16=errors["kernel"],
                          best_config=best, best_us=t[best]["us"], best_roofline_fraction=floor / t[best]["us"],
                          timing_method=t["kernel"]["method"], input_sets=n_sets,

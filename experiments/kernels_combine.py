@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from experiments.timing import Job, rel_err, time_jobs
+from experiments.timing import Job, gb_per_s, rel_err, time_jobs
 from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_combine as combine
 from pallas_kernels.triton_call import bound_to
@@ -83,8 +83,8 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                          variants_us={name: t[name]["us"] for name in variants},
                          variant_errors=errors,
                          kernel_busy_us=t["kernel"].get("busy_us"), xla_busy_us=t["xla"].get("busy_us"),
-                         kernel_bandwidth_fraction=bytes_ / (t["kernel"]["us"] * 1e-6) / 1e9
-                         / ceil["bandwidth_GBps"], timings=t)
+                         kernel_bandwidth_fraction=gb_per_s(bytes_, t["kernel"]["us"]) / ceil["bandwidth_GBps"],
+                         timings=t)
             results.append(entry)
             print(f"combine {name:11s} rows {rows:3d} splits {splits:3d} | kernel {entry['kernel_us']:7.1f} us "
                   f"(busy {entry['kernel_busy_us']}) | xla {entry['xla_us']:7.1f} us (busy {entry['xla_busy_us']}) | "

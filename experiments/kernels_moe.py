@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from experiments.timing import BF16, Job, back_to_back_job, rel_err, roofline, time_jobs, try_candidates
+from experiments.timing import (BF16, Job, back_to_back_job, gb_per_s, rel_err, roofline, tflop_per_s, time_jobs,
+                                try_candidates)
 from pallas_kernels import int4_moe as moe
 from pallas_kernels import int4_moe_mgpu as moe_mgpu
 from pallas_kernels import int4_moe_triton as moe_triton
@@ -355,13 +356,13 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
-                         touched_GBps=bytes_ / (k_us * 1e-6) / 1e9,
-                         bandwidth_fraction=bytes_ / (k_us * 1e-6) / 1e9 / ceil["bandwidth_GBps"],
+                         touched_GBps=gb_per_s(bytes_, k_us),
+                         bandwidth_fraction=gb_per_s(bytes_, k_us) / ceil["bandwidth_GBps"],
                          back_to_back_us=b2b_us,
-                         bandwidth_fraction_back_to_back=(bytes_ / (b2b_us * 1e-6) / 1e9 / ceil["bandwidth_GBps"]
+                         bandwidth_fraction_back_to_back=(gb_per_s(bytes_, b2b_us) / ceil["bandwidth_GBps"]
                                                           if b2b_us else None),
-                         TFLOPs=flops / (k_us * 1e-6) / 1e12,
-                         matmul_fraction=flops / (k_us * 1e-6) / 1e12 / ceil["matmul_TFLOPs"],
+                         TFLOPs=tflop_per_s(flops, k_us),
+                         matmul_fraction=tflop_per_s(flops, k_us) / ceil["matmul_TFLOPs"],
                          roofline_us=floor, roofline_fraction=floor / k_us,
                          rel_err_bf16_first_tokens=errors["kernel"], checked_tokens=sub,
                          best_config=best, best_us=t[best]["us"],

@@ -210,12 +210,22 @@ def measure_ceilings(reps: int, quick: bool) -> dict:
                    Job("elementwise", jax.jit(lambda v: v + 1), [(x,)]),
                    Job("matmul", jax.jit(jnp.matmul), [(a, b)])], reps)
     moved = 2 * x.size * x.dtype.itemsize
-    bw = {k: moved / (t[k]["us"] * 1e-6) / 1e9 for k in ("copy", "elementwise")}
+    bw = {k: gb_per_s(moved, t[k]["us"]) for k in ("copy", "elementwise")}
     best = max(bw, key=bw.get)
     return {"bandwidth_GBps": bw[best], "bandwidth_method": f"{best} of {moved / 1e9:.1f} GB (read + write)",
             "copy_GBps": bw["copy"], "elementwise_GBps": bw["elementwise"],
-            "matmul_TFLOPs": 2 * m ** 3 / (t["matmul"]["us"] * 1e-6) / 1e12, "matmul_shape": [m, m, m],
+            "matmul_TFLOPs": tflop_per_s(2 * m ** 3, t["matmul"]["us"]), "matmul_shape": [m, m, m],
             "timings": t}
+
+
+def gb_per_s(bytes_: float, us: float) -> float:
+    """The rate, in GB/s, of moving bytes_ in us microseconds."""
+    return bytes_ / (us * 1e-6) / 1e9
+
+
+def tflop_per_s(flops: float, us: float) -> float:
+    """The rate, in TFLOP/s, of flops in us microseconds."""
+    return flops / (us * 1e-6) / 1e12
 
 
 def roofline(flops: float, bytes_: float, ceil: dict) -> float:

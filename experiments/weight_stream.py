@@ -25,7 +25,7 @@ import triton.language as tl
 from absl import flags
 
 from experiments.kernels_moe import random_experts
-from experiments.timing import Job, measure_ceilings, time_jobs
+from experiments.timing import Job, gb_per_s, measure_ceilings, time_jobs
 from kdtree_jax import cli, plots
 from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels import ops
@@ -48,8 +48,8 @@ TOP_K = 8
 def _stream_kernel(expert_ptr, first_ptr, second_ptr, out_ptr, ROWS: tl.constexpr, ROW_WORDS: tl.constexpr,
                    BN: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, TWO: tl.constexpr):
     """Program (expert slot b, rows n): the [BN, ROW_WORDS] words of rows n of expert expert[b] (-1: a padding slot,
-    nothing read) in first
-    [E, ROWS, ROW_WORDS] (and second, TWO: gate_up's two matrices), WORDS words of each row per step, each converted
+    nothing read) in first [E, ROWS, ROW_WORDS] (and second, TWO: gate_up's two matrices), WORDS words of each row
+    per step, each converted
     to bf16 and summed by a tensor-core dot (which makes Triton's pipeliner copy the steps ahead into shared memory,
     as it does the kernels' words: plain loads are not pipelined); TILED: the words stored as
     [E, ROWS / BN, ROW_WORDS / WORDS, BN, WORDS]. out [blocks * programs * BN, 16] f32."""
@@ -97,7 +97,7 @@ def stream(expert_ids, first, second, *, bn: int, step_words: int, warps: int, s
 def result_row(*, tokens: int, touched: float, copy_gbps: float, variant: str, us: float, expert_bytes: int,
                **extra) -> dict:
     """One table row: `variant` moved expert_bytes per touched expert in `us`, as GB/s and a fraction of copy."""
-    gbps = expert_bytes * touched / (us * 1e-6) / 1e9
+    gbps = gb_per_s(expert_bytes * touched, us)
     return dict(tokens=tokens, touched=touched, variant=variant, us=us, GBps=gbps, copy_fraction=gbps / copy_gbps,
                 **extra)
 
