@@ -11,6 +11,8 @@ and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of i
     times      device span of one call after an idle device (`kernel_us`, `reference_us`: the host's launch time
                counts wherever a short kernel runs before a long one), and per call of timing.BACK_TO_BACK calls in one
                jitted function (`back_to_back_us`: one dispatch, the kernels enqueued one after another, as in a step)
+    plan       the op is timed with its `ops.tree_verify_plan` made beforehand, as the model makes it once per forward
+               for all its layers; the peer `op_plan_in_call` is the op making it in the call
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def attention_peers(args, interpret: bool) -> dict:
     `interpret`)."""
     if interpret:
         return {}
-    peers = {"triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
+    peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
+             "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
         rows = args[0].shape[1] * args[0].shape[2]
@@ -133,19 +136,22 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
             n_sets = int(min(32, max(2, math.ceil(ROTATE_BYTES / one))))
             sets = [attention_inputs(jax.random.key(1000 * ci + i), case, rng) for i in range(n_sets)]
-            fns = {"kernel": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))}
+            planned = [(*a, ops.tree_verify_plan(a[4], a[5], num_heads=case["heads"])) for a in sets]
+            op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
+            fns = {"kernel": op}
             if not interpret:
                 for cfg in attention_sweep(case, quick, tilings, splits):
                     fns[f"triton:{cfg}"] = jax.jit(
                         lambda *a, cfg=cfg: attn_triton.tree_verify_attention(*a, scale=K26_SCALE, config=cfg))
             ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
             ref = ref_fn(*sets[0]).astype(jnp.float32)
-            errors, failed = try_candidates(fns, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
+            errors, failed = try_candidates(fns, lambda fn: fn(*(planned if fn is op else sets)[0]).astype(jnp.float32),
+                                            ref)
             peers = attention_peers(sets[0], interpret)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
-            jobs = [Job(name, fn, sets) for name, fn in {**fns, **peers}.items()] + [Job("reference", ref_fn, sets)]
-            jobs += [back_to_back_job(f"{name}:back_to_back", fn, sets)
-                     for name, fn in (("kernel", fns["kernel"]), ("reference", ref_fn))]
+            jobs = [Job(name, fn, planned if fn is op else sets) for name, fn in {**fns, **peers}.items()]
+            jobs += [Job("reference", ref_fn, sets), back_to_back_job("kernel:back_to_back", op, planned),
+                     back_to_back_job("reference:back_to_back", ref_fn, sets)]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)
             floor = roofline(flops, bytes_, ceil)

@@ -29,6 +29,7 @@ from pallas_kernels import tree_triton as _tree_triton
 from pallas_kernels import tree_verify_attention as _attention
 from pallas_kernels import tree_verify_attention_mgpu as _attention_mgpu
 from pallas_kernels import tree_verify_attention_triton as _attention_triton
+from pallas_kernels.tree_verify_attention import TreeVerifyPlan
 
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
@@ -49,19 +50,26 @@ def attention_backend(q_lat, q_rope, c_kv, k_rope) -> str:
     return "mosaic_gpu" if _attention_mgpu.fits(q_lat, q_rope, c_kv, k_rope) else "triton"
 
 
-def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, interpret: bool):
+def _attention_kernel(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan, *, scale: float, interpret: bool):
     """tree_verify_attention's kernel (`attention_backend`); the Triton one has no interpret mode (the reference
     runs there)."""
     args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     if attention_backend(q_lat, q_rope, c_kv, k_rope) == "mosaic_gpu":
-        return _attention_mgpu.tree_verify_attention(*args, scale=scale, interpret=interpret)
+        bias = None if plan is None else plan.frame_bias
+        return _attention_mgpu.tree_verify_attention(*args, scale=scale, bias=bias, interpret=interpret)
     if interpret:
         return _attention.tree_verify_attention_reference(*args, scale=scale)
     return _attention_triton.tree_verify_attention(*args, scale=scale)
 
 
+def _attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan, *, scale: float):
+    """tree_verify_attention's reference (it needs no plan)."""
+    del plan
+    return _attention.tree_verify_attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
+
+
 # Measured against the Pallas-Triton kernel they replace: kernels.md, "Eighth session".
-_register("tree_verify_attention", _attention_kernel, _attention.tree_verify_attention_reference)
+_register("tree_verify_attention", _attention_kernel, _attention_reference)
 
 
 def int4_moe_backend(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts: int | None = None) -> str:
@@ -147,11 +155,29 @@ def _call(name: str, *args, **kwargs):
     return kernel(*args, interpret=interprets(), **kwargs)
 
 
-def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
+def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan: TreeVerifyPlan | None = None, *,
+                          scale: float):
     """q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S], visible [S, T, T]
-    -> [S, T, H, C]. See pallas_kernels/tree_verify_attention.py (the op) and its kernels
+    -> [S, T, H, C]. plan: `tree_verify_plan(prefix_len, visible, num_heads=H)`, made once for all the calls of a
+    forward (None: each call makes its own). See pallas_kernels/tree_verify_attention.py (the op) and its kernels
     tree_verify_attention_mgpu.py / tree_verify_attention_triton.py (`attention_backend` picks)."""
-    return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
+    if plan is not None and plan.num_heads != q_lat.shape[2]:
+        raise ValueError(f"tree_verify_attention: the plan was built for num_heads={plan.num_heads}, the call has "
+                         f"H={q_lat.shape[2]} heads; build it with the call's heads (each device's under head "
+                         f"parallelism: kdtree_jax.model.parallel.attention_plan)")
+    return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan, scale=scale)
+
+
+def tree_verify_plan(prefix_len, visible, *, num_heads: int) -> TreeVerifyPlan:
+    """prefix_len [S], visible [S, T, T] -> the `TreeVerifyPlan` of the forward's `tree_verify_attention` calls with
+    num_heads heads each: the Mosaic GPU kernel's frame bias where kernels run and its tile takes T x num_heads rows
+    (a call that then picks the Triton kernel leaves it unused, and XLA drops it), else nothing. Read, like the
+    calls' choice of kernel, when traced."""
+    t = visible.shape[1]
+    bias = None
+    if uses_kernel() and _attention_mgpu.takes_rows(t * num_heads):
+        bias = _attention_mgpu.frame_bias(prefix_len, visible, num_heads, _attention_mgpu.padded_rows(t * num_heads))
+    return TreeVerifyPlan(num_heads, bias)
 
 
 def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights, *, routed_experts: int | None = None):

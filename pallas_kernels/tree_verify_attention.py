@@ -17,11 +17,19 @@ cache blocks with an online softmax (the 576-wide score: C = 512 latent + R = 64
 cache rows are cut into that many contiguous pieces at run time (from prefix_len, so short prefixes waste nothing),
 each program writes a partial (its output, running max and sum) and a combine merges them; the tree block is masked
 by `visible`.
+
+What every layer of one forward shares (its prefix_len and visible) is prepared once per forward, not in each
+layer's call: `TreeVerifyPlan`, built by `ops.tree_verify_plan` (FlashMLA's per-step scheduler metadata plays the
+same part). Built inside each call, the Mosaic GPU kernel's frame bias was a short XLA fusion before the kernel in
+every layer, and in a call timed alone the device then idled ~19 us for the host's launch of the kernel (kernels.md,
+"Tenth session").
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -49,6 +57,19 @@ class AttentionConfig:
                 raise ValueError(f"AttentionConfig.{name}={value} must be a power of two >= {MIN_DOT_DIM}")
         if self.num_splits < 1:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["frame_bias"], meta_fields=["num_heads"])
+@dataclasses.dataclass(frozen=True)
+class TreeVerifyPlan:
+    """The part of a forward's tree-verify attention calls made once per forward (`ops.tree_verify_plan`).
+
+    num_heads: the query heads of the calls it serves (each device's under head parallelism); a call with another
+    count rejects it. frame_bias: the Mosaic GPU kernel's [S, rows, frame_width(T)] f32
+    (`tree_verify_attention_mgpu.frame_bias`), or None where that kernel does not run (the call then needs none).
+    """
+    num_heads: int
+    frame_bias: jax.Array | None = None
 
 
 # Split-K heuristic (the Triton kernel's; the Mosaic GPU one applies `split_count` to its own tiles): the count that

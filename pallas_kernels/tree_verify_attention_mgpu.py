@@ -366,7 +366,17 @@ def fits(q_lat, q_rope, c_kv, k_rope) -> bool:
     """Whether `ops` gives this kernel the call: `supports` it, with at least one whole 64-row query tile per stream
     (fewer rows would be mostly padding: the Triton kernel's 16-row tiles win there, kernels.md)."""
     _, t, h, _ = q_lat.shape
-    return supports(q_lat, q_rope, c_kv, k_rope) and t * h >= BLOCK_Q
+    return supports(q_lat, q_rope, c_kv, k_rope) and takes_rows(t * h)
+
+
+def takes_rows(rows: int) -> bool:
+    """The query-row part of `fits`: at least one whole 64-row tile per stream."""
+    return rows >= BLOCK_Q
+
+
+def padded_rows(rows: int) -> int:
+    """The kernel's query rows for `rows` = T x H (node, head) pairs: rounded up to whole 64-row tiles."""
+    return BLOCK_Q * pl.cdiv(rows, BLOCK_Q)
 
 
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
@@ -394,7 +404,7 @@ def query_rows(x):
     """x [S, T, H, W] -> [S, T * H rounded up to a multiple of BLOCK_Q, W]: the kernel's query rows, (node, head)
     pairs in order, then zero padding rows."""
     s, t, h, w = x.shape
-    return jnp.pad(x.reshape(s, t * h, w), ((0, 0), (0, -(t * h) % BLOCK_Q), (0, 0)))
+    return jnp.pad(x.reshape(s, t * h, w), ((0, 0), (0, padded_rows(t * h) - t * h), (0, 0)))
 
 
 def frame_width(num_nodes: int) -> int:
@@ -422,14 +432,15 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
-def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
+def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
                           num_splits: int | None = None, combine_in_kernel: bool = False,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
-    `frame_bias`). With num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
+    `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
+    num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
     (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
     of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
@@ -445,8 +456,10 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         if combine_in_kernel:                 # its programs must fit on the GPU at once
             num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
     combine_in_kernel = combine_in_kernel and num_splits > 1
+    if bias is None:
+        bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(
-        q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, frame_bias(prefix_len, visible, h, padded), scale=scale,
+        q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
         num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
         interpret=interpret)
     if combine_in_kernel:

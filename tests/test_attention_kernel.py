@@ -121,9 +121,10 @@ def test_attention_backend(nodes, heads, capacity, dtype, lat, backend):
 def test_both_attention_kernels_lower_under_head_parallel():
     """ops.tree_verify_attention inside the model's head-parallel shard_map (tp=2, check_vma on), lowered for an
     abstract H200 mesh: 8 query rows per device go to the Triton kernel (XLA's Triton custom call), 16 x 8 to the
-    Mosaic GPU kernel (its custom call); with split-K both add the Triton combine kernel."""
+    Mosaic GPU kernel (its custom call); with split-K both add the Triton combine kernel. The same with the forward's
+    plan made outside the shard_map (`attention_plan`: each device's 8 heads)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from kdtree_jax.model.parallel import head_parallel
+    from kdtree_jax.model.parallel import attention_plan, head_parallel
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_mgpu as AM
     from triton_h200 import h200_mesh, lower_for_h200
@@ -138,11 +139,17 @@ def test_both_attention_kernels_lower_under_head_parallel():
         parts = [P(None, None, "tp", None)] * 2 + [P()] * 4
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, part))
                 for a, part in zip(arrays, parts)]
-        with ops.implementation("kernel", interpret=False):
-            text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
         combined = splits > 1
-        assert text.count("custom_call @mosaic_gpu_v2") == mosaic, nodes
-        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 - mosaic + combined, (nodes, splits)
+        for planned in (False, True):
+            def fn(*a):
+                plan = attention_plan(a[4], a[5], 16) if planned else None
+                assert not planned or plan.num_heads == 8 and (plan.frame_bias is not None) == bool(mosaic)
+                return head_parallel(attention, *a, plan)
+
+            with ops.implementation("kernel", interpret=False):
+                text = lower_for_h200(fn, *args, mesh=mesh)
+            assert text.count("custom_call @mosaic_gpu_v2") == mosaic, nodes
+            assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 - mosaic + combined, (nodes, splits)
 
 
 def test_bad_shapes_raise():

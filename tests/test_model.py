@@ -149,3 +149,23 @@ def test_int4_layers_give_ops_the_routing_expert_count(monkeypatch):
     toks = jax.random.randint(jax.random.key(2), (1, 3), 0, cfg.vocab_size)
     model(toks, jnp.arange(3)[None], init_cache(cfg, 1, 8), causal(1, 3))
     assert seen and set(seen) == {cfg.num_experts}
+
+
+def test_a_forward_makes_one_attention_plan_for_all_its_layers(monkeypatch):
+    """The absorbed forward builds `ops.tree_verify_plan` once (from the prefix lengths and the tree mask every layer
+    shares) and hands that plan to each layer's attention call; the naive path needs none."""
+    cfg = config_lib.tiny()
+    model = Transformer(cfg, nnx.Rngs(1))
+    plans, calls = [], []
+    real_plan, real_attention = ops.tree_verify_plan, ops.tree_verify_attention
+    monkeypatch.setattr(ops, "tree_verify_plan", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
+    monkeypatch.setattr(ops, "tree_verify_attention",
+                        lambda *a, **k: calls.append(a[6]) or real_attention(*a, **k))
+    toks = jax.random.randint(jax.random.key(3), (2, 3), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    jax.eval_shape(lambda: model(toks, pos, init_cache(cfg, 2, 8), causal(2, 3)))
+    assert len(plans) == 1 and plans[0].num_heads == cfg.num_heads
+    assert len(calls) == cfg.num_layers and all(plan is plans[0] for plan in calls)
+    plans.clear()
+    jax.eval_shape(lambda: model(toks, pos, init_cache(cfg, 2, 8), causal(2, 3), absorbed=False))
+    assert not plans

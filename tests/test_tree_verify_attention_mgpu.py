@@ -106,6 +106,30 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
     assert rel_err(got, want) < 1e-2
 
 
+def test_a_plan_made_once_gives_each_call_the_same_output():
+    """`ops.tree_verify_plan` (the frame bias made once per forward, outside the calls) gives the op the bias it
+    would make itself: bit-identical output with and without the plan; a plan for other heads is refused by name,
+    and one for fewer than 64 query rows (the Triton kernel's calls) holds no bias."""
+    from pallas_kernels import ops
+    rng = np.random.default_rng(11)
+    s, nodes, heads = 2, 5, 16
+    bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    prefix_len = jnp.asarray([150, 61], jnp.int32)
+    visible = jnp.asarray(random_tree_visible(rng, s, nodes))
+    args = (bf16(s, nodes, heads, 2 * AM.HALF), bf16(s, nodes, heads, AM.ROPE), bf16(s, 256, 2 * AM.HALF),
+            bf16(s, 256, AM.ROPE), prefix_len, visible)
+    with ops.implementation("kernel", interpret=INTERPRET), jax.disable_jit(INTERPRET):
+        plan = ops.tree_verify_plan(prefix_len, visible, num_heads=heads)
+        assert plan.frame_bias.shape == (s, AM.padded_rows(nodes * heads), AM.frame_width(nodes))
+        with_plan = ops.tree_verify_attention(*args, plan, scale=SCALE)
+        without = ops.tree_verify_attention(*args, scale=SCALE)
+        with pytest.raises(ValueError, match="plan was built for num_heads=8, the call has H=16"):
+            ops.tree_verify_attention(*args, ops.tree_verify_plan(prefix_len, visible, num_heads=8), scale=SCALE)
+        assert ops.tree_verify_plan(prefix_len, visible, num_heads=8).frame_bias is None     # 40 rows
+    assert np.array_equal(np.asarray(with_plan, np.float32), np.asarray(without, np.float32))
+    assert rel_err(with_plan, A.tree_verify_attention_reference(*args, scale=SCALE)) < 1e-2
+
+
 def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
     rng = np.random.default_rng(3)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 8, 100)

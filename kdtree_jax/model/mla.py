@@ -57,10 +57,11 @@ class MLA(nnx.Module):
         c = self.cfg.kv_lora_rank
         return self.kv_a_norm(kv[..., :c]), apply_rope(kv[..., c:], positions, self.cfg)
 
-    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, absorbed: bool = True):
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan=None, absorbed: bool = True):
         """One block of T tokens per stream.
 
-        x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T].
+        x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T];
+        plan: the forward's `parallel.attention_plan` (the absorbed path's; None: made in this call).
         The block's latents are written to rows prefix_len .. prefix_len+T-1, then every token attends to the
         stream's prefix and to its visible block rows. Returns (out [S, T, D], c_cache, r_cache).
         """
@@ -75,7 +76,7 @@ class MLA(nnx.Module):
             q_lat = jnp.einsum("sthp,chp->sthc", q_nope, w_uk)
             attention = functools.partial(ops.tree_verify_attention, scale=cfg.softmax_scale)
             out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len,
-                                    visible)
+                                    visible, plan)
             out = jnp.einsum("sthc,chv->sthv", out_lat, w_uv)
         else:
             out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,

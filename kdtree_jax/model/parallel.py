@@ -55,25 +55,33 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights):
                          check_vma=_check_vma())(x, experts, ids, weights)
 
 
-def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+def attention_plan(prefix_len, visible, num_heads: int):
+    """`ops.tree_verify_plan` for a forward's `head_parallel` calls of num_heads heads: built for the heads each
+    device attends for (num_heads / tp under a mesh with tp > 1), once per forward, outside the shard_map."""
+    tp = tp_size(jax.sharding.get_abstract_mesh())
+    return ops.tree_verify_plan(prefix_len, visible, num_heads=_per_device(num_heads, tp, "heads", "attention heads"))
+
+
+def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan=None):
     """Tree-verify attention with its heads split over tp when the current mesh has tp > 1.
 
     attention(q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S],
-    visible [S, T, T]) -> [S, T, H, C]. A Pallas call cannot be partitioned by XLA, so without this every device would
+    visible [S, T, T], plan) -> [S, T, H, C]; plan: `attention_plan`'s, or None. A Pallas call cannot be partitioned by XLA, so without this every device would
     gather all H heads and attend for all of them; under shard_map each device attends for its own H / tp heads over
     the replicated latent cache, and no collective is needed (o_proj is split on heads too). Streams stay split over
     data when it divides S.
     """
     mesh = jax.sharding.get_abstract_mesh()
     tp = tp_size(mesh)
+    args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan)
     if tp == 1:
-        return attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+        return attention(*args)
     _per_device(q_lat.shape[2], tp, "heads", "attention heads")
     streams = _stream_axis(mesh, q_lat.shape[0])
     per_head = P(streams, None, TP, None)
     per_stream = P(streams)
-    return jax.shard_map(attention, in_specs=(per_head, per_head, per_stream, per_stream, per_stream, per_stream),
-                         out_specs=per_head, check_vma=_check_vma())(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    return jax.shard_map(attention, in_specs=(per_head, per_head) + (per_stream,) * 5, out_specs=per_head,
+                         check_vma=_check_vma())(*args)
 
 
 def vocab_parallel_embed(table, tokens):

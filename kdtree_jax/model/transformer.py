@@ -12,7 +12,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
-from kdtree_jax.model.parallel import vocab_parallel_embed
+from kdtree_jax.model.parallel import attention_plan, vocab_parallel_embed
 
 
 class DecoderLayer(nnx.Module):
@@ -26,9 +26,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MoE(cfg, rngs)
 
-    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, absorbed):
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed):
         h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
-                                             visible, absorbed)
+                                             visible, plan, absorbed)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), c_cache, r_cache
 
@@ -67,9 +67,10 @@ class Transformer(nnx.Module):
         hidden_layers: ids of layers whose outputs to return (the drafter's context features).
         """
         x = self.embed(tokens)
+        plan = attention_plan(cache.length, visible, self.cfg.num_heads) if absorbed else None   # once, all layers
         c_all, r_all, hidden = list(cache.c_kv), list(cache.k_rope), []
         for i, layer in enumerate(self.layers):
-            x, c_all[i], r_all[i] = layer(x, positions, c_all[i], r_all[i], cache.length, visible, absorbed)
+            x, c_all[i], r_all[i] = layer(x, positions, c_all[i], r_all[i], cache.length, visible, plan, absorbed)
             if i in hidden_layers:
                 hidden.append(x)
         logits = self.logits(self.norm(x))
