@@ -13,6 +13,7 @@ from jax import lax
 import jax.numpy as jnp
 
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
+SHARED_BYTES = 227 * 1024  # the H200's shared memory per block (the most a kernel may ask for)
 
 
 def inverse_or_zero(total):

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import SHARED_BYTES
 from pallas_kernels import int4_moe as ref
 
 GROUP = ref.GROUP      # inputs per scale (32)
@@ -90,7 +91,6 @@ class MgpuMatmulConfig:
 
 
 MAX_STAGES = 4
-SHARED_BYTES = 227 * 1024      # the H200's shared memory per block
 
 
 def stages_that_fit(tile_k: int, products: int, out_dtype, a_in_shared: bool, block_tokens: int = TOKENS,

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import inverse_or_zero
+from pallas_kernels import SHARED_BYTES, inverse_or_zero
 from pallas_kernels import tree_verify_attention as op
 from pallas_kernels import tree_verify_attention_combine as combine
 from pallas_kernels.triton_call import bound_to
@@ -55,14 +55,26 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
+def shared_memory_bytes(stages: int) -> int:
+    """Shared memory of a program with a ring of `stages` slots, by Mosaic GPU's count: every scratch buffer aligned
+    to 1 KB (the q tile and its rope, the slots' c_kv and k_rope, the row and step statistics), 1 KB of barriers."""
+    aligned = lambda size: -(-size // 1024) * 1024  # noqa: E731
+    buffers = (2 * BLOCK_Q * HALF * 2, BLOCK_Q * ROPE * 2, stages * 2 * BLOCK_KV * HALF * 2, stages * BLOCK_KV * ROPE * 2,
+               2 * BLOCK_Q * 4, stages * 3 * BLOCK_Q * 4)
+    return sum(map(aligned, buffers)) + 1024
+
+
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int,
-           registers: tuple[int, int]):
+           registers: tuple[int, int], interpret: bool):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
     if num_splits < 1 or stages < 1:
         problems.append(f"num_splits={num_splits} and stages={stages} must be >= 1")
+    elif not interpret and shared_memory_bytes(stages) > SHARED_BYTES:
+        problems.append(f"stages={stages} needs {shared_memory_bytes(stages)} bytes of shared memory, more than the "
+                        f"{SHARED_BYTES} a block has (one 72 KB slot per stage beside the 72 KB q tile): use stages=2")
     consumer, producer = registers
     if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
         problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
@@ -101,7 +113,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
     bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers, interpret)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
         if interpret:
