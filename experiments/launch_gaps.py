@@ -6,7 +6,8 @@ last end) against their busy time (sum of durations), per variant, on decode cas
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 experiments/launch_gaps.py --label=no_command_buffers \
         --out=experiments/results/launch_gaps_no_command_buffers.json
 
-Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel), `triton` (the Triton
+Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel), `op_planned` (the op
+with its `ops.tree_verify_plan` made beforehand, as the model does once per forward), `triton` (the Triton
 kernel and its combine), `mosaic_partials` (the Mosaic GPU kernel and its input fusions, no combine), `mosaic_twice`
 (two Mosaic GPU kernels of different scales in one call: is there a gap before the second too?),
 `mosaic_combine_in_kernel` (the kernel joining its own partials: a zeroed semaphore buffer, then the kernel).
@@ -38,6 +39,8 @@ F = flags.FLAGS
 
 
 def variants(args) -> dict:
+    """{name: (jitted function, its arguments)} for the operands `args` (q_lat, q_rope, c_kv, k_rope, prefix_len,
+    visible)."""
     s, t, h, _ = args[0].shape
     rows = t * h
     splits = attn_mgpu.default_num_splits(s, rows, args[2].shape[1])
@@ -48,14 +51,16 @@ def variants(args) -> dict:
             q_lat, q_rope, c_kv, k_rope, prefix_len, attn_mgpu.frame_bias(prefix_len, visible, h, q_lat.shape[1]),
             scale=scale, num_nodes=t, num_splits=splits)
 
-    out = {"op": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
+    op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
+    out = {"op": op, "op_planned": op,
            "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE)),
            "mosaic_partials": jax.jit(partials),
            "mosaic_twice": jax.jit(lambda *a: (partials(*a), partials(*a, scale=K26_SCALE / 2)))}
     if splits > 1:
         out["mosaic_combine_in_kernel"] = jax.jit(
             lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
-    return out
+    planned = (*args, ops.tree_verify_plan(args[4], args[5], num_heads=h))
+    return {name: (fn, planned if name == "op_planned" else args) for name, fn in out.items()}
 
 
 def main(_):
@@ -66,7 +71,8 @@ def main(_):
         heads, prefix, nodes = (int(x) for x in spec.split(":"))
         case = dict(streams=1, heads=heads, prefix=prefix, nodes=nodes)
         args = attention_inputs(jax.random.key(i), case, np.random.default_rng(i))
-        times = time_jobs([Job(name, fn, [args]) for name, fn in variants(args).items()], F.reps, timeline=True)
+        times = time_jobs([Job(name, fn, [fn_args]) for name, (fn, fn_args) in variants(args).items()], F.reps,
+                          timeline=True)
         for name, t in times.items():
             row = dict(case, variant=name, span_us=t["us"], busy_us=t.get("busy_us"), kernels_us=t.get("kernels_us"),
                        timeline=t.get("timeline"))
