@@ -59,8 +59,8 @@ def shared_memory_bytes(stages: int) -> int:
     """Shared memory of a program with a ring of `stages` slots, by Mosaic GPU's count: every scratch buffer aligned
     to 1 KB (the q tile and its rope, the slots' c_kv and k_rope, the row and step statistics), 1 KB of barriers."""
     aligned = lambda size: -(-size // 1024) * 1024  # noqa: E731
-    buffers = (2 * BLOCK_Q * HALF * 2, BLOCK_Q * ROPE * 2, stages * 2 * BLOCK_KV * HALF * 2, stages * BLOCK_KV * ROPE * 2,
-               2 * BLOCK_Q * 4, stages * 3 * BLOCK_Q * 4)
+    buffers = (2 * BLOCK_Q * HALF * 2, BLOCK_Q * ROPE * 2, stages * 2 * BLOCK_KV * HALF * 2,
+               stages * BLOCK_KV * ROPE * 2, 2 * BLOCK_Q * 4, stages * 3 * BLOCK_Q * 4)
     return sum(map(aligned, buffers)) + 1024
 
 

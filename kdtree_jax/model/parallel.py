@@ -66,10 +66,10 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
     """Tree-verify attention with its heads split over tp when the current mesh has tp > 1.
 
     attention(q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S],
-    visible [S, T, T], plan) -> [S, T, H, C]; plan: `attention_plan`'s, or None. A Pallas call cannot be partitioned by XLA, so without this every device would
-    gather all H heads and attend for all of them; under shard_map each device attends for its own H / tp heads over
-    the replicated latent cache, and no collective is needed (o_proj is split on heads too). Streams stay split over
-    data when it divides S.
+    visible [S, T, T], plan) -> [S, T, H, C]; plan: `attention_plan`'s, or None. A Pallas call cannot be partitioned
+    by XLA, so without this every device would gather all H heads and attend for all of them; under shard_map each
+    device attends for its own H / tp heads over the replicated latent cache, and no collective is needed (o_proj is
+    split on heads too). Streams stay split over data when it divides S.
     """
     mesh = jax.sharding.get_abstract_mesh()
     tp = tp_size(mesh)
