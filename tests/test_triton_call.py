@@ -176,7 +176,9 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
     args = (sharded((s, t, h, 512), BF16, per_head), sharded((s, t, h, 64), BF16, per_head),
             sharded((s, n, 512), BF16, replicated), sharded((s, n, 64), BF16, replicated),
             sharded((s,), I32, replicated), sharded((s, t, t), jnp.bool_, replicated))
-    attention = functools.partial(AT.tree_verify_attention, scale=0.07)
+    def attention(*operands_and_plan):     # head_parallel's callable also takes the forward's plan (None here)
+        return AT.tree_verify_attention(*operands_and_plan[:6], scale=0.07)
+
     text = lower_for_h200(lambda *a: head_parallel(attention, *a), *args, mesh=mesh)
     splits = A.default_config(s, t * h // 2, n).num_splits
     combined = splits > 1
