@@ -11,8 +11,9 @@ and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of i
     times      device span of one call after an idle device (`kernel_us`, `reference_us`: the host's launch time
                counts wherever a short kernel runs before a long one), and per call of timing.BACK_TO_BACK calls in one
                jitted function (`back_to_back_us`: one dispatch, the kernels enqueued one after another, as in a step)
-    plan       the op is timed with its `ops.tree_verify_plan` made beforehand, as the model makes it once per forward
-               for all its layers; the peer `op_plan_in_call` is the op making it in the call
+    plan       the op is timed with its `ops.tree_verify_plan` made beforehand (`kernel_us`, `back_to_back_us`), as the
+               model makes it once per forward for all its layers; `plan_us` times the plan alone, and the peer
+               `op_plan_in_call` the op making it in the call
 """
 from __future__ import annotations
 
@@ -150,7 +151,9 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             peers = attention_peers(sets[0], interpret)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, planned if fn is op else sets) for name, fn in {**fns, **peers}.items()]
-            jobs += [Job("reference", ref_fn, sets), back_to_back_job("kernel:back_to_back", op, planned),
+            plan_fn = jax.jit(lambda p, v, h=case["heads"]: ops.tree_verify_plan(p, v, num_heads=h))
+            jobs += [Job("plan", plan_fn, [a[4:6] for a in sets]),
+                     Job("reference", ref_fn, sets), back_to_back_job("kernel:back_to_back", op, planned),
                      back_to_back_job("reference:back_to_back", ref_fn, sets)]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)
@@ -163,7 +166,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          config=(f"num_splits={attn_mgpu.default_num_splits(case['streams'], rows, cache_rows(case))}"
                                  if attn_mgpu.fits(*sets[0][:4]) else
                                  str(attn.default_config(case["streams"], rows, cache_rows(case)))),
-                         kernel_us=k_us, reference_us=r_us, speedup_vs_reference=r_us / k_us,
+                         kernel_us=k_us, plan_us=t["plan"]["us"], reference_us=r_us, speedup_vs_reference=r_us / k_us,
                          back_to_back_us={name: t[f"{name}:back_to_back"]["us"] for name in ("kernel", "reference")},
                          speedup_vs_reference_back_to_back=(t["reference:back_to_back"]["us"]
                                                             / t["kernel:back_to_back"]["us"]),

@@ -161,23 +161,29 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan
     -> [S, T, H, C]. plan: `tree_verify_plan(prefix_len, visible, num_heads=H)`, made once for all the calls of a
     forward (None: each call makes its own). See pallas_kernels/tree_verify_attention.py (the op) and its kernels
     tree_verify_attention_mgpu.py / tree_verify_attention_triton.py (`attention_backend` picks)."""
-    if plan is not None and plan.num_heads != q_lat.shape[2]:
-        raise ValueError(f"tree_verify_attention: the plan was built for num_heads={plan.num_heads}, the call has "
-                         f"H={q_lat.shape[2]} heads; build it with the call's heads (each device's under head "
-                         f"parallelism: kdtree_jax.model.parallel.attention_plan)")
+    if plan is not None:
+        if not isinstance(plan, TreeVerifyPlan):
+            raise TypeError(f"tree_verify_attention: plan must be a TreeVerifyPlan (`tree_verify_plan`) or None, got "
+                            f"{type(plan).__name__}")
+        _, t, h, _ = q_lat.shape
+        if (plan.num_heads, plan.num_nodes) != (h, t):
+            raise ValueError(f"tree_verify_attention: the plan was built for num_heads={plan.num_heads} and "
+                             f"T={plan.num_nodes} tree nodes, the call has H={h} heads and T={t} nodes; build it "
+                             f"from the call's visible with the call's heads (each device's under head parallelism)")
     return _call("tree_verify_attention", q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan, scale=scale)
 
 
 def tree_verify_plan(prefix_len, visible, *, num_heads: int) -> TreeVerifyPlan:
     """prefix_len [S], visible [S, T, T] -> the `TreeVerifyPlan` of the forward's `tree_verify_attention` calls with
-    num_heads heads each: the Mosaic GPU kernel's frame bias where kernels run and its tile takes T x num_heads rows
-    (a call that then picks the Triton kernel leaves it unused, and XLA drops it), else nothing. Read, like the
-    calls' choice of kernel, when traced."""
+    num_heads heads each: the Mosaic GPU kernel's frame bias where kernels run and its tile takes T x num_heads rows,
+    else nothing. The plan does not see the calls' cache or dtypes: a call that then picks the Triton kernel (another
+    latent width, f32, a cache not in whole 64-row blocks) leaves the bias unused, which XLA drops under jit and
+    which an eager caller has computed for nothing. Read, like the calls' choice of kernel, when traced."""
     t = visible.shape[1]
     bias = None
     if uses_kernel() and _attention_mgpu.takes_rows(t * num_heads):
         bias = _attention_mgpu.frame_bias(prefix_len, visible, num_heads, _attention_mgpu.padded_rows(t * num_heads))
-    return TreeVerifyPlan(num_heads, bias)
+    return TreeVerifyPlan(num_heads, t, bias)
 
 
 def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights, *, routed_experts: int | None = None):

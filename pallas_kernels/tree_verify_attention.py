@@ -59,16 +59,18 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.num_splits={self.num_splits} must be >= 1")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["frame_bias"], meta_fields=["num_heads"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["frame_bias"],
+                   meta_fields=["num_heads", "num_nodes"])
 @dataclasses.dataclass(frozen=True)
 class TreeVerifyPlan:
     """The part of a forward's tree-verify attention calls made once per forward (`ops.tree_verify_plan`).
 
-    num_heads: the query heads of the calls it serves (each device's under head parallelism); a call with another
-    count rejects it. frame_bias: the Mosaic GPU kernel's [S, rows, frame_width(T)] f32
+    num_heads, num_nodes: the query heads (each device's under head parallelism) and tree nodes T of the calls it
+    serves; a call with other counts rejects it. frame_bias: the Mosaic GPU kernel's [S, rows, frame_width(T)] f32
     (`tree_verify_attention_mgpu.frame_bias`), or None where that kernel does not run (the call then needs none).
     """
     num_heads: int
+    num_nodes: int
     frame_bias: jax.Array | None = None
 
 

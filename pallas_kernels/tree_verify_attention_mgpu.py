@@ -28,6 +28,7 @@ its statistics in shared memory; both then add p @ their half of c_kv (wgmma). S
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +56,29 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
+def _scratch(stages: int) -> tuple:
+    """The kernel's scratch: q tile (two latent halves) and its rope, the ring's c_kv halves and k_rope slots, the row
+    statistics, each step's (alpha, row sum, max), then the barriers (q, c_kv, k_rope, free, sync, p)."""
+    transforms = _smem_transforms()
+    return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((stages, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+            plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),
+            plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=2 * stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=stages))
+
+
 def shared_memory_bytes(stages: int) -> int:
-    """Shared memory of a program with a ring of `stages` slots, by Mosaic GPU's count: every scratch buffer aligned
-    to 1 KB (the q tile and its rope, the slots' c_kv and k_rope, the row and step statistics), 1 KB of barriers."""
-    aligned = lambda size: -(-size // 1024) * 1024  # noqa: E731
-    buffers = (2 * BLOCK_Q * HALF * 2, BLOCK_Q * ROPE * 2, stages * 2 * BLOCK_KV * HALF * 2,
-               stages * BLOCK_KV * ROPE * 2, 2 * BLOCK_Q * 4, stages * 3 * BLOCK_Q * 4)
-    return sum(map(aligned, buffers)) + 1024
+    """Shared memory of a program with a ring of `stages` slots (`_scratch`), by Mosaic GPU's count: every buffer
+    aligned to 1 KB, then 1 KB of barriers."""
+    buffers = [ref for ref in _scratch(stages) if not isinstance(ref, plgpu.Barrier)]
+    return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024 for ref in buffers) + 1024
 
 
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int,
@@ -263,25 +280,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             plgpu.wait_smem_to_gmem(0)
 
-    transforms = _smem_transforms()
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
-    scratch = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((stages, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((2, BLOCK_Q), jnp.float32),
-               plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),
-               plgpu.Barrier(num_barriers=3),
-               plgpu.Barrier(num_barriers=2 * stages),
-               plgpu.Barrier(num_barriers=stages),
-               plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-               plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-               plgpu.Barrier(num_barriers=stages))
     return plgpu.kernel(
-        body, out_type=out_types, scratch_types=scratch,
+        body, out_type=out_types, scratch_types=_scratch(stages),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         interpret=plgpu.InterpretGPUParams() if interpret else None,

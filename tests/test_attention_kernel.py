@@ -122,34 +122,40 @@ def test_both_attention_kernels_lower_under_head_parallel():
     """ops.tree_verify_attention inside the model's head-parallel shard_map (tp=2, check_vma on), lowered for an
     abstract H200 mesh: 8 query rows per device go to the Triton kernel (XLA's Triton custom call), 16 x 8 to the
     Mosaic GPU kernel (its custom call); with split-K both add the Triton combine kernel. The same with the forward's
-    plan made outside the shard_map (`attention_plan`: each device's 8 heads)."""
+    plan made outside the shard_map (`attention_plan`: each device's 8 heads), also with the streams split over data
+    (2 x 2 devices: the plan's bias is split like prefix_len)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from kdtree_jax.model.parallel import attention_plan, head_parallel
     from pallas_kernels import tree_verify_attention as A
     from pallas_kernels import tree_verify_attention_mgpu as AM
     from triton_h200 import h200_mesh, lower_for_h200
 
-    mesh = h200_mesh((1, 2), ("data", "tp"))
     attention = functools.partial(ops.tree_verify_attention, scale=0.07)
     capacity = 4096 + 64
-    for nodes, mosaic, splits in ((1, 0, A.default_config(2, 8, capacity).num_splits),
-                                  (16, 1, AM.default_num_splits(2, 16 * 8, capacity))):
+    cases = [((1, 2), 1, False), ((1, 2), 1, True), ((1, 2), 16, False), ((1, 2), 16, True), ((2, 2), 16, True)]
+    for shape, nodes, planned in cases:
+        mesh = h200_mesh(shape, ("data", "tp"))
+        mosaic = int(nodes == 16)
+        splits = (AM.default_num_splits(2 // shape[0], 16 * 8, capacity) if mosaic
+                  else A.default_config(2, 8, capacity).num_splits)
         arrays = k2_operands(2, nodes, 16, capacity) + (jax.ShapeDtypeStruct((2,), jnp.int32),
                                                        jax.ShapeDtypeStruct((2, nodes, nodes), jnp.bool_))
-        parts = [P(None, None, "tp", None)] * 2 + [P()] * 4
+        streams = "data" if shape[0] > 1 else None
+        parts = [P(streams, None, "tp", None)] * 2 + [P(streams)] * 4
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, part))
                 for a, part in zip(arrays, parts)]
-        combined = splits > 1
-        for planned in (False, True):
-            def fn(*a):
-                plan = attention_plan(a[4], a[5], 16) if planned else None
-                assert not planned or plan.num_heads == 8 and (plan.frame_bias is not None) == bool(mosaic)
-                return head_parallel(attention, *a, plan)
 
-            with ops.implementation("kernel", interpret=False):
-                text = lower_for_h200(fn, *args, mesh=mesh)
-            assert text.count("custom_call @mosaic_gpu_v2") == mosaic, nodes
-            assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 - mosaic + combined, (nodes, splits)
+        def fn(*a):
+            plan = attention_plan(a[4], a[5], 16) if planned else None
+            assert not planned or plan.num_heads == 8 and (plan.frame_bias is not None) == bool(mosaic)
+            return head_parallel(attention, *a, plan)
+
+        with ops.implementation("kernel", interpret=False):
+            text = lower_for_h200(fn, *args, mesh=mesh)
+        assert text.count("custom_call @mosaic_gpu_v2") == mosaic, (shape, nodes)
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1 - mosaic + (splits > 1), (shape, nodes, splits)
+        if shape[0] == 2:   # one stream per data shard, in the kernel's operands and in the plan's bias
+            assert "tensor<1x16x8x512xbf16>" in text and f"tensor<1x128x{AM.frame_width(nodes)}xf32>" in text
 
 
 def test_bad_shapes_raise():
@@ -161,3 +167,8 @@ def test_bad_shapes_raise():
         ops.tree_verify_attention(q_lat, q_rope, c_kv[..., :16], k_rope, prefix, visible, scale=SCALE)
     with pytest.raises(ValueError, match="power of two"):
         AttentionConfig(block_q=24)
+    plan = ops.tree_verify_plan(prefix, visible[:, :2, :2], num_heads=2)     # another tree: T = 2, the call's 3
+    with pytest.raises(ValueError, match=r"built for num_heads=2 and T=2 tree nodes, the call has H=2 heads and T=3"):
+        ops.tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix, visible, plan, scale=SCALE)
+    with pytest.raises(TypeError, match="plan must be a TreeVerifyPlan"):
+        ops.tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix, visible, True, scale=SCALE)

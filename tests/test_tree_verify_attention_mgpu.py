@@ -136,7 +136,7 @@ def test_a_plan_made_once_gives_each_call_the_same_output():
         assert plan.frame_bias.shape == (s, AM.padded_rows(nodes * heads), AM.frame_width(nodes))
         with_plan = ops.tree_verify_attention(*args, plan, scale=SCALE)
         without = ops.tree_verify_attention(*args, scale=SCALE)
-        with pytest.raises(ValueError, match="plan was built for num_heads=8, the call has H=16"):
+        with pytest.raises(ValueError, match="plan was built for num_heads=8 and T=5 tree nodes, the call has H=16"):
             ops.tree_verify_attention(*args, ops.tree_verify_plan(prefix_len, visible, num_heads=8), scale=SCALE)
         assert ops.tree_verify_plan(prefix_len, visible, num_heads=8).frame_bias is None     # 40 rows
     assert np.array_equal(np.asarray(with_plan, np.float32), np.asarray(without, np.float32))

@@ -57,7 +57,7 @@ class MLA(nnx.Module):
         c = self.cfg.kv_lora_rank
         return self.kv_a_norm(kv[..., :c]), apply_rope(kv[..., c:], positions, self.cfg)
 
-    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan=None, absorbed: bool = True):
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True):
         """One block of T tokens per stream.
 
         x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T];

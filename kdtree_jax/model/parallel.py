@@ -1,5 +1,5 @@
-"""The model's shard_map regions: expert-parallel routed experts, head-parallel tree-verify attention and the
-vocab-parallel embedding lookup.
+"""The model's shard_map regions: expert-parallel routed experts, head-parallel tree-verify attention (with its
+per-forward plan, `attention_plan`, made for each device's heads) and the vocab-parallel embedding lookup.
 
 The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the

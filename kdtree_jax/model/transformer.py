@@ -28,7 +28,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed):
         h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
-                                             visible, plan, absorbed)
+                                             visible, plan=plan, absorbed=absorbed)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), c_cache, r_cache
 
