@@ -352,17 +352,18 @@ def run_moe(ceil: dict, results: list, checks: dict, deadline: float, reps: int,
                          if n.startswith(("xla_", "reference", "tokamax_", "launch:", "routing:", "mosaic:",
                                           "triton:"))}
             bf16 = [t[n]["us"] for n in t if n.startswith("xla_")]
+            gbps, tflops = gb_per_s(bytes_, k_us), tflop_per_s(flops, k_us)
             entry = dict(tokens=m, **shape, kernel=backend, config=str(ops.int4_moe_config(*sets[0][:3])),
                          touched_experts=touched,
                          kernel_us=k_us, baselines_us=baselines,
                          speedup_vs_best_xla_bf16=(min(bf16) / k_us) if bf16 else None,
-                         touched_GBps=gb_per_s(bytes_, k_us),
-                         bandwidth_fraction=gb_per_s(bytes_, k_us) / ceil["bandwidth_GBps"],
+                         touched_GBps=gbps,
+                         bandwidth_fraction=gbps / ceil["bandwidth_GBps"],
                          back_to_back_us=b2b_us,
                          bandwidth_fraction_back_to_back=(gb_per_s(bytes_, b2b_us) / ceil["bandwidth_GBps"]
                                                           if b2b_us else None),
-                         TFLOPs=tflop_per_s(flops, k_us),
-                         matmul_fraction=tflop_per_s(flops, k_us) / ceil["matmul_TFLOPs"],
+                         TFLOPs=tflops,
+                         matmul_fraction=tflops / ceil["matmul_TFLOPs"],
                          roofline_us=floor, roofline_fraction=floor / k_us,
                          rel_err_bf16_first_tokens=errors["kernel"], checked_tokens=sub,
                          best_config=best, best_us=t[best]["us"],

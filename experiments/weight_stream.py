@@ -49,9 +49,8 @@ def _stream_kernel(expert_ptr, first_ptr, second_ptr, out_ptr, ROWS: tl.constexp
                    BN: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, TWO: tl.constexpr):
     """Program (expert slot b, rows n): the [BN, ROW_WORDS] words of rows n of expert expert[b] (-1: a padding slot,
     nothing read) in first [E, ROWS, ROW_WORDS] (and second, TWO: gate_up's two matrices), WORDS words of each row
-    per step, each converted
-    to bf16 and summed by a tensor-core dot (which makes Triton's pipeliner copy the steps ahead into shared memory,
-    as it does the kernels' words: plain loads are not pipelined); TILED: the words stored as
+    per step, each converted to bf16 and summed by a tensor-core dot (which makes Triton's pipeliner copy the steps
+    ahead into shared memory, as it does the kernels' words: plain loads are not pipelined); TILED: the words stored as
     [E, ROWS / BN, ROW_WORDS / WORDS, BN, WORDS]. out [blocks * programs * BN, 16] f32."""
     b, n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + b).to(tl.int64)
