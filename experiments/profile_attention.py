@@ -24,13 +24,20 @@ flags.DEFINE_integer("heads", 8, "heads H")
 flags.DEFINE_integer("prefix", 32768, "committed cache rows N per stream")
 flags.DEFINE_integer("nodes", 16, "tree nodes T")
 flags.DEFINE_integer("calls", 3, "calls of the op (the first compiles)")
+flags.DEFINE_list("registers", [], "mosaic_gpu only: registers per consumer and per producer thread (e.g. 240,24; "
+                  "default the kernel's REGISTERS)")
 F = flags.FLAGS
 
 
 def main(_):
     case = dict(streams=F.streams, heads=F.heads, prefix=F.prefix, nodes=F.nodes)
     args = attention_inputs(jax.random.key(0), case, np.random.default_rng(0))
-    op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE))
+    options = {}
+    if F.registers:
+        if F.kernel != "mosaic_gpu" or len(F.registers) != 2:
+            raise ValueError(f"--registers={F.registers}: two numbers (consumer, producer), for --kernel=mosaic_gpu")
+        options["registers"] = tuple(int(n) for n in F.registers)
+    op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE, **options))
     for _ in range(F.calls):
         jax.block_until_ready(op(*args))
     print(f"ran {F.kernel} tree_verify_attention on {case} {F.calls} times")

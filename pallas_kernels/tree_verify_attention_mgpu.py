@@ -23,7 +23,9 @@ Warpgroups 0 and 1 each own 256 of the 512 output columns (a [64, 256] f32 accum
 blocks' scores in turn: for block i, warpgroup i % 2 computes the [64, 64] scores (wgmma over 256 + 256 + 64
 columns) and the online softmax, and leaves p (bf16, over the block's rope rows, which only the scores read) with
 its statistics in shared memory; both then add p @ their half of c_kv (wgmma). Sharing the scores made the kernel
-10-14% faster than computing them in both warpgroups (kernels.md, "Eighth session").
+10-14% faster than computing them in both warpgroups (kernels.md, "Eighth session"). The online softmax runs in base 2
+with approximate math (p = exp2(qk * scale * log2(e) - max): one fused multiply-add and one ex2 per score), 8-10%
+faster than natural exp (kernels.md, "Twenty-first session"); the partials' max is written in base e.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ COMPUTE_WGS = 2
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
 COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
 def _smem_transforms():
@@ -196,27 +199,30 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
-            def logits_of(slot, step, framed: bool):
-                """scale * (q . k) of the slot's block [BLOCK_Q, BLOCK_KV], with the frame's bias tile if framed."""
+            def scores_of(slot, step, framed: bool):
+                """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled), plus the frame's bias tile if framed (0 or
+                -inf, so adding it before the scale is the same)."""
                 def scores(acc_ref):
                     for h in range(2):
                         plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
                     plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                logits = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32)) * scale
+                qk = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
                 if framed:
                     cols = pl.ds((lo + step - frame_start) * BLOCK_KV, BLOCK_KV)
-                    logits = logits + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
-                                                 optimized=False)
-                return logits
+                    qk = qk + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
+                                         optimized=False)
+                return qk
 
-            def softmax_step(logits, m):
-                """(p, alpha, row sums of p, new max) of one block under the running max m."""
-                m_new = jnp.maximum(m, logits.max(axis=1))
+            def softmax_step(qk, m):
+                """(p, alpha, row sums of p, new max) of one block under the running max m, in base 2: the logits
+                are qk * scale * log2(e), so p = exp2(qk * c - max) is one fused multiply-add and one ex2."""
+                c = scale * LOG2E
+                m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)    # a row that sees nothing yet: p = 0, not NaN
-                p = jnp.exp(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
-                return p, jnp.exp(m - m_safe), p.sum(axis=1), m_new
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
+                return p, jnp.exp2(m - m_safe), p.sum(axis=1), m_new
 
             def step_fn(step, carry, framed: bool):
                 acc, m, total = carry
@@ -228,7 +234,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 # read) and its statistics in shared memory; both multiply p by their half of the values from there.
                 @pl.when(lax.rem(step, 2) == wg)
                 def _score():
-                    p, alpha, row_sum, m_new = softmax_step(logits_of(slot, step, framed), m)
+                    p, alpha, row_sum, m_new = softmax_step(scores_of(slot, step, framed), m)
                     kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
                     for i, value in enumerate((alpha, row_sum, m_new)):
                         stat_smem.at[slot, i][...] = value
@@ -248,7 +254,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             acc, m, total = lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry)
             if combine_in_kernel:
                 _write_partial(out_ref.at[split, stream, q_rows], max_ref.at[split, stream, q_rows],
-                               sum_ref.at[split, stream, q_rows], acc, m, total, wg)
+                               sum_ref.at[split, stream, q_rows], acc, m * LN2, total, wg)
                 tile_sem = tile_sems.at[qi * s + stream]
                 # The signal's warpgroup barrier (Mosaic GPU's automatic barriers, on by default) orders every
                 # thread's stores above before its one-lane release; the wait ends with an acquire fence and a barrier.
@@ -267,7 +273,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             @pl.when(wg == 0)
             def _():
-                row_smem.at[0][...] = m
+                row_smem.at[0][...] = m * LN2
                 row_smem.at[1][...] = total
 
             plgpu.commit_smem()
@@ -288,6 +294,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         body, out_type=out_types, scratch_types=_scratch(stages),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
+        compiler_params=plgpu.CompilerParams(approx_math=True),      # exp2 as one ex2.approx.ftz.f32
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
