@@ -26,6 +26,11 @@ its statistics in shared memory; both then add p @ their half of c_kv (wgmma). S
 10-14% faster than computing them in both warpgroups (kernels.md, "Eighth session"). The online softmax runs in base 2
 with approximate math (p = exp2(qk * scale * log2(e) - max): one fused multiply-add and one ex2 per score), 8-10%
 faster than natural exp (kernels.md, "Twenty-first session"); the partials' max is written in base e.
+
+That schedule ("alternate") leaves the tensor cores idle through each softmax, while the other warpgroup waits for
+its p (a quarter of a consumer's time in Nsight Compute). schedule="paired" (opt-in, `SCHEDULES`) is FlashMLA's
+answer: the two warpgroups score a pair of blocks at once and hand each other the row max and p. It is checked in
+interpret mode and lowered for the H200 on the CPU; it has not yet run on a GPU (kernels.md, "Twenty-first session").
 """
 from __future__ import annotations
 
@@ -52,6 +57,13 @@ COMPUTE_WGS = 2
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
 COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
+# How the consumers share the scores. "alternate": block i is scored by warpgroup i % 2 while the other waits for its
+# p, then both multiply p by their half of the values. "paired" (FlashMLA's schedule): blocks 2j and 2j + 1 are
+# scored at once, one per warpgroup; the first passes its row max to the second (so the second's p needs no rescale),
+# each multiplies its own p by its half of its own block's values from registers, then the other's p, rescaled by the
+# first, from shared memory; each half of a slot is refilled as soon as its last reader is done.
+SCHEDULES = ("alternate", "paired")
+PAIRED_PARTS = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the paired producer refills them
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
@@ -59,10 +71,17 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch(stages: int) -> tuple:
+def _scratch(stages: int, schedule: str = "alternate") -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the ring's c_kv halves and k_rope slots, the row
-    statistics, each step's (alpha, row sum, max), then the barriers (q, c_kv, k_rope, free, sync, p)."""
+    statistics, each step's (alpha, row sum, max), then the barriers (q, c_kv, k_rope, free, sync, and the schedule's
+    exchange: "alternate" one p barrier per slot; "paired" the pair's three hand-overs, and a free barrier per part
+    of a slot)."""
     transforms = _smem_transforms()
+    if schedule == "paired":
+        frees, exchange = plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=3)
+    else:
+        frees, exchange = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+                           plgpu.Barrier(num_barriers=stages))
     return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
@@ -72,9 +91,9 @@ def _scratch(stages: int) -> tuple:
             plgpu.Barrier(num_barriers=3),
             plgpu.Barrier(num_barriers=2 * stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            frees,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-            plgpu.Barrier(num_barriers=stages))
+            exchange)
 
 
 def shared_memory_bytes(stages: int) -> int:
@@ -85,7 +104,7 @@ def shared_memory_bytes(stages: int) -> int:
 
 
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int,
-           registers: tuple[int, int], interpret: bool):
+           registers: tuple[int, int], schedule: str, interpret: bool):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
@@ -95,6 +114,10 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
     elif not interpret and shared_memory_bytes(stages) > SHARED_BYTES:
         problems.append(f"stages={stages} needs {shared_memory_bytes(stages)} bytes of shared memory, more than the "
                         f"{SHARED_BYTES} a block has (one 72 KB slot per stage beside the 72 KB q tile): use stages=2")
+    if schedule not in SCHEDULES:
+        problems.append(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    elif schedule == "paired" and stages != 2:
+        problems.append(f"schedule='paired' takes its blocks in pairs, one per slot: stages={stages} must be 2")
     consumer, producer = registers
     if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
         problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
@@ -120,20 +143,23 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "stages", "combine_in_kernel",
-                                             "registers", "interpret"))
+                                             "registers", "schedule", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
                        num_splits: int = 1, stages: int = 2, combine_in_kernel: bool = False,
-                       registers: tuple[int, int] = REGISTERS, interpret: bool = False):
+                       registers: tuple[int, int] = REGISTERS, schedule: str = "alternate",
+                       interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
+    schedule: how the two consumer warpgroups share a block's scores (`SCHEDULES`).
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
     bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers, interpret)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers, schedule,
+           interpret)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
         if interpret:
@@ -146,28 +172,27 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, p_bars) = refs
+         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars) = refs
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
         # One semaphore per query tile, zeroed before each call: every consumer warpgroup of the tile's splits adds 1.
         tile_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((s * rows // BLOCK_Q,))) if combine_in_kernel else None
 
-        @pl.when(wg == COMPUTE_WGS)
-        def _producer():
-            plgpu.set_max_registers(registers[1], action="decrease")
-            for h in range(2):
-                plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
-                                        q_bar.at[h])
-            plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
-            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits)
+        def copy_half(lo, step, slot, h):
+            kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
+            plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
+                                    kv_bars.at[2 * slot + h])
 
+        def copy_rope(lo, step, slot):
+            kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
+            plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
+
+        def _alternate_producer(lo, steps):
             def fetch(step, slot):
-                kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
                 for h in range(2):
-                    plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
-                                            kv_bars.at[2 * slot + h])
-                plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
+                    copy_half(lo, step, slot, h)
+                copy_rope(lo, step, slot)
 
             for i in range(stages):
                 pl.when(i < steps)(functools.partial(fetch, i, i))
@@ -183,75 +208,40 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             def _(step):
                 plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
 
+        def _paired_producer(lo, steps):
+            # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
+            # first, part 1 the other half and the rope rows (which carry the other warpgroup's p at the end).
+            def fetch(step, slot, part):
+                copy_half(lo, step, slot, slot if part == 0 else 1 - slot)
+                if part:
+                    copy_rope(lo, step, slot)
+
+            for slot, part in PAIRED_PARTS:
+                pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
+
+            @pl.loop(0, lax.div(steps + 1, 2))
+            def _(j):
+                for slot, part in PAIRED_PARTS:
+                    pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
+                    pl.when(2 * j + 2 + slot < steps)(functools.partial(fetch, 2 * j + 2 + slot, slot, part))
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(registers[1], action="decrease")
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
+                                        q_bar.at[h])
+            plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
+            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits)
+            if schedule == "paired":
+                _paired_producer(lo, steps)
+            else:
+                _alternate_producer(lo, steps)
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(registers[0], action="increase")
-            for i in range(3):
-                plgpu.barrier_wait(q_bar.at[i])
-            prefix = len_ref[stream]
-            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
-            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
-            plain_steps = jnp.clip(frame_start - lo, 0, steps)
-            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA)
-
-            def scores_of(slot, step, framed: bool):
-                """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled), plus the frame's bias tile if framed (0 or
-                -inf, so adding it before the scale is the same)."""
-                def scores(acc_ref):
-                    for h in range(2):
-                        plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                qk = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-                if framed:
-                    cols = pl.ds((lo + step - frame_start) * BLOCK_KV, BLOCK_KV)
-                    qk = qk + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA,
-                                         optimized=False)
-                return qk
-
-            def softmax_step(qk, m):
-                """(p, alpha, row sums of p, new max) of one block under the running max m, in base 2: the logits
-                are qk * scale * log2(e), so p = exp2(qk * c - max) is one fused multiply-add and one ex2."""
-                c = scale * LOG2E
-                m_new = jnp.maximum(m, qk.max(axis=1) * c)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)    # a row that sees nothing yet: p = 0, not NaN
-                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
-                return p, jnp.exp2(m - m_safe), p.sum(axis=1), m_new
-
-            def step_fn(step, carry, framed: bool):
-                acc, m, total = carry
-                slot = lax.rem(step, stages)
-                for h in range(2):
-                    plgpu.barrier_wait(kv_bars.at[2 * slot + h])
-                plgpu.barrier_wait(kr_bars.at[slot])
-                # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the scores
-                # read) and its statistics in shared memory; both multiply p by their half of the values from there.
-                @pl.when(lax.rem(step, 2) == wg)
-                def _score():
-                    p, alpha, row_sum, m_new = softmax_step(scores_of(slot, step, framed), m)
-                    kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
-                    for i, value in enumerate((alpha, row_sum, m_new)):
-                        stat_smem.at[slot, i][...] = value
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_bars.at[slot])
-
-                plgpu.barrier_wait(p_bars.at[slot])
-                alpha, row_sum, m_new = (plgpu.load(stat_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
-                                         for i in range(3))
-                total = total * alpha + row_sum
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _accumulate(acc, kr_smem.at[slot], kv_smem.at[slot, wg], in_place=not interpret)
-                plgpu.barrier_arrive(free_bars.at[slot])
-                return acc, m_new, total
-
-            carry = lax.fori_loop(0, plain_steps, functools.partial(step_fn, framed=False), (acc, m, total))
-            acc, m, total = lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry)
+        def finish(acc, m, total):
+            """Write this warpgroup's half of the split's partial: out normalised by `total`, max (base e) and sum."""
             if combine_in_kernel:
                 _write_partial(out_ref.at[split, stream, q_rows], max_ref.at[split, stream, q_rows],
                                sum_ref.at[split, stream, q_rows], acc, m * LN2, total, wg)
@@ -286,17 +276,204 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             plgpu.wait_smem_to_gmem(0)
 
+        def start_consumer():
+            """The consumer's registers, q, and (first block, blocks, first block of the frame, blocks before it)."""
+            plgpu.set_max_registers(registers[0], action="increase")
+            for i in range(3):
+                plgpu.barrier_wait(q_bar.at[i])
+            prefix = len_ref[stream]
+            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
+            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
+            return lo, steps, frame_start, jnp.clip(frame_start - lo, 0, steps)
+
+        def zero_state():
+            """(acc [BLOCK_Q, HALF], running max in base 2, row sums) before any block."""
+            return (plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+        def scores_of(slot, halves=(0, 1), wait: bool = False):
+            """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled); with wait, each part's barrier is waited
+            just before its wgmma (the c_kv halves in the order `halves`, then the rope rows)."""
+            def scores(acc_ref):
+                for h in halves:
+                    if wait:
+                        plgpu.barrier_wait(kv_bars.at[2 * slot + h])
+                    plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
+                if wait:
+                    plgpu.barrier_wait(kr_bars.at[slot])
+                plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
+
+        def with_bias(qk, lo, step, frame_start):
+            """qk plus the frame's bias tile of block `step` (0 or -inf, so adding it before the scale is the same)."""
+            cols = pl.ds((lo + step - frame_start) * BLOCK_KV, BLOCK_KV)
+            return qk + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+
+        def block_max(qk, m):
+            """The running max (base 2: logits are qk * scale * log2(e)) after a block's scores qk."""
+            return jnp.maximum(m, qk.max(axis=1) * (scale * LOG2E))
+
+        def probabilities(qk, m_new):
+            """p = exp2(qk * scale * log2(e) - m_new), one fused multiply-add and one ex2 per score; 0 in a row that
+            has seen nothing (m_new = -inf), not NaN."""
+            return jnp.exp2(qk * (scale * LOG2E) - lax.broadcast_in_dim(_finite(m_new), qk.shape, [0]))
+
+        def rescale(x, m_old, m_new):
+            """x [BLOCK_Q, ...] or [BLOCK_Q] from the running max m_old to m_new."""
+            alpha = jnp.exp2(m_old - _finite(m_new))
+            return x * (lax.broadcast_in_dim(alpha, x.shape, [0]) if x.ndim > 1 else alpha)
+
+        if schedule == "alternate":
+            @pl.when(wg < COMPUTE_WGS)
+            def _consumer():
+                lo, steps, frame_start, plain_steps = start_consumer()
+
+                def step_fn(step, carry, framed: bool):
+                    acc, m, total = carry
+                    slot = lax.rem(step, stages)
+                    for h in range(2):
+                        plgpu.barrier_wait(kv_bars.at[2 * slot + h])
+                    plgpu.barrier_wait(kr_bars.at[slot])
+                    # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the
+                    # scores read) and its statistics in shared memory; both multiply p by their half of the values
+                    # from there.
+                    @pl.when(lax.rem(step, 2) == wg)
+                    def _score():
+                        qk = scores_of(slot)
+                        if framed:
+                            qk = with_bias(qk, lo, step, frame_start)
+                        m_new = block_max(qk, m)
+                        p = probabilities(qk, m_new)
+                        kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
+                        for i, value in enumerate((jnp.exp2(m - _finite(m_new)), p.sum(axis=1), m_new)):
+                            stat_smem.at[slot, i][...] = value
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(exchange_bars.at[slot])
+
+                    plgpu.barrier_wait(exchange_bars.at[slot])
+                    alpha, row_sum, m_new = (plgpu.load(stat_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
+                                             for i in range(3))
+                    total = total * alpha + row_sum
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    acc = _accumulate(acc, kr_smem.at[slot], kv_smem.at[slot, wg], in_place=not interpret)
+                    plgpu.barrier_arrive(free_bars.at[slot])
+                    return acc, m_new, total
+
+                carry = lax.fori_loop(0, plain_steps, functools.partial(step_fn, framed=False), zero_state())
+                finish(*lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry))
+        else:
+            def _paired_consumer(own: int):
+                """Warpgroup `own`: scores the blocks 2j + own (slot own), owns output columns [own * HALF, + HALF).
+                The first (0) publishes its block's max (A) and, once the second's max is known (B: with its p in
+                shared memory), its p rescaled to it (C)."""
+                other = 1 - own
+                max_a, max_b, p_a = (exchange_bars.at[i] for i in range(3))
+                lo, steps, frame_start, plain_steps = start_consumer()
+
+                def product(acc, p, slot):
+                    """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the slot's values (wgmma). Refs here
+                    are indexed by `wg` (= own), traced: Python ints as indices inside `_accumulate`'s run_state do
+                    not lower."""
+                    slot_index = wg if slot == own else 1 - wg
+                    return _accumulate(acc, p, kv_smem.at[slot_index, wg], in_place=not interpret)
+
+                def publish(ref, value, barrier):
+                    ref[...] = value
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(barrier)
+
+                def own_scores(j, framed: bool):
+                    qk = scores_of(own, halves=(own, other), wait=True)
+                    if not framed:
+                        return qk
+                    step = 2 * j + own
+                    return lax.cond(lo + step >= frame_start, lambda x: with_bias(x, lo, step, frame_start),
+                                    lambda x: x, qk)
+
+                def pair_fn(j, carry, framed: bool):
+                    acc, m, total = carry
+                    second_exists = 2 * j + 1 < steps
+                    if own == 0:
+                        qk = own_scores(j, framed)
+                        m_a = block_max(qk, m)
+                        publish(stat_smem.at[0, 0], m_a, max_a)
+                        p = probabilities(qk, m_a)
+                        total = rescale(total, m, m_a) + p.sum(axis=1)
+                        acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), own)
+                        plgpu.barrier_arrive(free_bars.at[2 * own])
+                        plgpu.barrier_wait(max_b)
+                        m_new = plgpu.load(stat_smem.at[1, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                        publish(kr_smem.at[own], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
+                        acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
+
+                        def second(acc):
+                            plgpu.barrier_wait(kv_bars.at[2 * other + own])
+                            acc = product(acc, kr_smem.at[1 - wg], other)
+                            plgpu.barrier_arrive(free_bars.at[2 * other + 1])
+                            return acc
+
+                        acc = lax.cond(second_exists, second, lambda a: a, acc) if framed else second(acc)
+                        return acc, m_new, total
+
+                    def with_block(acc, total):
+                        qk = own_scores(j, framed)
+                        plgpu.barrier_wait(max_a)
+                        m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
+                        p = probabilities(qk, m_new)
+                        kr_smem.at[own][...] = p.astype(jnp.bfloat16)
+                        publish(stat_smem.at[1, 0], m_new, max_b)
+                        total = rescale(total, m, m_new) + p.sum(axis=1)
+                        acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), own)
+                        plgpu.barrier_arrive(free_bars.at[2 * own])
+                        return acc, total, m_new
+
+                    def without_block(acc, total):            # an odd last block: pass the first's max on
+                        plgpu.barrier_wait(max_a)
+                        m_new = plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                        publish(stat_smem.at[1, 0], m_new, max_b)
+                        return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
+
+                    acc, total, m_new = (lax.cond(second_exists, with_block, without_block, acc, total) if framed
+                                         else with_block(acc, total))
+                    plgpu.barrier_wait(p_a)
+                    plgpu.barrier_wait(kv_bars.at[2 * other + own])
+                    acc = product(acc, kr_smem.at[1 - wg], other)
+                    plgpu.barrier_arrive(free_bars.at[2 * other + 1])
+                    return acc, m_new, total
+
+                # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
+                plain_pairs = lax.div(plain_steps, 2)
+                carry = lax.fori_loop(0, plain_pairs, functools.partial(pair_fn, framed=False), zero_state())
+                acc, m, total = lax.fori_loop(plain_pairs, lax.div(steps + 1, 2),
+                                              functools.partial(pair_fn, framed=True), carry)
+                # Each warpgroup summed its own blocks' p: the split's row sums are the two together.
+                publish(stat_smem.at[own, 2], total, sync_bar)
+                plgpu.barrier_wait(sync_bar)
+                total = total + plgpu.load(stat_smem.at[other, 2], layout=plgpu.Layout.WGMMA.reduce(1))
+                finish(acc, m, total)
+
+            for own in range(COMPUTE_WGS):
+                pl.when(wg == own)(functools.partial(_paired_consumer, own))
+
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
     return plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(stages),
+        body, out_type=out_types, scratch_types=_scratch(stages, schedule),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         compiler_params=plgpu.CompilerParams(approx_math=True),      # exp2 as one ex2.approx.ftz.f32
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
+
+
+def _finite(m):
+    """A running max with -inf (a row that has seen nothing) as 0, so that exp2(x - m) is 0 there, not NaN."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
 
 
 def _normalized(acc, total):
@@ -370,6 +547,8 @@ def _accumulate(acc, a, b_smem, *, in_place: bool):
     Mosaic GPU's interpret mode runs wgmma only into a fresh accumulator, whose product is then added in registers."""
     if in_place:
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem))(plgpu.ACC.init(acc))
+    if isinstance(a, jax.Array):       # interpret mode's wgmma takes its A operand from shared memory only
+        return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
 
     def product(acc_ref):
         plgpu.wgmma(acc_ref, a, b_smem)
@@ -454,10 +633,12 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "schedule",
+                                             "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
                           num_splits: int | None = None, combine_in_kernel: bool = False,
-                          registers: tuple[int, int] = REGISTERS, interpret: bool = False):
+                          registers: tuple[int, int] = REGISTERS, schedule: str = "alternate",
+                          interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
@@ -484,7 +665,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
         num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
-        interpret=interpret)
+        schedule=schedule, interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
     elif num_splits == 1:

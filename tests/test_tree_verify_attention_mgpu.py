@@ -3,7 +3,7 @@ CPU (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
 as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, and more
-blocks per split than ring slots. The whole op (`tree_verify_attention`: the prefix and the tree block in the kernel
+blocks per split than ring slots, with both schedules of the consumers. The whole op (`tree_verify_attention`: the prefix and the tree block in the kernel
 under `frame_bias`, then the merge) is checked under random ancestor masks, with one split and several, tree blocks
 inside one cache block and across two, and rows that see nothing. Fresh random bf16 inputs per case.
 """
@@ -44,20 +44,22 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     return out[:, :, 0].astype(jnp.float32)
 
 
-@pytest.mark.parametrize("prefixes,rows,num_splits,stages", [
-    ([200, 37], 64, 2, 2),
-    ([0, 256, 5], 128, 3, 2),
-    ([70], 64, 8, 2),
-    ([256, 100], 64, 1, 2),
-    pytest.param([256, 100], 64, 1, 3, marks=pytest.mark.skipif(  # a ring of three slots: the ring's logic
+@pytest.mark.parametrize("prefixes,rows,num_splits,stages,schedule", [
+    ([200, 37], 64, 2, 2, "alternate"),
+    ([0, 256, 5], 128, 3, 2, "alternate"),
+    ([70], 64, 8, 2, "alternate"),
+    ([256, 100], 64, 1, 2, "alternate"),
+    pytest.param([256, 100], 64, 1, 3, "alternate", marks=pytest.mark.skipif(  # three slots: the ring's logic
         not INTERPRET, reason="three slots do not fit an H200's shared memory (test_shared_memory_of_the_ring)")),
+    ([200, 37], 64, 2, 2, "paired"),       # pairs, and a split of one block (its second warpgroup has none)
+    ([0, 256, 5], 128, 3, 2, "paired"),
 ])
-def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages):
+def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages, schedule):
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 256)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
     out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
-                                        stages=stages)
+                                        stages=stages, schedule=schedule)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * AM.HALF) and row_sum.shape == row_max.shape
     got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
@@ -93,17 +95,21 @@ def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match=r"frame_bias .* must be f32 \[S, rows, frame_width\(T=67"):
         AM.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
                               num_nodes=3 + 64, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="schedule='pipelined' must be one of"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, schedule="pipelined")
+    with pytest.raises(ValueError, match="takes its blocks in pairs, one per slot: stages=3 must be 2"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, schedule="paired", stages=3)
 
 
-@pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3),
-                                                          ([200], 1, 8, 2), ([120, 7], 20, 4, 1),
-                                                          pytest.param([60, 128], 70, 1, 2, marks=pytest.mark.slow)])
-def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
+@pytest.mark.parametrize("prefixes,nodes,heads,num_splits,schedule", [
+    ([150, 0], 5, 8, 2, "alternate"), ([64, 190], 9, 16, 3, "alternate"), ([200], 1, 8, 2, "alternate"),
+    ([120, 7], 20, 4, 1, "alternate"), pytest.param([60, 128], 70, 1, 2, "alternate", marks=pytest.mark.slow),
+    ([64, 190], 9, 16, 3, "paired"), ([120, 7], 20, 4, 1, "paired")])
+def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits, schedule):
     """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
     an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
     with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
-    several. In
-    interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work
+    several; the "paired" schedule on two of them. In interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work
     beside it can wait on each other for good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)
     s = len(prefixes)
@@ -112,7 +118,8 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
             bf16(s, 256, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
             jnp.asarray(random_tree_visible(rng, s, nodes)))
     with jax.disable_jit(INTERPRET):
-        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
+        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, schedule=schedule,
+                                       interpret=INTERPRET)
     want = A.tree_verify_attention_reference(*args, scale=SCALE)
     assert got.shape == want.shape and got.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -189,6 +196,19 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
     AM.check_resident(sms)
     with pytest.raises(ValueError, match=r"registers=\(256, 40\) must be multiples of 8"):
         prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
+
+
+def test_paired_schedule_lowers_for_the_h200():
+    """The "paired" schedule (its consumers' own p from registers, the frame's bias under a cond, an odd last block)
+    lowered for an H200 (no GPU needed; interpret mode runs another wgmma path): one Mosaic GPU custom call."""
+    from triton_h200 import lower_for_h200, spec
+
+    s, t, h, n = 1, 16, 64, 4096
+    fn = functools.partial(AM.tree_verify_attention, scale=SCALE, schedule="paired")
+    text = lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
+                          spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
+                          spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
 def test_combine_in_kernel_lowers_for_the_h200():
