@@ -60,8 +60,8 @@ COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop 
 # How the consumers share the scores. "alternate": block i is scored by warpgroup i % 2 while the other waits for its
 # p, then both multiply p by their half of the values. "paired" (FlashMLA's schedule): blocks 2j and 2j + 1 are
 # scored at once, one per warpgroup; the first passes its row max to the second (so the second's p needs no rescale),
-# each multiplies its own p by its half of its own block's values from registers, then the other's p, rescaled by the
-# first, from shared memory; each half of a slot is refilled as soon as its last reader is done.
+# each multiplies its own p by its half of its own block's values from registers, then the other's p from shared
+# memory (the first's rescaled to the pair's max); each half of a slot is refilled as soon as its last reader is done.
 SCHEDULES = ("alternate", "paired")
 PAIRED_PARTS = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the paired producer refills them
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
@@ -73,9 +73,10 @@ def _smem_transforms():
 
 def _scratch(stages: int, schedule: str = "alternate") -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the ring's c_kv halves and k_rope slots, the row
-    statistics, each step's (alpha, row sum, max), then the barriers (q, c_kv, k_rope, free, sync, and the schedule's
-    exchange: "alternate" one p barrier per slot; "paired" the pair's three hand-overs, and a free barrier per part
-    of a slot)."""
+    statistics, the consumers' exchanged statistics ("alternate": each slot's alpha, row sum and max; "paired": each
+    warpgroup's max at [w, 0] and final row sum at [w, 2]), then the barriers (q, c_kv, k_rope, free, sync, and the
+    schedule's exchange: "alternate" one p barrier per slot; "paired" the pair's three hand-overs, and a free barrier
+    per part of a slot)."""
     transforms = _smem_transforms()
     if schedule == "paired":
         frees, exchange = plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=3)
@@ -149,7 +150,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                        registers: tuple[int, int] = REGISTERS, schedule: str = "alternate",
                        interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
-    bias [S, rows, frame_width(num_nodes)] f32 (`frame_bias`) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
+    bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
+    scale) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
     sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
@@ -210,7 +212,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
         def _paired_producer(lo, steps):
             # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
-            # first, part 1 the other half and the rope rows (which carry the other warpgroup's p at the end).
+            # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
+            # other).
             def fetch(step, slot, part):
                 copy_half(lo, step, slot, slot if part == 0 else 1 - slot)
                 if part:
@@ -321,9 +324,13 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             has seen nothing (m_new = -inf), not NaN."""
             return jnp.exp2(qk * (scale * LOG2E) - lax.broadcast_in_dim(_finite(m_new), qk.shape, [0]))
 
+        def alpha_of(m_old, m_new):
+            """The factor [BLOCK_Q] that takes values under the running max m_old to m_new (base 2)."""
+            return jnp.exp2(m_old - _finite(m_new))
+
         def rescale(x, m_old, m_new):
             """x [BLOCK_Q, ...] or [BLOCK_Q] from the running max m_old to m_new."""
-            alpha = jnp.exp2(m_old - _finite(m_new))
+            alpha = alpha_of(m_old, m_new)
             return x * (lax.broadcast_in_dim(alpha, x.shape, [0]) if x.ndim > 1 else alpha)
 
         if schedule == "alternate":
@@ -348,7 +355,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         m_new = block_max(qk, m)
                         p = probabilities(qk, m_new)
                         kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
-                        for i, value in enumerate((jnp.exp2(m - _finite(m_new)), p.sum(axis=1), m_new)):
+                        for i, value in enumerate((alpha_of(m, m_new), p.sum(axis=1), m_new)):
                             stat_smem.at[slot, i][...] = value
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(exchange_bars.at[slot])
@@ -395,7 +402,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
                 def pair_fn(j, carry, framed: bool):
                     acc, m, total = carry
-                    second_exists = 2 * j + 1 < steps
+                    second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
                     if own == 0:
                         qk = own_scores(j, framed)
                         m_a = block_max(qk, m)
@@ -415,7 +422,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                             plgpu.barrier_arrive(free_bars.at[2 * other + 1])
                             return acc
 
-                        acc = lax.cond(second_exists, second, lambda a: a, acc) if framed else second(acc)
+                        acc = second(acc) if second_exists is True else lax.cond(second_exists, second,
+                                                                                   lambda a: a, acc)
                         return acc, m_new, total
 
                     def with_block(acc, total):
@@ -436,8 +444,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         publish(stat_smem.at[1, 0], m_new, max_b)
                         return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
 
-                    acc, total, m_new = (lax.cond(second_exists, with_block, without_block, acc, total) if framed
-                                         else with_block(acc, total))
+                    acc, total, m_new = (with_block(acc, total) if second_exists is True
+                                         else lax.cond(second_exists, with_block, without_block, acc, total))
                     plgpu.barrier_wait(p_a)
                     plgpu.barrier_wait(kv_bars.at[2 * other + own])
                     acc = product(acc, kr_smem.at[1 - wg], other)
@@ -466,7 +474,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         body, out_type=out_types, scratch_types=_scratch(stages, schedule),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
-        compiler_params=plgpu.CompilerParams(approx_math=True),      # exp2 as one ex2.approx.ftz.f32
+        # exp2 as one ex2.approx.ftz.f32 (and `_combine_rows`' exp as ex2 of x * log2(e)); interpret mode is exact.
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
 
@@ -646,7 +655,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
     (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
-    of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
+    of programs; measured slower on the H200: kernels.md, "Ninth session"). schedule: the consumers' (`SCHEDULES`).
+    N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:

@@ -3,9 +3,10 @@ CPU (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
 as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, and more
-blocks per split than ring slots, with both schedules of the consumers. The whole op (`tree_verify_attention`: the prefix and the tree block in the kernel
-under `frame_bias`, then the merge) is checked under random ancestor masks, with one split and several, tree blocks
-inside one cache block and across two, and rows that see nothing. Fresh random bf16 inputs per case.
+blocks per split than ring slots, with both schedules of the consumers. The whole op (`tree_verify_attention`: the
+prefix and the tree block in the kernel under `frame_bias`, then the merge) is checked under random ancestor masks,
+with one split and several, tree blocks inside one cache block and across two, and rows that see nothing. Fresh
+random bf16 inputs per case.
 """
 import functools
 
@@ -51,11 +52,11 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     ([256, 100], 64, 1, 2, "alternate"),
     pytest.param([256, 100], 64, 1, 3, "alternate", marks=pytest.mark.skipif(  # three slots: the ring's logic
         not INTERPRET, reason="three slots do not fit an H200's shared memory (test_shared_memory_of_the_ring)")),
-    ([200, 37], 64, 2, 2, "paired"),       # pairs, a split of one block (its second warpgroup has none), of none
+    ([300, 37, 0], 64, 1, 2, "paired"),    # five blocks (both slots refilled), one (no second block), none
 ])
 def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages, schedule):
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
-    q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 256)
+    q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 320)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
     out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
                                         stages=stages, schedule=schedule)
@@ -103,18 +104,20 @@ def test_bad_shapes_name_the_fix():
 @pytest.mark.parametrize("prefixes,nodes,heads,num_splits,schedule", [
     ([150, 0], 5, 8, 2, "alternate"), ([64, 190], 9, 16, 3, "alternate"), ([200], 1, 8, 2, "alternate"),
     ([120, 7], 20, 4, 1, "alternate"), pytest.param([60, 128], 70, 1, 2, "alternate", marks=pytest.mark.slow),
-    ([64, 190], 9, 16, 3, "paired"), ([120, 7], 20, 4, 1, "paired")])
+    ([64, 190], 9, 16, 3, "paired"), ([250, 7], 20, 4, 1, "paired")])
 def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits, schedule):
     """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
     an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
     with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
-    several; the "paired" schedule on two of them. In interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work
-    beside it can wait on each other for good (experiments/notes/kernels.md)."""
+    several; the "paired" schedule on three splits over 144 rows and on prefix 250 with T = 20 (five blocks: a pair
+    before the frame, a pair across its start, an odd last block). In interpret mode it runs op by op
+    (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work beside it can wait on each other for
+    good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)
     s = len(prefixes)
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-    args = (bf16(s, nodes, heads, 2 * AM.HALF), bf16(s, nodes, heads, AM.ROPE), bf16(s, 256, 2 * AM.HALF),
-            bf16(s, 256, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
+    args = (bf16(s, nodes, heads, 2 * AM.HALF), bf16(s, nodes, heads, AM.ROPE), bf16(s, 320, 2 * AM.HALF),
+            bf16(s, 320, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
             jnp.asarray(random_tree_visible(rng, s, nodes)))
     with jax.disable_jit(INTERPRET):
         got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, schedule=schedule,
