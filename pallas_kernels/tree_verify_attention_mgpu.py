@@ -291,9 +291,9 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
         def zero_state():
             """(acc [BLOCK_Q, HALF], running max in base 2, row sums) before any block."""
-            return (plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                    plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            return plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA), m, total
 
         def scores_of(slot, halves=(0, 1), wait: bool = False):
             """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled); with wait, each part's barrier is waited
@@ -319,18 +319,18 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             """The running max (base 2: logits are qk * scale * log2(e)) after a block's scores qk."""
             return jnp.maximum(m, qk.max(axis=1) * (scale * LOG2E))
 
-        def probabilities(qk, m_new):
-            """p = exp2(qk * scale * log2(e) - m_new), one fused multiply-add and one ex2 per score; 0 in a row that
-            has seen nothing (m_new = -inf), not NaN."""
-            return jnp.exp2(qk * (scale * LOG2E) - lax.broadcast_in_dim(_finite(m_new), qk.shape, [0]))
+        def probabilities(qk, m_safe):
+            """p = exp2(qk * scale * log2(e) - m_safe), one fused multiply-add and one ex2 per score, under the
+            running max m_safe = `_finite`(max) (0 in a row that has seen nothing, not NaN)."""
+            return jnp.exp2(qk * (scale * LOG2E) - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
 
-        def alpha_of(m_old, m_new):
-            """The factor [BLOCK_Q] that takes values under the running max m_old to m_new (base 2)."""
-            return jnp.exp2(m_old - _finite(m_new))
+        def alpha_of(m_old, m_safe):
+            """The factor [BLOCK_Q] that takes values under the running max m_old to m_safe = `_finite`(max)."""
+            return jnp.exp2(m_old - m_safe)
 
         def rescale(x, m_old, m_new):
             """x [BLOCK_Q, ...] or [BLOCK_Q] from the running max m_old to m_new."""
-            alpha = alpha_of(m_old, m_new)
+            alpha = alpha_of(m_old, _finite(m_new))
             return x * (lax.broadcast_in_dim(alpha, x.shape, [0]) if x.ndim > 1 else alpha)
 
         if schedule == "alternate":
@@ -353,9 +353,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         if framed:
                             qk = with_bias(qk, lo, step, frame_start)
                         m_new = block_max(qk, m)
-                        p = probabilities(qk, m_new)
+                        m_safe = _finite(m_new)
+                        p = probabilities(qk, m_safe)
+                        stats = alpha_of(m, m_safe), p.sum(axis=1), m_new
                         kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
-                        for i, value in enumerate((alpha_of(m, m_new), p.sum(axis=1), m_new)):
+                        for i, value in enumerate(stats):
                             stat_smem.at[slot, i][...] = value
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(exchange_bars.at[slot])
@@ -407,7 +409,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         qk = own_scores(j, framed)
                         m_a = block_max(qk, m)
                         publish(stat_smem.at[0, 0], m_a, max_a)
-                        p = probabilities(qk, m_a)
+                        p = probabilities(qk, _finite(m_a))
                         total = rescale(total, m, m_a) + p.sum(axis=1)
                         acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), own)
                         plgpu.barrier_arrive(free_bars.at[2 * own])
@@ -430,7 +432,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         qk = own_scores(j, framed)
                         plgpu.barrier_wait(max_a)
                         m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
-                        p = probabilities(qk, m_new)
+                        p = probabilities(qk, _finite(m_new))
                         kr_smem.at[own][...] = p.astype(jnp.bfloat16)
                         publish(stat_smem.at[1, 0], m_new, max_b)
                         total = rescale(total, m, m_new) + p.sum(axis=1)
