@@ -76,13 +76,17 @@ def _scratch(stages: int, schedule: str = "alternate") -> tuple:
     statistics, the consumers' exchanged statistics ("alternate": each slot's alpha, row sum and max; "paired": each
     warpgroup's max at [w, 0] and final row sum at [w, 2]), then the barriers (q, c_kv, k_rope, free, sync, and the
     schedule's exchange: "alternate" one p barrier per slot; "paired" the pair's three hand-overs, and a free barrier
-    per part of a slot)."""
+    per part of a slot); "paired" then also each consumer's slot index."""
     transforms = _smem_transforms()
     if schedule == "paired":
         frees, exchange = plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=3)
+        # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of its
+        # blocks loop-invariant, which LLVM hoists out of the loop into registers that ptxas then spills.
+        slots = (plgpu.SMEM((COMPUTE_WGS,), jnp.int32),)
     else:
         frees, exchange = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
                            plgpu.Barrier(num_barriers=stages))
+        slots = ()
     return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
@@ -94,7 +98,7 @@ def _scratch(stages: int, schedule: str = "alternate") -> tuple:
             plgpu.Barrier(num_barriers=stages),
             frees,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-            exchange)
+            exchange) + slots
 
 
 def shared_memory_bytes(stages: int) -> int:
@@ -174,7 +178,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars) = refs
+         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, *paired_refs) = refs
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -379,23 +383,22 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 The first (0) publishes its block's max (A) and, once the second's max is known (B: with its p in
                 shared memory), its p rescaled to it (C)."""
                 other = 1 - own
+                (slot_smem,) = paired_refs
                 max_a, max_b, p_a = (exchange_bars.at[i] for i in range(3))
                 lo, steps, frame_start, plain_steps = start_consumer()
 
                 def product(acc, p, slot):
-                    """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the slot's values (wgmma). Refs here
-                    are indexed by `wg` (= own), traced: Python ints as indices inside `_accumulate`'s run_state do
-                    not lower."""
-                    slot_index = wg if slot == own else 1 - wg
-                    return _accumulate(acc, p, kv_smem.at[slot_index, wg], in_place=not interpret)
+                    """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the values in `slot` (traced: Python
+                    ints as indices inside `_accumulate`'s run_state do not lower) by wgmma."""
+                    return _accumulate(acc, p, kv_smem.at[slot, wg], in_place=not interpret)
 
                 def publish(ref, value, barrier):
                     ref[...] = value
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(barrier)
 
-                def own_scores(j, framed: bool):
-                    qk = scores_of(own, halves=(own, other), wait=True)
+                def own_scores(j, mine, framed: bool):
+                    qk = scores_of(mine, halves=(own, other), wait=True)
                     if not framed:
                         return qk
                     step = 2 * j + own
@@ -405,23 +408,25 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 def pair_fn(j, carry, framed: bool):
                     acc, m, total = carry
                     second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
+                    mine = slot_smem[own]                                   # = own, read at run time (`_scratch`)
+                    theirs = 1 - mine
                     if own == 0:
-                        qk = own_scores(j, framed)
+                        qk = own_scores(j, mine, framed)
                         m_a = block_max(qk, m)
                         publish(stat_smem.at[0, 0], m_a, max_a)
                         p = probabilities(qk, _finite(m_a))
                         total = rescale(total, m, m_a) + p.sum(axis=1)
-                        acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), own)
-                        plgpu.barrier_arrive(free_bars.at[2 * own])
+                        acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), mine)
+                        plgpu.barrier_arrive(free_bars.at[2 * mine])
                         plgpu.barrier_wait(max_b)
                         m_new = plgpu.load(stat_smem.at[1, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-                        publish(kr_smem.at[own], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
+                        publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
                         acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
 
                         def second(acc):
-                            plgpu.barrier_wait(kv_bars.at[2 * other + own])
-                            acc = product(acc, kr_smem.at[1 - wg], other)
-                            plgpu.barrier_arrive(free_bars.at[2 * other + 1])
+                            plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
+                            acc = product(acc, kr_smem.at[theirs], theirs)
+                            plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
                             return acc
 
                         acc = second(acc) if second_exists is True else lax.cond(second_exists, second,
@@ -429,15 +434,15 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                         return acc, m_new, total
 
                     def with_block(acc, total):
-                        qk = own_scores(j, framed)
+                        qk = own_scores(j, mine, framed)
                         plgpu.barrier_wait(max_a)
                         m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
                         p = probabilities(qk, _finite(m_new))
-                        kr_smem.at[own][...] = p.astype(jnp.bfloat16)
+                        kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
                         publish(stat_smem.at[1, 0], m_new, max_b)
                         total = rescale(total, m, m_new) + p.sum(axis=1)
-                        acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), own)
-                        plgpu.barrier_arrive(free_bars.at[2 * own])
+                        acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), mine)
+                        plgpu.barrier_arrive(free_bars.at[2 * mine])
                         return acc, total, m_new
 
                     def without_block(acc, total):            # an odd last block: pass the first's max on
@@ -449,11 +454,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     acc, total, m_new = (with_block(acc, total) if second_exists is True
                                          else lax.cond(second_exists, with_block, without_block, acc, total))
                     plgpu.barrier_wait(p_a)
-                    plgpu.barrier_wait(kv_bars.at[2 * other + own])
-                    acc = product(acc, kr_smem.at[1 - wg], other)
-                    plgpu.barrier_arrive(free_bars.at[2 * other + 1])
+                    plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
+                    acc = product(acc, kr_smem.at[theirs], theirs)
+                    plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
                     return acc, m_new, total
 
+                slot_smem[own] = jnp.int32(own)        # each thread reads back its own store: no barrier
                 # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
                 plain_pairs = lax.div(plain_steps, 2)
                 carry = lax.fori_loop(0, plain_pairs, functools.partial(pair_fn, framed=False), zero_state())
