@@ -81,7 +81,8 @@ def _scratch(stages: int, schedule: str = "alternate") -> tuple:
     if schedule == "paired":
         frees, exchange = plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=3)
         # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of its
-        # blocks loop-invariant, which LLVM hoists out of the loop into registers that ptxas then spills.
+        # blocks (and of the q halves) loop-invariant, which LLVM hoists out of the loop into registers that ptxas
+        # then spills.
         slots = (plgpu.SMEM((COMPUTE_WGS,), jnp.int32),)
     else:
         frees, exchange = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
@@ -398,7 +399,9 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     plgpu.barrier_arrive(barrier)
 
                 def own_scores(j, mine, framed: bool):
-                    qk = scores_of(mine, halves=(own, other), wait=True)
+                    # The halves in the order own, other: as `mine`, `1 - mine` (read at run time, like the slot, so
+                    # that the q tile's descriptors are not hoisted either).
+                    qk = scores_of(mine, halves=(mine, 1 - mine), wait=True)
                     if not framed:
                         return qk
                     step = 2 * j + own
