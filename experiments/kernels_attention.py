@@ -100,7 +100,7 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, with its "paired" schedule, and joining its split-K partials in the kernel where it splits), for inputs
+    rows, with its "alternate" schedule, and joining its split-K partials in the kernel where it splits), for inputs
     `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
@@ -108,8 +108,8 @@ def attention_peers(args, interpret: bool) -> dict:
              "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
-        peers["mosaic_gpu_paired"] = jax.jit(
-            lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, schedule="paired"))
+        peers["mosaic_gpu_alternate"] = jax.jit(
+            lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, schedule="alternate"))
         rows = args[0].shape[1] * args[0].shape[2]
         if attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1]) > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(

@@ -62,7 +62,7 @@ COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop 
 # scored at once, one per warpgroup; the first passes its row max to the second (so the second's p needs no rescale),
 # each multiplies its own p by its half of its own block's values from registers, then the other's p from shared
 # memory (the first's rescaled to the pair's max); each half of a slot is refilled as soon as its last reader is done.
-SCHEDULES = ("alternate", "paired")
+SCHEDULES = ("paired", "alternate")
 PAIRED_PARTS = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the paired producer refills them
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
@@ -71,7 +71,7 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch(stages: int, schedule: str = "alternate") -> tuple:
+def _scratch(stages: int, schedule: str = "paired") -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the ring's c_kv halves and k_rope slots, the row
     statistics, the consumers' exchanged statistics ("alternate": each slot's alpha, row sum and max; "paired": each
     warpgroup's max at [w, 0] and final row sum at [w, 2]), then the barriers (q, c_kv, k_rope, free, sync, and the
@@ -152,7 +152,7 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
                                              "registers", "schedule", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
                        num_splits: int = 1, stages: int = 2, combine_in_kernel: bool = False,
-                       registers: tuple[int, int] = REGISTERS, schedule: str = "alternate",
+                       registers: tuple[int, int] = REGISTERS, schedule: str = "paired",
                        interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
@@ -657,7 +657,7 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
                                              "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
                           num_splits: int | None = None, combine_in_kernel: bool = False,
-                          registers: tuple[int, int] = REGISTERS, schedule: str = "alternate",
+                          registers: tuple[int, int] = REGISTERS, schedule: str = "paired",
                           interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
