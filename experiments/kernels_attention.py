@@ -100,16 +100,14 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, with its "alternate" schedule, and joining its split-K partials in the kernel where it splits), for inputs
-    `args` (GPU only: {} when `interpret`)."""
+    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when
+    `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
              "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
-        peers["mosaic_gpu_alternate"] = jax.jit(
-            lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, schedule="alternate"))
         rows = args[0].shape[1] * args[0].shape[2]
         if attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1]) > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(

@@ -26,8 +26,6 @@ flags.DEFINE_integer("nodes", 16, "tree nodes T")
 flags.DEFINE_integer("calls", 3, "calls of the op (the first compiles)")
 flags.DEFINE_list("registers", [], "mosaic_gpu only: registers per consumer and per producer thread (e.g. 240,24; "
                   "default the kernel's REGISTERS)")
-flags.DEFINE_enum("schedule", attn_mgpu.SCHEDULES[0], attn_mgpu.SCHEDULES, "mosaic_gpu only: how its consumer warpgroups "
-                  "share the scores")
 F = flags.FLAGS
 
 
@@ -39,10 +37,6 @@ def main(_):
         if F.kernel != "mosaic_gpu" or len(F.registers) != 2:
             raise ValueError(f"--registers={F.registers}: two numbers (consumer, producer), for --kernel=mosaic_gpu")
         options["registers"] = tuple(int(n) for n in F.registers)
-    if F.schedule != attn_mgpu.SCHEDULES[0]:
-        if F.kernel != "mosaic_gpu":
-            raise ValueError(f"--schedule={F.schedule}: for --kernel=mosaic_gpu")
-        options["schedule"] = F.schedule
     op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE, **options))
     for _ in range(F.calls):
         jax.block_until_ready(op(*args))

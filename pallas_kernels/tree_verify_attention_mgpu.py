@@ -18,19 +18,18 @@ split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) th
 themselves after a semaphore wait; measured slower than the separate combine (kernels.md, "Ninth session").
 
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
-streams c_kv (as two 256-column halves) and k_rope blocks through a ring of `stages` shared-memory slots with TMA.
-Warpgroups 0 and 1 each own 256 of the 512 output columns (a [64, 256] f32 accumulator in registers) and take the
-blocks' scores in turn: for block i, warpgroup i % 2 computes the [64, 64] scores (wgmma over 256 + 256 + 64
-columns) and the online softmax, and leaves p (bf16, over the block's rope rows, which only the scores read) with
-its statistics in shared memory; both then add p @ their half of c_kv (wgmma). Sharing the scores made the kernel
-10-14% faster than computing them in both warpgroups (kernels.md, "Eighth session"). The online softmax runs in base 2
-with approximate math (p = exp2(qk * scale * log2(e) - max): one fused multiply-add and one ex2 per score), 8-10%
-faster than natural exp (kernels.md, "Twenty-first session"); the partials' max is written in base e.
-
-That schedule ("alternate") leaves the tensor cores idle through each softmax, while the other warpgroup waits for
-its p (a quarter of a consumer's time in Nsight Compute). schedule="paired" (opt-in, `SCHEDULES`) is FlashMLA's
-answer: the two warpgroups score a pair of blocks at once and hand each other the row max and p. It is checked in
-interpret mode and lowered for the H200 on the CPU; it has not yet run on a GPU (kernels.md, "Twenty-first session").
+streams c_kv (as two 256-column halves) and k_rope blocks through two shared-memory slots with TMA. Warpgroups 0 and
+1 each own 256 of the 512 output columns (a [64, 256] f32 accumulator in registers) and take the blocks in pairs, as
+FlashMLA does: blocks 2j and 2j + 1 (slots 0 and 1) are scored at once, warpgroup w scoring the block in slot w
+([64, 64] scores by wgmma over 256 + 256 + 64 columns). Warpgroup 0 publishes its block's row max; warpgroup 1 takes
+it into its own, so its p is final, and publishes p (bf16, over its slot's rope rows, which only the scores read)
+with the pair's max; each multiplies its own p by its half of its own block's values from registers while the other
+is busy, then warpgroup 0 publishes its p rescaled to the pair's max, and each adds the other's block from shared
+memory. A slot is refilled in two parts, each as soon as its last reader is done. Against the earlier schedule (the
+blocks scored in turn while the other warpgroup waited for p) this is 11-24% faster where the tensor cores bound the
+call and level at decode (kernels.md, "Twenty-second session"). The online softmax runs in base 2 with approximate math
+(p = exp2(qk * scale * log2(e) - max): one fused multiply-add and one ex2 per score); the partials' max is written in
+base e.
 """
 from __future__ import annotations
 
@@ -53,17 +52,12 @@ BLOCK_KV = 64    # cache rows per ring slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
+SLOTS = COMPUTE_WGS   # ring slots: the pair of blocks in flight, one per consumer warpgroup
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
 COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
-# How the consumers share the scores. "alternate": block i is scored by warpgroup i % 2 while the other waits for its
-# p, then both multiply p by their half of the values. "paired" (FlashMLA's schedule): blocks 2j and 2j + 1 are
-# scored at once, one per warpgroup; the first passes its row max to the second (so the second's p needs no rescale),
-# each multiplies its own p by its half of its own block's values from registers, then the other's p from shared
-# memory (the first's rescaled to the pair's max); each half of a slot is refilled as soon as its last reader is done.
-SCHEDULES = ("paired", "alternate")
-PAIRED_PARTS = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the paired producer refills them
+REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
@@ -71,59 +65,45 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch(stages: int, schedule: str = "paired") -> tuple:
-    """The kernel's scratch: q tile (two latent halves) and its rope, the ring's c_kv halves and k_rope slots, the row
-    statistics, the consumers' exchanged statistics ("alternate": each slot's alpha, row sum and max; "paired": each
-    warpgroup's max at [w, 0] and final row sum at [w, 2]), then the barriers (q, c_kv, k_rope, free, sync, and the
-    schedule's exchange: "alternate" one p barrier per slot; "paired" the pair's three hand-overs, and a free barrier
-    per part of a slot); "paired" then also each consumer's slot index."""
+def _scratch() -> tuple:
+    """The kernel's scratch: q tile (two latent halves) and its rope, the two slots' c_kv halves and k_rope blocks,
+    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at [w, 2]),
+    the barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs), then each
+    consumer's slot index."""
     transforms = _smem_transforms()
-    if schedule == "paired":
-        frees, exchange = plgpu.Barrier(num_barriers=2 * stages), plgpu.Barrier(num_barriers=3)
-        # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of its
-        # blocks (and of the q halves) loop-invariant, which LLVM hoists out of the loop into registers that ptxas
-        # then spills.
-        slots = (plgpu.SMEM((COMPUTE_WGS,), jnp.int32),)
-    else:
-        frees, exchange = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-                           plgpu.Barrier(num_barriers=stages))
-        slots = ()
     return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
-            plgpu.SMEM((stages, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
-            plgpu.SMEM((stages, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((SLOTS, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
+            plgpu.SMEM((SLOTS, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((2, BLOCK_Q), jnp.float32),
-            plgpu.SMEM((stages, 3, BLOCK_Q), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, 3, BLOCK_Q), jnp.float32),
             plgpu.Barrier(num_barriers=3),
-            plgpu.Barrier(num_barriers=2 * stages),
-            plgpu.Barrier(num_barriers=stages),
-            frees,
+            plgpu.Barrier(num_barriers=2 * SLOTS),
+            plgpu.Barrier(num_barriers=SLOTS),
+            plgpu.Barrier(num_barriers=2 * SLOTS),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-            exchange) + slots
+            plgpu.Barrier(num_barriers=3),
+            # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of
+            # its blocks (and of the q halves) loop-invariant, which LLVM hoists out of the loop into registers that
+            # ptxas then spills (kernels.md, "Twenty-second session").
+            plgpu.SMEM((COMPUTE_WGS,), jnp.int32))
 
 
-def shared_memory_bytes(stages: int) -> int:
-    """Shared memory of a program with a ring of `stages` slots (`_scratch`), by Mosaic GPU's count: every buffer
-    aligned to 1 KB, then 1 KB of barriers."""
-    buffers = [ref for ref in _scratch(stages) if not isinstance(ref, plgpu.Barrier)]
+def shared_memory_bytes() -> int:
+    """Shared memory of a program (`_scratch`), by Mosaic GPU's count: every buffer aligned to 1 KB, then 1 KB of
+    barriers."""
+    buffers = [ref for ref in _scratch() if not isinstance(ref, plgpu.Barrier)]
     return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024 for ref in buffers) + 1024
 
 
-def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int, stages: int,
-           registers: tuple[int, int], schedule: str, interpret: bool):
+def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int,
+           registers: tuple[int, int]):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
-    if num_splits < 1 or stages < 1:
-        problems.append(f"num_splits={num_splits} and stages={stages} must be >= 1")
-    elif not interpret and shared_memory_bytes(stages) > SHARED_BYTES:
-        problems.append(f"stages={stages} needs {shared_memory_bytes(stages)} bytes of shared memory, more than the "
-                        f"{SHARED_BYTES} a block has (one 72 KB slot per stage beside the 72 KB q tile): use stages=2")
-    if schedule not in SCHEDULES:
-        problems.append(f"schedule={schedule!r} must be one of {SCHEDULES}")
-    elif schedule == "paired" and stages != 2:
-        problems.append(f"schedule='paired' takes its blocks in pairs, one per slot: stages={stages} must be 2")
+    if num_splits < 1:
+        problems.append(f"num_splits={num_splits} must be >= 1")
     consumer, producer = registers
     if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
         problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
@@ -148,12 +128,11 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "stages", "combine_in_kernel",
-                                             "registers", "schedule", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "registers",
+                                             "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, stages: int = 2, combine_in_kernel: bool = False,
-                       registers: tuple[int, int] = REGISTERS, schedule: str = "paired",
-                       interpret: bool = False):
+                       num_splits: int = 1, combine_in_kernel: bool = False,
+                       registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
     scale) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
@@ -161,12 +140,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
-    schedule: how the two consumer warpgroups share a block's scores (`SCHEDULES`).
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
     bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, stages, registers, schedule,
-           interpret)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
         if interpret:
@@ -179,7 +156,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, *paired_refs) = refs
+         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -195,44 +172,6 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
             plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
 
-        def _alternate_producer(lo, steps):
-            def fetch(step, slot):
-                for h in range(2):
-                    copy_half(lo, step, slot, h)
-                copy_rope(lo, step, slot)
-
-            for i in range(stages):
-                pl.when(i < steps)(functools.partial(fetch, i, i))
-
-            @pl.loop(0, jnp.maximum(steps - stages, 0))
-            def _(step):
-                slot = lax.rem(step, stages)
-                plgpu.barrier_wait(free_bars.at[slot])
-                fetch(step + stages, slot)
-
-            # Observe every phase of every barrier this warpgroup waits on: the last slots' releases, the q copies.
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)
-            def _(step):
-                plgpu.barrier_wait(free_bars.at[lax.rem(step, stages)])
-
-        def _paired_producer(lo, steps):
-            # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
-            # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
-            # other).
-            def fetch(step, slot, part):
-                copy_half(lo, step, slot, slot if part == 0 else 1 - slot)
-                if part:
-                    copy_rope(lo, step, slot)
-
-            for slot, part in PAIRED_PARTS:
-                pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
-
-            @pl.loop(0, lax.div(steps + 1, 2))
-            def _(j):
-                for slot, part in PAIRED_PARTS:
-                    pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
-                    pl.when(2 * j + 2 + slot < steps)(functools.partial(fetch, 2 * j + 2 + slot, slot, part))
-
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
             plgpu.set_max_registers(registers[1], action="decrease")
@@ -241,10 +180,24 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                                         q_bar.at[h])
             plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
             lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits)
-            if schedule == "paired":
-                _paired_producer(lo, steps)
-            else:
-                _alternate_producer(lo, steps)
+
+            # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
+            # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
+            # other).
+            def fetch(step, slot, part):
+                copy_half(lo, step, slot, slot if part == 0 else 1 - slot)
+                if part:
+                    copy_rope(lo, step, slot)
+
+            for slot, part in REFILL_ORDER:
+                pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
+
+            @pl.loop(0, lax.div(steps + 1, 2))
+            def _(j):
+                for slot, part in REFILL_ORDER:
+                    pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
+                    pl.when(2 * j + 2 + slot < steps)(functools.partial(fetch, 2 * j + 2 + slot, slot, part))
+
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
 
@@ -300,16 +253,14 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             return plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA), m, total
 
-        def scores_of(slot, halves=(0, 1), wait: bool = False):
-            """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled); with wait, each part's barrier is waited
-            just before its wgmma (the c_kv halves in the order `halves`, then the rope rows)."""
+        def scores_of(slot, halves):
+            """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled), each part's barrier waited just before its
+            wgmma: the c_kv halves in the order `halves`, then the rope rows."""
             def scores(acc_ref):
                 for h in halves:
-                    if wait:
-                        plgpu.barrier_wait(kv_bars.at[2 * slot + h])
+                    plgpu.barrier_wait(kv_bars.at[2 * slot + h])
                     plgpu.wgmma(acc_ref, q_smem.at[h], kv_smem.at[slot, h].transpose((1, 0)))
-                if wait:
-                    plgpu.barrier_wait(kr_bars.at[slot])
+                plgpu.barrier_wait(kr_bars.at[slot])
                 plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
@@ -338,151 +289,109 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             alpha = alpha_of(m_old, _finite(m_new))
             return x * (lax.broadcast_in_dim(alpha, x.shape, [0]) if x.ndim > 1 else alpha)
 
-        if schedule == "alternate":
-            @pl.when(wg < COMPUTE_WGS)
-            def _consumer():
-                lo, steps, frame_start, plain_steps = start_consumer()
+        def _consumer(own: int):
+            """Warpgroup `own`: scores the blocks 2j + own (slot own), owns output columns [own * HALF, + HALF).
+            The first (0) publishes its block's max (A) and, once the second's max is known (B: with its p in
+            shared memory), its p rescaled to it (C)."""
+            other = 1 - own
+            max_a, max_b, p_a = (exchange_bars.at[i] for i in range(3))
+            lo, steps, frame_start, plain_steps = start_consumer()
 
-                def step_fn(step, carry, framed: bool):
-                    acc, m, total = carry
-                    slot = lax.rem(step, stages)
-                    for h in range(2):
-                        plgpu.barrier_wait(kv_bars.at[2 * slot + h])
-                    plgpu.barrier_wait(kr_bars.at[slot])
-                    # Warpgroup step % 2 scores the block and leaves p (over the slot's rope rows, which only the
-                    # scores read) and its statistics in shared memory; both multiply p by their half of the values
-                    # from there.
-                    @pl.when(lax.rem(step, 2) == wg)
-                    def _score():
-                        qk = scores_of(slot)
-                        if framed:
-                            qk = with_bias(qk, lo, step, frame_start)
-                        m_new = block_max(qk, m)
-                        m_safe = _finite(m_new)
-                        p = probabilities(qk, m_safe)
-                        stats = alpha_of(m, m_safe), p.sum(axis=1), m_new
-                        kr_smem.at[slot][...] = p.astype(jnp.bfloat16)
-                        for i, value in enumerate(stats):
-                            stat_smem.at[slot, i][...] = value
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(exchange_bars.at[slot])
+            def product(acc, p, slot):
+                """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the values in `slot` (traced: Python
+                ints as indices inside `_accumulate`'s run_state do not lower) by wgmma."""
+                return _accumulate(acc, p, kv_smem.at[slot, wg], in_place=not interpret)
 
-                    plgpu.barrier_wait(exchange_bars.at[slot])
-                    alpha, row_sum, m_new = (plgpu.load(stat_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(1))
-                                             for i in range(3))
-                    total = total * alpha + row_sum
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    acc = _accumulate(acc, kr_smem.at[slot], kv_smem.at[slot, wg], in_place=not interpret)
-                    plgpu.barrier_arrive(free_bars.at[slot])
+            def publish(ref, value, barrier):
+                ref[...] = value
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(barrier)
+
+            def own_scores(j, mine, framed: bool):
+                # The halves in the order own, other: as `mine`, `1 - mine` (read at run time, like the slot, so
+                # that the q tile's descriptors are not hoisted either).
+                qk = scores_of(mine, halves=(mine, 1 - mine))
+                if not framed:
+                    return qk
+                step = 2 * j + own
+                return lax.cond(lo + step >= frame_start, lambda x: with_bias(x, lo, step, frame_start),
+                                lambda x: x, qk)
+
+            def pair_fn(j, carry, framed: bool):
+                acc, m, total = carry
+                second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
+                mine = slot_smem[own]                                   # = own, read at run time (`_scratch`)
+                theirs = 1 - mine
+                if own == 0:
+                    qk = own_scores(j, mine, framed)
+                    m_a = block_max(qk, m)
+                    publish(stat_smem.at[0, 0], m_a, max_a)
+                    p = probabilities(qk, _finite(m_a))
+                    total = rescale(total, m, m_a) + p.sum(axis=1)
+                    acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), mine)
+                    plgpu.barrier_arrive(free_bars.at[2 * mine])
+                    plgpu.barrier_wait(max_b)
+                    m_new = plgpu.load(stat_smem.at[1, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
+                    acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
+
+                    def second(acc):
+                        plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
+                        acc = product(acc, kr_smem.at[theirs], theirs)
+                        plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
+                        return acc
+
+                    acc = second(acc) if second_exists is True else lax.cond(second_exists, second,
+                                                                               lambda a: a, acc)
                     return acc, m_new, total
 
-                carry = lax.fori_loop(0, plain_steps, functools.partial(step_fn, framed=False), zero_state())
-                finish(*lax.fori_loop(plain_steps, steps, functools.partial(step_fn, framed=True), carry))
-        else:
-            def _paired_consumer(own: int):
-                """Warpgroup `own`: scores the blocks 2j + own (slot own), owns output columns [own * HALF, + HALF).
-                The first (0) publishes its block's max (A) and, once the second's max is known (B: with its p in
-                shared memory), its p rescaled to it (C)."""
-                other = 1 - own
-                (slot_smem,) = paired_refs
-                max_a, max_b, p_a = (exchange_bars.at[i] for i in range(3))
-                lo, steps, frame_start, plain_steps = start_consumer()
+                def with_block(acc, total):
+                    qk = own_scores(j, mine, framed)
+                    plgpu.barrier_wait(max_a)
+                    m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
+                    p = probabilities(qk, _finite(m_new))
+                    kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
+                    publish(stat_smem.at[1, 0], m_new, max_b)
+                    total = rescale(total, m, m_new) + p.sum(axis=1)
+                    acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), mine)
+                    plgpu.barrier_arrive(free_bars.at[2 * mine])
+                    return acc, total, m_new
 
-                def product(acc, p, slot):
-                    """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the values in `slot` (traced: Python
-                    ints as indices inside `_accumulate`'s run_state do not lower) by wgmma."""
-                    return _accumulate(acc, p, kv_smem.at[slot, wg], in_place=not interpret)
+                def without_block(acc, total):            # an odd last block: pass the first's max on
+                    plgpu.barrier_wait(max_a)
+                    m_new = plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    publish(stat_smem.at[1, 0], m_new, max_b)
+                    return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
 
-                def publish(ref, value, barrier):
-                    ref[...] = value
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(barrier)
+                acc, total, m_new = (with_block(acc, total) if second_exists is True
+                                     else lax.cond(second_exists, with_block, without_block, acc, total))
+                plgpu.barrier_wait(p_a)
+                plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
+                acc = product(acc, kr_smem.at[theirs], theirs)
+                plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
+                return acc, m_new, total
 
-                def own_scores(j, mine, framed: bool):
-                    # The halves in the order own, other: as `mine`, `1 - mine` (read at run time, like the slot, so
-                    # that the q tile's descriptors are not hoisted either).
-                    qk = scores_of(mine, halves=(mine, 1 - mine), wait=True)
-                    if not framed:
-                        return qk
-                    step = 2 * j + own
-                    return lax.cond(lo + step >= frame_start, lambda x: with_bias(x, lo, step, frame_start),
-                                    lambda x: x, qk)
+            slot_smem[own] = jnp.int32(own)        # each thread reads back its own store: no barrier
+            # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
+            plain_pairs = lax.div(plain_steps, 2)
+            carry = lax.fori_loop(0, plain_pairs, functools.partial(pair_fn, framed=False), zero_state())
+            acc, m, total = lax.fori_loop(plain_pairs, lax.div(steps + 1, 2),
+                                          functools.partial(pair_fn, framed=True), carry)
+            # Each warpgroup summed its own blocks' p: the split's row sums are the two together.
+            publish(stat_smem.at[own, 2], total, sync_bar)
+            plgpu.barrier_wait(sync_bar)
+            total = total + plgpu.load(stat_smem.at[other, 2], layout=plgpu.Layout.WGMMA.reduce(1))
+            finish(acc, m, total)
 
-                def pair_fn(j, carry, framed: bool):
-                    acc, m, total = carry
-                    second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
-                    mine = slot_smem[own]                                   # = own, read at run time (`_scratch`)
-                    theirs = 1 - mine
-                    if own == 0:
-                        qk = own_scores(j, mine, framed)
-                        m_a = block_max(qk, m)
-                        publish(stat_smem.at[0, 0], m_a, max_a)
-                        p = probabilities(qk, _finite(m_a))
-                        total = rescale(total, m, m_a) + p.sum(axis=1)
-                        acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), mine)
-                        plgpu.barrier_arrive(free_bars.at[2 * mine])
-                        plgpu.barrier_wait(max_b)
-                        m_new = plgpu.load(stat_smem.at[1, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-                        publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
-                        acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
-
-                        def second(acc):
-                            plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
-                            acc = product(acc, kr_smem.at[theirs], theirs)
-                            plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
-                            return acc
-
-                        acc = second(acc) if second_exists is True else lax.cond(second_exists, second,
-                                                                                   lambda a: a, acc)
-                        return acc, m_new, total
-
-                    def with_block(acc, total):
-                        qk = own_scores(j, mine, framed)
-                        plgpu.barrier_wait(max_a)
-                        m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
-                        p = probabilities(qk, _finite(m_new))
-                        kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
-                        publish(stat_smem.at[1, 0], m_new, max_b)
-                        total = rescale(total, m, m_new) + p.sum(axis=1)
-                        acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), mine)
-                        plgpu.barrier_arrive(free_bars.at[2 * mine])
-                        return acc, total, m_new
-
-                    def without_block(acc, total):            # an odd last block: pass the first's max on
-                        plgpu.barrier_wait(max_a)
-                        m_new = plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1))
-                        publish(stat_smem.at[1, 0], m_new, max_b)
-                        return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
-
-                    acc, total, m_new = (with_block(acc, total) if second_exists is True
-                                         else lax.cond(second_exists, with_block, without_block, acc, total))
-                    plgpu.barrier_wait(p_a)
-                    plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
-                    acc = product(acc, kr_smem.at[theirs], theirs)
-                    plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
-                    return acc, m_new, total
-
-                slot_smem[own] = jnp.int32(own)        # each thread reads back its own store: no barrier
-                # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
-                plain_pairs = lax.div(plain_steps, 2)
-                carry = lax.fori_loop(0, plain_pairs, functools.partial(pair_fn, framed=False), zero_state())
-                acc, m, total = lax.fori_loop(plain_pairs, lax.div(steps + 1, 2),
-                                              functools.partial(pair_fn, framed=True), carry)
-                # Each warpgroup summed its own blocks' p: the split's row sums are the two together.
-                publish(stat_smem.at[own, 2], total, sync_bar)
-                plgpu.barrier_wait(sync_bar)
-                total = total + plgpu.load(stat_smem.at[other, 2], layout=plgpu.Layout.WGMMA.reduce(1))
-                finish(acc, m, total)
-
-            for own in range(COMPUTE_WGS):
-                pl.when(wg == own)(functools.partial(_paired_consumer, own))
+        for own in range(COMPUTE_WGS):
+            pl.when(wg == own)(functools.partial(_consumer, own))
 
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
     return plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(stages, schedule),
+        body, out_type=out_types, scratch_types=_scratch(),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         # exp2 as one ex2.approx.ftz.f32 (and `_combine_rows`' exp as ex2 of x * log2(e)); interpret mode is exact.
@@ -653,12 +562,10 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "schedule",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
                           num_splits: int | None = None, combine_in_kernel: bool = False,
-                          registers: tuple[int, int] = REGISTERS, schedule: str = "paired",
-                          interpret: bool = False):
+                          registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
@@ -666,7 +573,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
     (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
-    of programs; measured slower on the H200: kernels.md, "Ninth session"). schedule: the consumers' (`SCHEDULES`).
+    of programs; measured slower on the H200: kernels.md, "Ninth session").
     N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
@@ -686,7 +593,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
         num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
-        schedule=schedule, interpret=interpret)
+        interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
     elif num_splits == 1:

@@ -2,8 +2,8 @@
 CPU (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
-as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, and more
-blocks per split than ring slots, with both schedules of the consumers. The whole op (`tree_verify_attention`: the
+as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, more blocks
+per split than ring slots (both slots refilled), an odd number of blocks. The whole op (`tree_verify_attention`: the
 prefix and the tree block in the kernel under `frame_bias`, then the merge) is checked under random ancestor masks,
 with one split and several, tree blocks inside one cache block and across two, and rows that see nothing. Fresh
 random bf16 inputs per case.
@@ -45,21 +45,18 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     return out[:, :, 0].astype(jnp.float32)
 
 
-@pytest.mark.parametrize("prefixes,rows,num_splits,stages,schedule", [
-    ([200, 37], 64, 2, 2, "alternate"),
-    ([0, 256, 5], 128, 3, 2, "alternate"),
-    ([70], 64, 8, 2, "alternate"),
-    ([256, 100], 64, 1, 2, "alternate"),
-    pytest.param([256, 100], 64, 1, 3, "alternate", marks=pytest.mark.skipif(  # three slots: the ring's logic
-        not INTERPRET, reason="three slots do not fit an H200's shared memory (test_shared_memory_of_the_ring)")),
-    ([300, 37, 0], 64, 1, 2, "paired"),    # five blocks (both slots refilled), one (no second block), none
+@pytest.mark.parametrize("prefixes,rows,num_splits", [
+    ([200, 37], 64, 2),
+    ([0, 256, 5], 128, 3),
+    ([70], 64, 8),
+    ([256, 100], 64, 1),
+    ([300, 37, 0], 64, 1),    # five blocks (both slots refilled, an odd last one), one (no second block), none
 ])
-def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages, schedule):
+def test_partials_merge_to_the_reference(prefixes, rows, num_splits):
     rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 320)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
-    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
-                                        stages=stages, schedule=schedule)
+    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * AM.HALF) and row_sum.shape == row_max.shape
     got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
@@ -70,16 +67,11 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits, stages, sch
             assert not np.asarray(got[s]).any() and not np.asarray(row_sum[:, s]).any()
 
 
-def test_shared_memory_of_the_ring():
-    """Two ring slots fit an H200's 227 KB beside the q tile, three do not, and the compiled kernel refuses them by
-    name (interpret mode has no such limit and runs them)."""
-    assert AM.shared_memory_bytes(2) <= AM.SHARED_BYTES < AM.shared_memory_bytes(3)
-    rng = np.random.default_rng(4)
-    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 128)
-    with pytest.raises(ValueError, match=r"stages=3 needs \d+ bytes of shared memory.*use stages=2"):
-        AM.attention_partials(q_lat, q_rope, c_kv, k_rope, jnp.asarray([10], jnp.int32),
-                              AM.frame_bias(jnp.asarray([10], jnp.int32), jnp.zeros((1, 0, 0), bool), 1, 64),
-                              scale=SCALE, num_nodes=0, stages=3, interpret=False)
+def test_shared_memory_fits_an_h200():
+    """The two 72 KB slots beside the 72 KB q tile, the statistics and the barriers fit an H200's 227 KB per block;
+    a third slot would not."""
+    slot = 2 * AM.BLOCK_KV * (2 * AM.HALF + AM.ROPE)   # bytes: one block of bf16 c_kv and k_rope rows
+    assert AM.shared_memory_bytes() <= AM.SHARED_BYTES < AM.shared_memory_bytes() + slot
 
 
 def test_bad_shapes_name_the_fix():
@@ -95,22 +87,17 @@ def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match=r"frame_bias .* must be f32 \[S, rows, frame_width\(T=67"):
         AM.attention_partials(q_lat, q_rope, c_kv, k_rope, ten, jnp.zeros((1, 64, 64), jnp.float32), scale=SCALE,
                               num_nodes=3 + 64, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="schedule='pipelined' must be one of"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, schedule="pipelined")
-    with pytest.raises(ValueError, match="takes its blocks in pairs, one per slot: stages=3 must be 2"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, ten, schedule="paired", stages=3)
 
 
-@pytest.mark.parametrize("prefixes,nodes,heads,num_splits,schedule", [
-    ([150, 0], 5, 8, 2, "alternate"), ([64, 190], 9, 16, 3, "alternate"), ([200], 1, 8, 2, "alternate"),
-    ([120, 7], 20, 4, 1, "alternate"), pytest.param([60, 128], 70, 1, 2, "alternate", marks=pytest.mark.slow),
-    ([64, 190], 9, 16, 3, "paired"), ([250, 7], 20, 4, 1, "paired")])
-def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits, schedule):
+@pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [
+    ([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3), ([200], 1, 8, 2), ([120, 7], 20, 4, 1),
+    pytest.param([60, 128], 70, 1, 2, marks=pytest.mark.slow), ([250, 7], 20, 4, 1)])
+def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
     """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
     an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
     with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
-    several; the "paired" schedule on three splits over 144 rows and on prefix 250 with T = 20 (five blocks: a pair
-    before the frame, a pair across its start, an odd last block). In interpret mode it runs op by op
+    several, and prefix 250 with T = 20 in one split (five blocks: a pair before the frame, a pair across its start,
+    an odd last block). In interpret mode it runs op by op
     (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work beside it can wait on each other for
     good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)
@@ -120,8 +107,7 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
             bf16(s, 320, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
             jnp.asarray(random_tree_visible(rng, s, nodes)))
     with jax.disable_jit(INTERPRET):
-        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, schedule=schedule,
-                                       interpret=INTERPRET)
+        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
     want = A.tree_verify_attention_reference(*args, scale=SCALE)
     assert got.shape == want.shape and got.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -200,13 +186,13 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
         prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
 
 
-def test_paired_schedule_lowers_for_the_h200():
-    """The "paired" schedule (its consumers' own p from registers, the frame's bias under a cond, an odd last block)
-    lowered for an H200 (no GPU needed; interpret mode runs another wgmma path): one Mosaic GPU custom call."""
+def test_kernel_lowers_for_the_h200():
+    """The kernel (its consumers' own p from registers, the frame's bias under a cond, an odd last block) lowered
+    for an H200 (no GPU needed; interpret mode runs another wgmma path): one Mosaic GPU custom call."""
     from triton_h200 import lower_for_h200, spec
 
     s, t, h, n = 1, 16, 64, 4096
-    fn = functools.partial(AM.tree_verify_attention, scale=SCALE, schedule="paired")
+    fn = functools.partial(AM.tree_verify_attention, scale=SCALE)
     text = lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
                           spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
                           spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
