@@ -42,22 +42,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import SHARED_BYTES, inverse_or_zero
+from pallas_kernels import inverse_or_zero
 from pallas_kernels import tree_verify_attention as op
 from pallas_kernels import tree_verify_attention_combine as combine
 from pallas_kernels.triton_call import bound_to
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
-BLOCK_KV = 64    # cache rows per ring slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes the place of the slot's rope rows)
+BLOCK_KV = 64    # cache rows per slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes the place of the slot's rope rows)
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
-SLOTS = COMPUTE_WGS   # ring slots: the pair of blocks in flight, one per consumer warpgroup
+SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one per consumer (the schedule needs 2)
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
 COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
@@ -67,7 +68,8 @@ def _smem_transforms():
 
 def _scratch() -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the two slots' c_kv halves and k_rope blocks,
-    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at [w, 2]),
+    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at [w, 2]; [w, 1]
+    is unused, the layout of the code measured on the H200),
     the barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs), then each
     consumer's slot index."""
     transforms = _smem_transforms()
@@ -192,7 +194,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             for slot, part in REFILL_ORDER:
                 pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
 
-            @pl.loop(0, lax.div(steps + 1, 2))
+            @pl.loop(0, _pairs(steps))
             def _(j):
                 for slot, part in REFILL_ORDER:
                     pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
@@ -249,8 +251,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
         def zero_state():
             """(acc [BLOCK_Q, HALF], running max in base 2, row sums) before any block."""
-            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
+            total = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROW_LAYOUT)
             return plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA), m, total
 
         def scores_of(slot, halves):
@@ -280,13 +282,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             running max m_safe = `_finite`(max) (0 in a row that has seen nothing, not NaN)."""
             return jnp.exp2(qk * (scale * LOG2E) - lax.broadcast_in_dim(m_safe, qk.shape, [0]))
 
-        def alpha_of(m_old, m_safe):
-            """The factor [BLOCK_Q] that takes values under the running max m_old to m_safe = `_finite`(max)."""
-            return jnp.exp2(m_old - m_safe)
-
         def rescale(x, m_old, m_new):
-            """x [BLOCK_Q, ...] or [BLOCK_Q] from the running max m_old to m_new."""
-            alpha = alpha_of(m_old, _finite(m_new))
+            """x [BLOCK_Q, ...] or [BLOCK_Q] from the running max m_old to m_new (base 2; by `_finite`(m_new), so
+            a row that has seen nothing stays 0)."""
+            alpha = jnp.exp2(m_old - _finite(m_new))
             return x * (lax.broadcast_in_dim(alpha, x.shape, [0]) if x.ndim > 1 else alpha)
 
         def _consumer(own: int):
@@ -331,7 +330,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     acc = product(rescale(acc, m, m_a), p.astype(jnp.bfloat16), mine)
                     plgpu.barrier_arrive(free_bars.at[2 * mine])
                     plgpu.barrier_wait(max_b)
-                    m_new = plgpu.load(stat_smem.at[1, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    m_new = plgpu.load(stat_smem.at[1, 0], layout=ROW_LAYOUT)
                     publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
                     acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
 
@@ -348,7 +347,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 def with_block(acc, total):
                     qk = own_scores(j, mine, framed)
                     plgpu.barrier_wait(max_a)
-                    m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
+                    m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=ROW_LAYOUT))
                     p = probabilities(qk, _finite(m_new))
                     kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
                     publish(stat_smem.at[1, 0], m_new, max_b)
@@ -359,7 +358,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
                 def without_block(acc, total):            # an odd last block: pass the first's max on
                     plgpu.barrier_wait(max_a)
-                    m_new = plgpu.load(stat_smem.at[0, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+                    m_new = plgpu.load(stat_smem.at[0, 0], layout=ROW_LAYOUT)
                     publish(stat_smem.at[1, 0], m_new, max_b)
                     return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
 
@@ -371,16 +370,16 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
                 return acc, m_new, total
 
-            slot_smem[own] = jnp.int32(own)        # each thread reads back its own store: no barrier
+            slot_smem[own] = jnp.int32(own)   # each thread stores the same value and reads back its own
             # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
             plain_pairs = lax.div(plain_steps, 2)
             carry = lax.fori_loop(0, plain_pairs, functools.partial(pair_fn, framed=False), zero_state())
-            acc, m, total = lax.fori_loop(plain_pairs, lax.div(steps + 1, 2),
+            acc, m, total = lax.fori_loop(plain_pairs, _pairs(steps),
                                           functools.partial(pair_fn, framed=True), carry)
             # Each warpgroup summed its own blocks' p: the split's row sums are the two together.
             publish(stat_smem.at[own, 2], total, sync_bar)
             plgpu.barrier_wait(sync_bar)
-            total = total + plgpu.load(stat_smem.at[other, 2], layout=plgpu.Layout.WGMMA.reduce(1))
+            total = total + plgpu.load(stat_smem.at[other, 2], layout=ROW_LAYOUT)
             finish(acc, m, total)
 
         for own in range(COMPUTE_WGS):
@@ -520,6 +519,11 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,
                           op.call_floor_bytes(num_streams, num_rows, capacity))
+
+
+def _pairs(steps):
+    """The pairs of blocks (one per consumer warpgroup) in a split of `steps` blocks, the last maybe a single one."""
+    return lax.div(steps + 1, 2)
 
 
 def _split_blocks(length, split, num_splits: int):

@@ -3,7 +3,7 @@ CPU (which also checks that every barrier phase is observed), compiled on a GPU.
 
 The kernel's partials are checked over a prefix alone (no tree block; query rows are (node, head) pairs flattened,
 as the kernel sees them): ragged prefixes including 0, one shorter than a block, more splits than blocks, more blocks
-per split than ring slots (both slots refilled), an odd number of blocks. The whole op (`tree_verify_attention`: the
+per split than slots (both slots refilled), an odd number of blocks. The whole op (`tree_verify_attention`: the
 prefix and the tree block in the kernel under `frame_bias`, then the merge) is checked under random ancestor masks,
 with one split and several, tree blocks inside one cache block and across two, and rows that see nothing. Fresh
 random bf16 inputs per case.
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
+from pallas_kernels import SHARED_BYTES
 from pallas_kernels import tree_verify_attention_mgpu as AM
 from pallas_kernels import tree_verify_attention as A
 from pallas_kernels.tree import random_tree_visible
@@ -71,7 +72,7 @@ def test_shared_memory_fits_an_h200():
     """The two 72 KB slots beside the 72 KB q tile, the statistics and the barriers fit an H200's 227 KB per block;
     a third slot would not."""
     slot = 2 * AM.BLOCK_KV * (2 * AM.HALF + AM.ROPE)   # bytes: one block of bf16 c_kv and k_rope rows
-    assert AM.shared_memory_bytes() <= AM.SHARED_BYTES < AM.shared_memory_bytes() + slot
+    assert AM.shared_memory_bytes() <= SHARED_BYTES < AM.shared_memory_bytes() + slot
 
 
 def test_bad_shapes_name_the_fix():
