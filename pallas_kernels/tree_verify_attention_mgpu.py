@@ -68,10 +68,9 @@ def _smem_transforms():
 
 def _scratch() -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the two slots' c_kv halves and k_rope blocks,
-    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at [w, 2]; [w, 1]
-    is unused, the layout of the code measured on the H200),
-    the barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs), then each
-    consumer's slot index."""
+    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at
+    [w, 2]; [w, 1] is unused, the layout of the code measured on the H200), the barriers (q, c_kv halves, k_rope, free
+    per part of a slot, sync, and the pair's three hand-overs), then each consumer's slot index."""
     transforms = _smem_transforms()
     return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
@@ -165,15 +164,6 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         # One semaphore per query tile, zeroed before each call: every consumer warpgroup of the tile's splits adds 1.
         tile_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((s * rows // BLOCK_Q,))) if combine_in_kernel else None
 
-        def copy_half(lo, step, slot, h):
-            kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
-                                    kv_bars.at[2 * slot + h])
-
-        def copy_rope(lo, step, slot):
-            kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
-            plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
-
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
             plgpu.set_max_registers(registers[1], action="decrease")
@@ -187,9 +177,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
             # other).
             def fetch(step, slot, part):
-                copy_half(lo, step, slot, slot if part == 0 else 1 - slot)
+                kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
+                h = slot if part == 0 else 1 - slot
+                plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
+                                        kv_bars.at[2 * slot + h])
                 if part:
-                    copy_rope(lo, step, slot)
+                    plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
 
             for slot, part in REFILL_ORDER:
                 pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
@@ -239,16 +232,6 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             plgpu.wait_smem_to_gmem(0)
 
-        def start_consumer():
-            """The consumer's registers, q, and (first block, blocks, first block of the frame, blocks before it)."""
-            plgpu.set_max_registers(registers[0], action="increase")
-            for i in range(3):
-                plgpu.barrier_wait(q_bar.at[i])
-            prefix = len_ref[stream]
-            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
-            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
-            return lo, steps, frame_start, jnp.clip(frame_start - lo, 0, steps)
-
         def zero_state():
             """(acc [BLOCK_Q, HALF], running max in base 2, row sums) before any block."""
             m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROW_LAYOUT)
@@ -294,7 +277,13 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             shared memory), its p rescaled to it (C)."""
             other = 1 - own
             max_a, max_b, p_a = (exchange_bars.at[i] for i in range(3))
-            lo, steps, frame_start, plain_steps = start_consumer()
+            plgpu.set_max_registers(registers[0], action="increase")
+            for i in range(3):
+                plgpu.barrier_wait(q_bar.at[i])
+            prefix = len_ref[stream]
+            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
+            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
+            plain_steps = jnp.clip(frame_start - lo, 0, steps)     # the blocks before it
 
             def product(acc, p, slot):
                 """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the values in `slot` (traced: Python
@@ -321,6 +310,14 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
                 mine = slot_smem[own]                                   # = own, read at run time (`_scratch`)
                 theirs = 1 - mine
+
+                def add_theirs(acc):
+                    """acc + the other warpgroup's p @ this warpgroup's half of its block's values."""
+                    plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
+                    acc = product(acc, kr_smem.at[theirs], theirs)
+                    plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
+                    return acc
+
                 if own == 0:
                     qk = own_scores(j, mine, framed)
                     m_a = block_max(qk, m)
@@ -333,15 +330,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     m_new = plgpu.load(stat_smem.at[1, 0], layout=ROW_LAYOUT)
                     publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
                     acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
-
-                    def second(acc):
-                        plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
-                        acc = product(acc, kr_smem.at[theirs], theirs)
-                        plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
-                        return acc
-
-                    acc = second(acc) if second_exists is True else lax.cond(second_exists, second,
-                                                                               lambda a: a, acc)
+                    acc = add_theirs(acc) if second_exists is True else lax.cond(second_exists, add_theirs,
+                                                                                   lambda a: a, acc)
                     return acc, m_new, total
 
                 def with_block(acc, total):
@@ -365,10 +355,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 acc, total, m_new = (with_block(acc, total) if second_exists is True
                                      else lax.cond(second_exists, with_block, without_block, acc, total))
                 plgpu.barrier_wait(p_a)
-                plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
-                acc = product(acc, kr_smem.at[theirs], theirs)
-                plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
-                return acc, m_new, total
+                return add_theirs(acc), m_new, total
 
             slot_smem[own] = jnp.int32(own)   # each thread stores the same value and reads back its own
             # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
@@ -577,8 +564,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
     (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
-    of programs; measured slower on the H200: kernels.md, "Ninth session").
-    N must be a multiple of 64."""
+    of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:

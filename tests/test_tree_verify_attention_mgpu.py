@@ -98,9 +98,8 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
     an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
     with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
     several, and prefix 250 with T = 20 in one split (five blocks: a pair before the frame, a pair across its start,
-    an odd last block). In interpret mode it runs op by op
-    (jax.disable_jit): inside one jit, the interpreted kernel and XLA's CPU work beside it can wait on each other for
-    good (experiments/notes/kernels.md)."""
+    an odd last block). In interpret mode it runs op by op (jax.disable_jit): inside one jit, the interpreted kernel
+    and XLA's CPU work beside it can wait on each other for good (experiments/notes/kernels.md)."""
     rng = np.random.default_rng(sum(prefixes) + nodes)
     s = len(prefixes)
     bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
@@ -187,27 +186,24 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
         prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
 
 
+def lowered_for_h200(s: int, t: int, h: int, n: int, **options) -> str:
+    """StableHLO of the op at S, T, H, N (bf16 operands) with `options`, lowered for an H200 on any machine."""
+    from triton_h200 import lower_for_h200, spec
+
+    fn = functools.partial(AM.tree_verify_attention, scale=SCALE, **options)
+    return lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
+                          spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
+                          spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
+
+
 def test_kernel_lowers_for_the_h200():
     """The kernel (its consumers' own p from registers, the frame's bias under a cond, an odd last block) lowered
     for an H200 (no GPU needed; interpret mode runs another wgmma path): one Mosaic GPU custom call."""
-    from triton_h200 import lower_for_h200, spec
-
-    s, t, h, n = 1, 16, 64, 4096
-    fn = functools.partial(AM.tree_verify_attention, scale=SCALE)
-    text = lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
-                          spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
-                          spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
-    assert text.count("custom_call @mosaic_gpu_v2") == 1
+    assert lowered_for_h200(1, 16, 64, 4096).count("custom_call @mosaic_gpu_v2") == 1
 
 
 def test_combine_in_kernel_lowers_for_the_h200():
     """The op with the in-kernel combine lowered for an H200 (no GPU needed): one Mosaic GPU custom call (its
     semaphore buffer zeroed by XLA), no combine kernel after it."""
-    from triton_h200 import lower_for_h200, spec
-
-    s, t, h, n = 1, 1, 64, 32768
-    fn = functools.partial(AM.tree_verify_attention, scale=SCALE, combine_in_kernel=True)
-    text = lower_for_h200(fn, spec((s, t, h, 2 * AM.HALF), jnp.bfloat16), spec((s, t, h, AM.ROPE), jnp.bfloat16),
-                          spec((s, n, 2 * AM.HALF), jnp.bfloat16), spec((s, n, AM.ROPE), jnp.bfloat16),
-                          spec((s,), jnp.int32), spec((s, t, t), jnp.bool_))
+    text = lowered_for_h200(1, 1, 64, 32768, combine_in_kernel=True)
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "triton" not in text
