@@ -98,23 +98,10 @@ def attention_cost(case) -> tuple[float, float]:
     return flops, bytes_
 
 
-def mgpu_variants(specs: list[str]) -> list[tuple[int, int | None]]:
-    """--attention_mgpu_variants' 'P/S' items -> (prefetch, num_splits or None for the default count); a ValueError
-    names a malformed one."""
-    variants = []
-    for spec in specs:
-        prefetch, _, splits = spec.partition("/")
-        if not (prefetch.isdigit() and (splits == "d" or splits.isdigit() and int(splits) > 0)):
-            raise ValueError(f"--attention_mgpu_variants: {spec!r} must be 'P/S' with P >= 0 cache blocks of L2 "
-                             f"prefetch and S > 0 splits or 'd' (the default count), e.g. '4/d' or '4/66'")
-        variants.append((int(prefetch), None if splits == "d" else int(splits)))
-    return variants
-
-
-def attention_peers(args, interpret: bool, variants: list[tuple[int, int | None]] = ()) -> dict:
+def attention_peers(args, interpret: bool) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, and joining its split-K partials in the kernel where it splits), and the Mosaic GPU kernel at each
-    (prefetch, num_splits) of `variants` (`mgpu_variants`), for inputs `args` (GPU only: {} when `interpret`)."""
+    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when
+    `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
@@ -125,20 +112,15 @@ def attention_peers(args, interpret: bool, variants: list[tuple[int, int | None]
         if attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1]) > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
-        for prefetch, splits in variants:
-            peers[f"mosaic_gpu_prefetch{prefetch}" + (f"_splits{splits}" if splits else "")] = jax.jit(
-                lambda *a, p=prefetch, n=splits: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, prefetch=p,
-                                                                                 num_splits=n))
     return peers
 
 
 def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
-                  splits: list[int], save, only_cases: list[str] = (),
-                  mgpu_variants: list[tuple[int, int | None]] = ()) -> None:
+                  splits: list[int], save, only_cases: list[str] = ()) -> None:
     """Time every case (the op, the Triton kernel at the configs of attention_sweep, each kernel alone, the XLA
     reference) against the ceilings `ceil`; one row per case appended to `results`, printed, then `save()`; no new
     case past `deadline` (time.time()). only_cases: the cases to run as 'S/H/N/T' (empty: all); a ValueError names
-    those that are not cases. mgpu_variants: Mosaic GPU peers (`attention_peers`)."""
+    those that are not cases."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     cases = attention_cases(quick)
@@ -166,7 +148,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*(planned if fn is op else sets)[0]).astype(jnp.float32),
                                             ref)
-            peers = attention_peers(sets[0], interpret, mgpu_variants)
+            peers = attention_peers(sets[0], interpret)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, planned if fn is op else sets) for name, fn in {**fns, **peers}.items()]
             plan_fn = jax.jit(lambda p, v, h=case["heads"]: ops.tree_verify_plan(p, v, num_heads=h))

@@ -56,7 +56,6 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
-PREFETCH = 0     # cache blocks past the ring's that the producer asks the L2 for (`attention_partials`' prefetch)
 COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
@@ -99,15 +98,13 @@ def shared_memory_bytes() -> int:
 
 
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int,
-           registers: tuple[int, int], prefetch: int):
+           registers: tuple[int, int]):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
     if num_splits < 1:
         problems.append(f"num_splits={num_splits} must be >= 1")
-    if prefetch < 0:
-        problems.append(f"prefetch={prefetch} must be >= 0 (cache blocks asked of the L2 ahead of the ring)")
     consumer, producer = registers
     if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
         problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
@@ -133,10 +130,10 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "registers",
-                                             "prefetch", "interpret"))
+                                             "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
                        num_splits: int = 1, combine_in_kernel: bool = False,
-                       registers: tuple[int, int] = REGISTERS, prefetch: int = PREFETCH, interpret: bool = False):
+                       registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
     scale) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
@@ -144,13 +141,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
-    prefetch: while the ring's slots take block b, the producer asks the L2 for block b + prefetch too (TMA
-    prefetch; from the start, blocks 2 .. 1 + prefetch), so that more of the split's cache rows are on their way from
-    HBM than the two slots hold (a no-op in interpret mode).
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
     bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers, prefetch)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
         if interpret:
@@ -190,26 +184,14 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 if part:
                     plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
 
-            def ask_l2(step):
-                @pl.when(step < steps)
-                def _():
-                    kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
-                    for h in range(2):
-                        plgpu.async_prefetch(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)])
-                    plgpu.async_prefetch(krope_ref.at[stream, kv_rows])
-
             for slot, part in REFILL_ORDER:
                 pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
-            for i in range(prefetch):
-                ask_l2(SLOTS + i)
 
             @pl.loop(0, _pairs(steps))
             def _(j):
                 for slot, part in REFILL_ORDER:
                     pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
                     pl.when(2 * j + 2 + slot < steps)(functools.partial(fetch, 2 * j + 2 + slot, slot, part))
-                    if prefetch and part:
-                        ask_l2(2 * j + 2 + slot + prefetch)
 
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
@@ -571,11 +553,10 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "prefetch",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
                           num_splits: int | None = None, combine_in_kernel: bool = False,
-                          registers: tuple[int, int] = REGISTERS, prefetch: int = PREFETCH, interpret: bool = False):
+                          registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
@@ -583,8 +564,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
     (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
-    of programs; measured slower on the H200: kernels.md, "Ninth session"). prefetch: `attention_partials`'. N must be a
-    multiple of 64."""
+    of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -603,7 +583,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
         num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
-        prefetch=prefetch, interpret=interpret)
+        interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
     elif num_splits == 1:

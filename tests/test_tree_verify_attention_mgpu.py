@@ -46,20 +46,18 @@ def reference(q_lat, q_rope, c_kv, k_rope, prefix_len):
     return out[:, :, 0].astype(jnp.float32)
 
 
-@pytest.mark.parametrize("prefixes,rows,num_splits,prefetch", [
-    ([200, 37], 64, 2, 0),
-    ([0, 256, 5], 128, 3, 0),
-    ([70], 64, 8, 0),
-    ([256, 100], 64, 1, 0),
-    ([300, 37, 0], 64, 1, 0),    # five blocks (both slots refilled, an odd last one), one (no second block), none
-    ([300, 37, 0], 64, 1, 2),    # L2 prefetch two blocks ahead: from the start and in the loop, past the last block
+@pytest.mark.parametrize("prefixes,rows,num_splits", [
+    ([200, 37], 64, 2),
+    ([0, 256, 5], 128, 3),
+    ([70], 64, 8),
+    ([256, 100], 64, 1),
+    ([300, 37, 0], 64, 1),    # five blocks (both slots refilled, an odd last one), one (no second block), none
 ])
-def test_partials_merge_to_the_reference(prefixes, rows, num_splits, prefetch):
-    rng = np.random.default_rng(sum(prefixes) + rows + num_splits + prefetch)
+def test_partials_merge_to_the_reference(prefixes, rows, num_splits):
+    rng = np.random.default_rng(sum(prefixes) + rows + num_splits)
     q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 320)
     prefix_len = jnp.asarray(prefixes, jnp.int32)
-    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
-                                        prefetch=prefetch)
+    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits)
     assert out.shape == (num_splits, len(prefixes), rows, 2 * AM.HALF) and row_sum.shape == row_max.shape
     got = A.combine_partials(out, row_max, row_sum, normalized=True)
     want = reference(q_lat, q_rope, c_kv, k_rope, prefix_len)
@@ -186,8 +184,6 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
     AM.check_resident(sms)
     with pytest.raises(ValueError, match=r"registers=\(256, 40\) must be multiples of 8"):
         prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
-    with pytest.raises(ValueError, match=r"prefetch=-1 must be >= 0"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, prefetch=-1)
 
 
 def lowered_for_h200(s: int, t: int, h: int, n: int, **options) -> str:
@@ -204,14 +200,6 @@ def test_kernel_lowers_for_the_h200():
     """The kernel (its consumers' own p from registers, the frame's bias under a cond, an odd last block) lowered
     for an H200 (no GPU needed; interpret mode runs another wgmma path): one Mosaic GPU custom call."""
     assert lowered_for_h200(1, 16, 64, 4096).count("custom_call @mosaic_gpu_v2") == 1
-
-
-def test_l2_prefetch_lowers_for_the_h200():
-    """With prefetch the producer asks the L2 for cache blocks by TMA prefetch (interpret mode skips it); without,
-    the kernel has no such instruction."""
-    instruction = "cp.async.bulk.prefetch.tensor.2d.L2"
-    assert instruction in lowered_for_h200(1, 1, 64, 32768, prefetch=4)
-    assert instruction not in lowered_for_h200(1, 1, 64, 32768, prefetch=0)
 
 
 def test_combine_in_kernel_lowers_for_the_h200():
