@@ -24,7 +24,7 @@ from absl import flags
 
 import jax
 
-from experiments.kernels_attention import attention_f32_check, run_attention
+from experiments.kernels_attention import attention_cases, attention_f32_check, case_name, run_attention
 from experiments.kernels_attention_mgpu import run_attention_mgpu
 from experiments.kernels_combine import run_combine
 from experiments.kernels_moe import run_moe
@@ -46,9 +46,9 @@ flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M who
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
-flags.DEFINE_bool("merge", False, "keep the sections of an existing --out that this run does not measure (their "
-                  "own run's meta and ceilings recorded under meta.merged): one JSON from runs split over device "
-                  "calls")
+flags.DEFINE_bool("merge", False, "keep the sections of an existing --out that this run does not measure, and "
+                  "with --attention_cases the attention cases it does not re-run (their own run's meta and ceilings "
+                  "recorded under meta.merged): one JSON from runs split over device calls")
 flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
 flags.DEFINE_bool("quick", False, "small shapes in interpret mode, to smoke-test the script on a CPU")
 F = flags.FLAGS
@@ -97,6 +97,8 @@ def main(_):
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
                       "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases)
+        order = [case_name(case) for case in attention_cases(F.quick)]     # merged rows in the table's order
+        RESULTS["attention"].sort(key=lambda row: order.index(case_name(row)))
     if "mgpu" in F.sections:
         run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s, F.reps, F.quick, _dump)
     if "combine" in F.sections:
@@ -124,8 +126,9 @@ SECTION_KEYS = {"attention": ("attention",), "mgpu": ("attention_mgpu",), "combi
 
 def merge_earlier_run(path: str) -> None:
     """--merge: copy into RESULTS the sections of the JSON at `path` that this run does not measure, with their
-    checks, and record that run's meta and ceilings under meta.merged (each section's fractions stay those of the
-    ceilings measured in its own run)."""
+    checks, and, where this run measures only some attention cases (--attention_cases), the earlier run's other
+    attention cases (this run's rows are added after them); record that run's meta and ceilings under meta.merged
+    (each row's fractions stay those of the ceilings measured in its own run)."""
     if not os.path.exists(path):
         raise ValueError(f"--merge: {path} does not exist; run without --merge first")
     with open(path) as f:
@@ -136,7 +139,13 @@ def merge_earlier_run(path: str) -> None:
         for key in SECTION_KEYS[name]:
             RESULTS[key] = earlier[key]
     RESULTS["checks"].update(earlier.get("checks", {}))
-    RESULTS["meta"]["merged"] = dict(sections=kept, meta=earlier.get("meta"), ceilings=earlier.get("ceilings"))
+    kept_cases = []
+    if "attention" in F.sections and F.attention_cases:
+        RESULTS["attention"] = [row for row in earlier.get("attention", [])
+                                if case_name(row) not in F.attention_cases]
+        kept_cases = [case_name(row) for row in RESULTS["attention"]]
+    RESULTS["meta"]["merged"] = dict(sections=kept, attention_cases=kept_cases, meta=earlier.get("meta"),
+                                     ceilings=earlier.get("ceilings"))
 
 
 def code_version() -> str:

@@ -63,6 +63,23 @@ def test_bench_kernels_tree_section(tmp_path):
     assert merged["meta"]["merged"]["meta"]["date"] == result["meta"]["date"]
 
 
+def test_bench_kernels_merge_keeps_the_attention_cases_not_rerun(tmp_path):
+    """--merge with --attention_cases: the earlier run's other attention rows stay (named in meta.merged), the re-run
+    case's row is this run's, in the table's order."""
+    out = tmp_path / "kernels.json"
+    cases = [dict(streams=1, heads=8, prefix=256, nodes=1), dict(streams=1, heads=8, prefix=256, nodes=16),
+             dict(streams=2, heads=4, prefix=128, nodes=5)]
+    earlier = dict(meta=dict(date="earlier"), ceilings={}, checks={}, attention=[dict(c, kernel_us=-1.0) for c in cases])
+    out.write_text(json.dumps(earlier))
+    run_script("bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
+               "--attention_cases=1/8/256/16", f"--out={out}")
+    merged = json.loads(out.read_text())
+    assert [(r["heads"], r["nodes"]) for r in merged["attention"]] == [(8, 1), (8, 16), (4, 5)]
+    assert [r["kernel_us"] > 0 for r in merged["attention"]] == [False, True, False]
+    assert merged["meta"]["merged"]["attention_cases"] == ["1/8/256/1", "2/4/128/5"]
+    assert merged["meta"]["merged"]["meta"]["date"] == "earlier"
+
+
 def test_bench_kernels_merge_needs_an_earlier_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_kernels.py"), "--quick",
