@@ -97,8 +97,8 @@ def main(_):
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
                       "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases)
-        order = [case_name(case) for case in attention_cases(F.quick)]     # merged rows in the table's order
-        RESULTS["attention"].sort(key=lambda row: order.index(case_name(row)))
+        order = {case_name(case): i for i, case in enumerate(attention_cases(F.quick))}
+        RESULTS["attention"].sort(key=lambda row: order.get(case_name(row), len(order)))   # merged rows: table order
     if "mgpu" in F.sections:
         run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s, F.reps, F.quick, _dump)
     if "combine" in F.sections:
