@@ -69,8 +69,8 @@ def _smem_transforms():
 def _scratch() -> tuple:
     """The kernel's scratch: q tile (two latent halves) and its rope, the two slots' c_kv halves and k_rope blocks,
     the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at
-    [w, 1]), the barriers (q, c_kv halves, k_rope, free
-    per part of a slot, sync, and the pair's three hand-overs), then each consumer's slot index."""
+    [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs),
+    then each consumer's slot index."""
     transforms = _smem_transforms()
     return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
             plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
