@@ -2,8 +2,9 @@
 
 On the GPU (the report's source page as CSV; `profile_attention.py`'s docstring has the ncu line for the summary):
 
-    ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu --launch-skip 1 --launch-count 1 \
-        --section WarpStateStats --section SourceCounters -o REP python3 experiments/profile_attention.py ...
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu \
+        --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters -o REP \
+        python3 experiments/profile_attention.py ...
     ncu --import REP.ncu-rep --page source --print-source sass --csv > REP.csv
 
 then anywhere: `python3 experiments/ncu_stalls.py --csv=REP.csv --out=experiments/results/NAME.csv` writes the
@@ -14,6 +15,7 @@ retries it are classed by the barrier: in the producer, a free slot; in a consum
 at run time is a cache block's (the kernel reads each consumer's slot at run time), one at a fixed address that the
 producer arms for a TMA load is the q tile's, any other fixed one the other warpgroup's (row max, p, sums). The
 kernel's layout of `pallas_kernels/tree_verify_attention_mgpu.py` is assumed: one producer, consumers after it.
+ptxas puts the try-waits' retry loops after the kernel's last EXIT; their samples, if any, are shown apart.
 """
 from __future__ import annotations
 
@@ -37,10 +39,11 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 STALLS = ("long_sb", "barrier", "selected", "wait", "not_selected", "mio", "short_sb", "math", "no_inst", "lg",
           "dispatch", "branch_resolving", "membar", "sleep", "drain", "imc", "misc", "tex")
-WAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT P\d+, \[(?P<base>[UR]+\d+)(?:\+URZ)?(?:\+0x(?P<offset>[0-9a-f]+))?\]")
+WAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT P\d+, "
+                  r"\[(?P<base>[UR]+\d+)(?:\+URZ)?(?:\+0x(?P<offset>[0-9a-f]+))?\]")
 ARMED = re.compile(r"SYNCS\.ARRIVE\.TRANS64 RZ, \[UR\d+\+0x(?P<offset>[0-9a-f]+)\]")
 RETRY_WINDOW = 5     # a try-wait's retry branch follows it within this many instructions
-ORDER = ("prologue", "producer", "consumer")   # the warpgroups in the order printed (by their first 8 letters)
+ORDER = ("prologue", "producer", "consumer", "retries")   # the regions in the order printed (by their first word)
 
 
 def read_source_page(path: str) -> list[dict]:
@@ -71,7 +74,11 @@ def breakdown(instructions: list[dict]) -> dict:
         raise ValueError(f"{len(starts)} setmaxnreg instructions: not the warp-specialized attention kernel (a "
                          f"producer and consumers, each starting with one)")
 
+    last_exit = max((i["offset"] for i in instructions if "EXIT" in i["sass"]), default=instructions[-1]["offset"])
+
     def region(offset):
+        if offset > last_exit:
+            return "retries out of line"
         if offset < starts[0]:
             return "prologue"
         if offset < starts[1]:
@@ -104,11 +111,12 @@ def breakdown(instructions: list[dict]) -> dict:
             what = "writes its partial"
         else:
             what = "softmax, statistics, other"
-        if where in ("prologue", "producer") and what != "waits for a free slot":
+        if where in ("prologue", "producer", "retries out of line") and what != "waits for a free slot":
             what = "other"
         shares[where][what] += i["samples"]
+    ordered = sorted(shares.items(), key=lambda item: ORDER.index(item[0].split()[0]))
     return dict(samples=sum(i["samples"] for i in instructions),
-                warpgroups={w: {what: n for what, n in c.most_common() if n} for w, c in sorted(shares.items(), key=lambda x: ORDER.index(x[0][:8]))})
+                warpgroups={w: {what: n for what, n in c.most_common() if n} for w, c in ordered})
 
 
 def main(_):
@@ -118,7 +126,7 @@ def main(_):
     print(f"{F.csv}: {total} stall samples, {len(instructions)} SASS instructions")
     consumers = collections.Counter()
     for where, what in result["warpgroups"].items():
-        print(f"  {where:11s} {100 * sum(what.values()) / total:5.1f}%  "
+        print(f"  {where:19s} {100 * sum(what.values()) / total:5.1f}%  "
               + ", ".join(f"{w} {100 * n / total:.1f}%" for w, n in what.items()))
         if where.startswith("consumer"):
             consumers.update(what)

@@ -1,10 +1,13 @@
 """Run one tree-verify attention kernel on one bench case a few times, for a profiler (Nsight Compute) to attach to.
 
-    ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu --launch-skip 1 --launch-count 1 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu \
+        --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         python3 experiments/profile_attention.py --kernel=mosaic_gpu --heads=8 --prefix=32768 --nodes=16
 
-The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py).
+The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py). Without
+`XLA_PYTHON_CLIENT_PREALLOCATE=false` ncu saves and restores JAX's whole memory pool (~100 GB on an H200) around every
+replay pass, over a minute per profiled kernel. Stall samples per SASS line: `experiments/ncu_stalls.py`.
 """
 from __future__ import annotations
 

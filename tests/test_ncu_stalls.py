@@ -9,7 +9,7 @@ from experiments import ncu_stalls
 HEADER = ["Address", "Source", ncu_stalls.SAMPLES, "Instructions Executed", "stall_long_sb", "stall_barrier"]
 # (SASS, samples): a prologue, the producer (arms the q tile's barrier at 0x100, waits for a free slot at 0x200),
 # consumer 0 (the q tile, then a cache block at an address computed at run time, its wgmma, the other warpgroup's
-# max at 0x300), consumer 1 (softmax work, its partial's write).
+# max at 0x300), consumer 1 (softmax work, its partial's write), then a retry loop after the last EXIT.
 PAGE = [
     ("LDC R1, c[0x0][0x28]", 3),
     ("USETMAXREG.DEALLOC.CTAPOOL 0x28", 0),
@@ -28,6 +28,9 @@ PAGE = [
     ("USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8", 0),
     ("FFMA R3, R4, R5, R6", 6),
     ("CCTL.IVALL", 7),
+    ("EXIT", 0),
+    ("SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R7+URZ+0x200], R6", 0),
+    ("@!P1  BRA 0x7f40", 1),
 ]
 
 
@@ -52,8 +55,9 @@ def test_each_wait_is_classed_by_its_barrier(tmp_path):
         "consumer 0": {"waits for a cache block": 8, "waits for its wgmma": 5, "waits for the q tile": 4,
                        "waits for the other warpgroup": 2, "issues wgmma": 1},
         "consumer 1": {"writes its partial": 7, "softmax, statistics, other": 6},
+        "retries out of line": {"other": 1},
     }
-    assert list(result["warpgroups"]) == ["prologue", "producer", "consumer 0", "consumer 1"]
+    assert list(result["warpgroups"]) == ["prologue", "producer", "consumer 0", "consumer 1", "retries out of line"]
 
 
 def test_refuses_what_is_not_a_source_page(tmp_path):
