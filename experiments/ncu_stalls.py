@@ -68,12 +68,12 @@ def read_source_page(path: str) -> list[dict]:
 
 
 def breakdown(instructions: list[dict]) -> dict:
-    """{warpgroup: {what: samples}} and the total, by the classes of the module docstring."""
+    """{warpgroup: {what: samples}}, the total, and the consumers' samples together as fractions ({what: share}), by
+    the classes of the module docstring."""
     starts = [i["offset"] for i in instructions if "USETMAXREG" in i["sass"]]
     if len(starts) < 2:
         raise ValueError(f"{len(starts)} setmaxnreg instructions: not the warp-specialized attention kernel (a "
                          f"producer and consumers, each starting with one)")
-
     last_exit = max((i["offset"] for i in instructions if "EXIT" in i["sass"]), default=instructions[-1]["offset"])
 
     def region(offset):
@@ -115,8 +115,11 @@ def breakdown(instructions: list[dict]) -> dict:
             what = "other"
         shares[where][what] += i["samples"]
     ordered = sorted(shares.items(), key=lambda item: ORDER.index(item[0].split()[0]))
+    consumers = sum((c for w, c in shares.items() if w.startswith("consumer")), collections.Counter())
+    own = sum(consumers.values())
     return dict(samples=sum(i["samples"] for i in instructions),
-                warpgroups={w: {what: n for what, n in c.most_common() if n} for w, c in ordered})
+                warpgroups={w: {what: n for what, n in c.most_common() if n} for w, c in ordered},
+                consumers={what: n / own for what, n in consumers.most_common()} if own else {})
 
 
 def main(_):
@@ -124,14 +127,9 @@ def main(_):
     result = breakdown(instructions)
     total = result["samples"]
     print(f"{F.csv}: {total} stall samples, {len(instructions)} SASS instructions")
-    consumers = collections.Counter()
     for where, what in result["warpgroups"].items():
         print(f"  {where:19s} {100 * sum(what.values()) / total:5.1f}%  "
               + ", ".join(f"{w} {100 * n / total:.1f}%" for w, n in what.items()))
-        if where.startswith("consumer"):
-            consumers.update(what)
-    own = sum(consumers.values())
-    result["consumers"] = {w: n / own for w, n in consumers.most_common()} if own else {}
     print("  the consumers' samples: " + ", ".join(f"{w} {100 * x:.0f}%" for w, x in result["consumers"].items()))
     if F.out:
         with open(F.out, "w", newline="") as f:
