@@ -8,8 +8,8 @@ On the GPU (the report's source page as CSV; `profile_attention.py`'s docstring 
     ncu --import REP.ncu-rep --page source --print-source sass --csv > REP.csv
 
 then anywhere: `python3 experiments/ncu_stalls.py --csv=REP.csv --out=experiments/results/NAME.csv` writes the
-per-instruction table (offset, SASS, samples, executions, stall reasons) and prints, with `--json`, writes the
-breakdown: each warpgroup's share of the samples (the producer and the two consumers, told apart by their
+per-instruction table (offset, SASS, samples, executions, stall reasons) and prints the breakdown (with `--json`
+also writes it): each warpgroup's share of the samples (the producer and the two consumers, told apart by their
 `setmaxnreg`), and within it what the warps wait for. A `SYNCS...TRYWAIT` (an mbarrier try-wait) and the branch that
 retries it are classed by the barrier: in the producer, a free slot; in a consumer, a barrier at an address computed
 at run time is a cache block's (the kernel reads each consumer's slot at run time), one at a fixed address that the

@@ -6,7 +6,7 @@
         python3 experiments/profile_attention.py --kernel=mosaic_gpu --heads=8 --prefix=32768 --nodes=16
 
 The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py). Without
-`XLA_PYTHON_CLIENT_PREALLOCATE=false` ncu saves and restores JAX's whole memory pool (~100 GB on an H200) around every
+`XLA_PYTHON_CLIENT_PREALLOCATE=false` ncu saves and restores JAX's whole memory pool (~105 GiB on an H200) around every
 replay pass, over a minute per profiled kernel. Stall samples per SASS line: `experiments/ncu_stalls.py`.
 """
 from __future__ import annotations

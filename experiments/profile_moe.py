@@ -4,8 +4,8 @@
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats python3 experiments/profile_moe.py --kernel=triton --tokens=8
 
-The pool not preallocated: ncu saves and restores every allocation around each replay pass, JAX's whole pool
-otherwise (kernels.md, "Twenty-fourth session").
+JAX's pool is not preallocated because ncu saves and restores every allocation around each replay pass: otherwise
+the whole pool (kernels.md, "Twenty-fourth session").
 
 `--kernel=mosaic` runs the Mosaic GPU block matmul's int4_moe (`int4_moe_mgpu`; its kernels are named
 int4_block_matmul_kernel). `--launcher=xla` runs the Triton kernels through XLA's Triton custom call instead of
