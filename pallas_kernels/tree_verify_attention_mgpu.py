@@ -56,7 +56,9 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
-COMBINE_UNROLL = 8   # splits whose partial rows `_combine_rows` loads per loop step
+COMBINE_UNROLL = 8   # splits per loop step of `_combine_quarters`' sums over shared memory
+QUARTER = 128        # columns of a unit of the in-kernel combine (a quarter of a row)
+STAT_ROWS = 8        # rows of the statistics one unit of the in-kernel combine loads
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
@@ -66,16 +68,18 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch() -> tuple:
-    """The kernel's scratch: q tile (two latent halves) and its rope, the two slots' c_kv halves and k_rope blocks,
-    the row statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at
-    [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs),
-    then each consumer's slot index."""
+def _scratch(combine_splits: int = 0) -> tuple:
+    """The kernel's scratch: first the main loop's operands (the q tile's two latent halves and its rope, the two
+    slots' c_kv halves and k_rope blocks), then the row statistics, the consumers' exchanged statistics (warpgroup
+    w's max at [w, 0], its final row sum at [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot,
+    sync, and the pair's three hand-overs), then each consumer's slot index. With combine_splits = P > 0 (the
+    in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it."""
     transforms = _smem_transforms()
-    return (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
-            plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
-            plgpu.SMEM((SLOTS, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
-            plgpu.SMEM((SLOTS, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms),
+    operands = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
+                plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
+                plgpu.SMEM((SLOTS, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
+                plgpu.SMEM((SLOTS, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms))
+    return (plgpu.RefUnion(operands, _combine_stage(combine_splits)) if combine_splits else operands,
             plgpu.SMEM((2, BLOCK_Q), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             plgpu.Barrier(num_barriers=3),
@@ -90,10 +94,29 @@ def _scratch() -> tuple:
             plgpu.SMEM((COMPUTE_WGS,), jnp.int32))
 
 
-def shared_memory_bytes() -> int:
+def _combine_stage(num_splits: int) -> tuple:
+    """The in-kernel combine's buffers, one per consumer warpgroup: a quarter row's partials [staged_splits,
+    QUARTER] bf16 and its row group's max, then weights [stat_splits, STAT_ROWS] f32 (`_combine_quarters`)."""
+    return (plgpu.SMEM((COMPUTE_WGS, staged_splits(num_splits), QUARTER), jnp.bfloat16),
+            plgpu.SMEM((COMPUTE_WGS, stat_splits(num_splits), STAT_ROWS), jnp.float32))
+
+
+def staged_splits(num_splits: int) -> int:
+    """Partial rows a quarter row's bulk load takes: num_splits rounded up so that 8-element vectors tile them."""
+    return 8 * pl.cdiv(num_splits, 8)
+
+
+def stat_splits(num_splits: int) -> int:
+    """Splits of the partials' max and sum buffers under the in-kernel combine (those of the load of a row group's
+    statistics: [P, STAT_ROWS] f32 in 2-element vectors over 128 threads), >= `staged_splits`. The splits past
+    num_splits are never written and never used."""
+    return 32 * pl.cdiv(num_splits, 32)
+
+
+def shared_memory_bytes(combine_splits: int = 0) -> int:
     """Shared memory of a program (`_scratch`), by Mosaic GPU's count: every buffer aligned to 1 KB, then 1 KB of
     barriers."""
-    buffers = [ref for ref in _scratch() if not isinstance(ref, plgpu.Barrier)]
+    buffers = [ref for ref in jax.tree.leaves(_scratch(combine_splits)) if not isinstance(ref, plgpu.Barrier)]
     return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024 for ref in buffers) + 1024
 
 
@@ -141,8 +164,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
-    combine_in_kernel (GPU only): the programs also join the partials (`_combine_rows`) and the result [S, rows, 512]
-    bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
+    combine_in_kernel (GPU only): the programs also join the partials (`_combine_quarters`) and the result
+    [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
     s, rows, _ = q_lat.shape
@@ -156,8 +179,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         refs = list(refs)
         result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
-         q_smem, qr_smem, kv_smem, kr_smem, row_smem,
-         stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
+         operands, row_smem, stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
+        if combine_in_kernel:
+            operands, (o_stage, w_stage) = operands      # the union's two groups (`_scratch`)
+        q_smem, qr_smem, kv_smem, kr_smem = operands
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -205,12 +230,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 # The signal's warpgroup barrier (Mosaic GPU's automatic barriers, on by default) orders every
                 # thread's stores above before its one-lane release; the wait ends with an acquire fence and a barrier.
                 plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
-
-                @pl.when(split < BLOCK_Q)             # splits past the tile's rows have none to join
-                def _():
-                    plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
-                    _combine_rows(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
-                                  max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], split, wg, num_splits)
+                # Past the wait both consumers of this program are done with the main loop's operands, whose memory
+                # the combine's buffers reuse.
+                plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
+                _combine_quarters(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
+                                  max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], o_stage.at[wg],
+                                  w_stage.at[wg], COMPUTE_WGS * split + wg, COMPUTE_WGS * num_splits, num_splits)
                 return
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
@@ -372,18 +397,21 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         for own in range(COMPUTE_WGS):
             pl.when(wg == own)(functools.partial(_consumer, own))
 
+    # Under the in-kernel combine the partials have stat_splits(P) splits, the first P written (`_combine_quarters`).
+    buffers = stat_splits(num_splits) if combine_in_kernel else num_splits
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
-        jax.ShapeDtypeStruct((num_splits, s, rows, 2 * HALF), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32),
-        jax.ShapeDtypeStruct((num_splits, s, rows), jnp.float32))
-    return plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(),
+        jax.ShapeDtypeStruct((buffers, s, rows, 2 * HALF), jnp.bfloat16),
+        jax.ShapeDtypeStruct((buffers, s, rows), jnp.float32),
+        jax.ShapeDtypeStruct((buffers, s, rows), jnp.float32))
+    outs = plgpu.kernel(
+        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
-        # exp2 as one ex2.approx.ftz.f32 (and `_combine_rows`' exp as ex2 of x * log2(e)); interpret mode is exact.
+        # exp2 as one ex2.approx.ftz.f32 (and `_combine_quarters`' exp as ex2 of x * log2(e)); interpret mode is exact.
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
+    return outs[:-3] + tuple(x[:num_splits] for x in outs[-3:])
 
 
 def _finite(m):
@@ -409,35 +437,55 @@ def _write_partial(out_ref, max_ref, sum_ref, acc, m, total, wg):
         sum_ref[...] = total
 
 
-def _combine_rows(result_ref, out_ref, max_ref, sum_ref, split, wg, num_splits: int):
-    """Split `split`'s share of joining its query tile's partials (out [P, BLOCK_Q, 512] normalised bf16, max / sum
-    [P, BLOCK_Q] f32, P = num_splits) into result [BLOCK_Q, 512] bf16: the rows split, split + P, ...; warpgroup wg
-    its HALF columns. One pass over the splits with a running max (the formula of `combine_partials`)."""
-    layout = plgpu.Layout.WG_STRIDED((HALF,), vec_size=2)
-    cols = pl.ds(wg * HALF, HALF)
+def _combine_quarters(result_ref, out_ref, max_ref, sum_ref, o_stage, w_stage, first: int, step: int,
+                      num_splits: int):
+    """A consumer warpgroup's share of joining its query tile's partials (out [P', BLOCK_Q, 512] normalised bf16,
+    max / sum [P', BLOCK_Q] f32, the first P = num_splits of P' = `stat_splits`(P) written) into result [BLOCK_Q, 512]
+    bf16: the quarter rows (row, quarter) = divmod(unit, 4) for unit = first, first + step, ... < 4 * BLOCK_Q, each
+    QUARTER columns. Per unit, one round of loads from global memory (the quarter row's partials of every split, and
+    its group of STAT_ROWS rows' statistics) staged in this warpgroup's o_stage [staged_splits(P), QUARTER] and
+    w_stage [P', STAT_ROWS]; then from shared memory the row's largest max, the splits' weights
+    sum_p * exp(max_p - largest) (over the max in w_stage), and the weighted sum, each thread one column. Spread
+    over the wave's warpgroups (4 x BLOCK_Q units), not walked split by split from global memory per row: an earlier
+    version, one row per program with 8 splits' loads in flight, was slower than the separate combine kernel
+    (kernels.md, "Ninth session")."""
+    stats = plgpu.Layout.WG_STRIDED(w_stage.shape, vec_size=2)
+    staged = plgpu.Layout.WG_STRIDED(o_stage.shape, vec_size=8)
+    column = plgpu.Layout.WG_STRIDED((QUARTER,), vec_size=1)
 
-    @pl.loop(split, BLOCK_Q, step=num_splits)
-    def _(row):
+    @pl.loop(first, 4 * BLOCK_Q, step=step)
+    def _(unit):
+        row, quarter = lax.div(unit, 4), lax.rem(unit, 4)
+        cols = pl.ds(quarter * QUARTER, QUARTER)
+        group, member = pl.ds(lax.div(row, STAT_ROWS) * STAT_ROWS, STAT_ROWS), lax.rem(row, STAT_ROWS)
+        splits = pl.ds(0, w_stage.shape[0])
+        row_max = plgpu.load(max_ref.at[splits, group], layout=stats, optimized=False)
+        row_sum = plgpu.load(sum_ref.at[splits, group], layout=stats, optimized=False)
+        o_stage[...] = plgpu.load(out_ref.at[pl.ds(0, o_stage.shape[0]), row, cols], layout=staged, optimized=False)
+        w_stage[...] = row_max
+        top = _fold(lambda p, top: jnp.maximum(top, w_stage[p, member]), num_splits, jnp.float32(-jnp.inf))
+        w_stage[...] = row_sum * jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))   # 0 where sum is 0
+
         def add(p, carry):
-            acc, top, total = carry
-            m_p = max_ref[p, row]
-            new_top = jnp.maximum(top, m_p)
-            safe = jnp.where(new_top == -jnp.inf, 0.0, new_top)        # nothing seen yet: weights 0, not NaN
-            rescale, weight = jnp.exp(top - safe), sum_ref[p, row] * jnp.exp(m_p - safe)
-            o_p = plgpu.load(out_ref.at[p, row, cols], layout=layout, optimized=False).astype(jnp.float32)
-            return acc * rescale + o_p * weight, new_top, total * rescale + weight
+            acc, total = carry
+            weight = w_stage[p, member]
+            return acc + plgpu.load(o_stage.at[p], layout=column).astype(jnp.float32) * weight, total + weight
 
-        def add_steps(first, count: int, carry):
-            for i in range(count):
-                carry = add(first + i, carry)
-            return carry
-
-        steps, rest = divmod(num_splits, COMBINE_UNROLL)
-        carry = (plgpu.layout_cast(jnp.zeros((HALF,), jnp.float32), layout), jnp.float32(-jnp.inf),
-                 jnp.float32(0.0))
-        carry = lax.fori_loop(0, steps, lambda i, c: add_steps(i * COMBINE_UNROLL, COMBINE_UNROLL, c), carry)
-        acc, _, total = add_steps(steps * COMBINE_UNROLL, rest, carry)
+        acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
+                                             jnp.float32(0.0)))
         result_ref.at[row, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
+
+
+def _fold(step, count: int, carry):
+    """carry after step(p, carry) for p = 0, ..., count - 1, COMBINE_UNROLL steps per loop iteration."""
+    def unrolled(first, n: int, carry):
+        for i in range(n):
+            carry = step(first + i, carry)
+        return carry
+
+    blocks, rest = divmod(count, COMBINE_UNROLL)
+    carry = lax.fori_loop(0, blocks, lambda b, c: unrolled(b * COMBINE_UNROLL, COMBINE_UNROLL, c), carry)
+    return unrolled(blocks * COMBINE_UNROLL, rest, carry)
 
 
 def resident_programs() -> int:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import rel_err
 from pallas_kernels import SHARED_BYTES
@@ -184,6 +186,44 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
     AM.check_resident(sms)
     with pytest.raises(ValueError, match=r"registers=\(256, 40\) must be multiples of 8"):
         prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, registers=(256, 40))
+
+
+def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: int):
+    """The in-kernel combine's join (`_combine_quarters`) alone, as a kernel of `programs` programs of two
+    warpgroups in interpret mode (the semaphore wait before it needs the GPU): partials of one 64-row tile (out
+    [P', 64, 512] bf16, max / sum [P', 64] f32, P' = stat_splits(num_splits)) -> [64, 512] bf16."""
+    def body(out_ref, max_ref, sum_ref, result_ref, o_stage, w_stage):
+        wg, program = lax.axis_index("wg"), lax.axis_index("program")
+        AM._combine_quarters(result_ref, out_ref, max_ref, sum_ref, o_stage.at[wg], w_stage.at[wg],
+                             AM.COMPUTE_WGS * program + wg, AM.COMPUTE_WGS * programs, num_splits)
+
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((AM.BLOCK_Q, 2 * AM.HALF), jnp.bfloat16),
+                        scratch_types=AM._combine_stage(num_splits), grid=(programs,), grid_names=("program",),
+                        num_threads=AM.COMPUTE_WGS, thread_name="wg",
+                        interpret=plgpu.InterpretGPUParams())(out, row_max, row_sum)
+
+
+@pytest.mark.parametrize("num_splits,programs", [(5, 2), (13, 3)])
+def test_in_kernel_join_matches_combine_partials(num_splits, programs):
+    """The in-kernel combine's join over fresh random partials == `combine_partials`: splits that saw nothing (sum
+    0, max -inf), a row no split saw (0), each warpgroup taking many quarter rows (few programs) and, with 13
+    splits, a loop step of COMBINE_UNROLL splits and a rest; the buffers' splits past num_splits hold NaN, which
+    must not reach the result."""
+    rng = np.random.default_rng(num_splits)
+    splits = AM.stat_splits(num_splits)
+    out = rng.standard_normal((splits, AM.BLOCK_Q, 2 * AM.HALF)).astype(np.float32)
+    row_max = 3 * rng.standard_normal((splits, AM.BLOCK_Q)).astype(np.float32)
+    row_sum = rng.uniform(0.5, 20.0, (splits, AM.BLOCK_Q)).astype(np.float32)
+    empty = rng.random((splits, AM.BLOCK_Q)) < 0.3
+    empty[:, 5] = True
+    row_max[empty], row_sum[empty] = -np.inf, 0.0
+    out[num_splits:], row_max[num_splits:], row_sum[num_splits:] = np.nan, np.nan, np.nan
+    out = jnp.asarray(out, jnp.bfloat16)
+    got = joined_in_interpret_mode(out, jnp.asarray(row_max), jnp.asarray(row_sum), num_splits, programs)
+    want = A.combine_partials(out[:num_splits, None], jnp.asarray(row_max[:num_splits, None]),
+                              jnp.asarray(row_sum[:num_splits, None]), normalized=True)[0]
+    assert np.isfinite(np.asarray(got, np.float32)).all() and not np.asarray(got[5], np.float32).any()
+    assert rel_err(got.astype(jnp.float32), want) < 1e-2
 
 
 def lowered_for_h200(s: int, t: int, h: int, n: int, **options) -> str:
