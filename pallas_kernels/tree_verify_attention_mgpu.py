@@ -56,9 +56,11 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
-COMBINE_UNROLL = 8   # splits per loop step of `_combine_quarters`' sums over shared memory
+COMBINE_UNROLL = 8   # splits per loop step of `_combine_units`' sums over shared memory
 QUARTER = 128        # columns of a unit of the in-kernel combine (a quarter of a row)
-STAT_ROWS = 8        # rows of the statistics one unit of the in-kernel combine loads
+STAT_ROWS = 8        # rows of the statistics a unit of the in-kernel combine loads, at least
+MAX_UNIT_ROWS = 16   # rows of a unit of the in-kernel combine, at most
+MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combine stages (40 KB), at most
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
@@ -95,22 +97,35 @@ def _scratch(combine_splits: int = 0) -> tuple:
 
 
 def _combine_stage(num_splits: int) -> tuple:
-    """The in-kernel combine's buffers, one per consumer warpgroup: a quarter row's partials [staged_splits,
-    QUARTER] bf16 and its row group's max, then weights [stat_splits, STAT_ROWS] f32 (`_combine_quarters`)."""
-    return (plgpu.SMEM((COMPUTE_WGS, staged_splits(num_splits), QUARTER), jnp.bfloat16),
-            plgpu.SMEM((COMPUTE_WGS, stat_splits(num_splits), STAT_ROWS), jnp.float32))
+    """The in-kernel combine's buffers, one per consumer warpgroup (`_combine_units`): a unit's partials
+    [staged_splits(P), R, QUARTER] bf16, its row group's max and its row's weights [stat_splits(P), G] f32 each
+    (R = unit_rows(P) rows, G = max(STAT_ROWS, R))."""
+    rows = unit_rows(num_splits)
+    stats = (COMPUTE_WGS, stat_splits(num_splits), max(STAT_ROWS, rows))
+    return (plgpu.SMEM((COMPUTE_WGS, staged_splits(num_splits), rows, QUARTER), jnp.bfloat16),
+            plgpu.SMEM(stats, jnp.float32), plgpu.SMEM(stats, jnp.float32))
 
 
 def staged_splits(num_splits: int) -> int:
-    """Partial rows a quarter row's bulk load takes: num_splits rounded up so that 8-element vectors tile them."""
+    """Partial rows a unit's bulk load takes: num_splits rounded up so that 8-element vectors tile them."""
     return 8 * pl.cdiv(num_splits, 8)
 
 
 def stat_splits(num_splits: int) -> int:
     """Splits of the partials' max and sum buffers under the in-kernel combine (those of the load of a row group's
-    statistics: [P, STAT_ROWS] f32 in 2-element vectors over 128 threads), >= `staged_splits`. The splits past
-    num_splits are never written and never used."""
+    statistics: [P, G] f32 in 2-element vectors over 128 threads), >= `staged_splits`. The splits past num_splits
+    are never written and never used."""
     return 32 * pl.cdiv(num_splits, 32)
+
+
+def unit_rows(num_splits: int) -> int:
+    """Rows R of a unit of the in-kernel combine: the most, a power of two up to MAX_UNIT_ROWS, whose partials
+    (staged_splits(P) x R quarter rows) stay within MAX_STAGED_ROWS, so that few splits (many query tiles) take
+    few units, each one round of loads."""
+    rows = MAX_UNIT_ROWS
+    while rows > 1 and staged_splits(num_splits) * rows > MAX_STAGED_ROWS:
+        rows //= 2
+    return rows
 
 
 def shared_memory_bytes(combine_splits: int = 0) -> int:
@@ -164,7 +179,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
-    combine_in_kernel (GPU only): the programs also join the partials (`_combine_quarters`) and the result
+    combine_in_kernel (GPU only): the programs also join the partials (`_combine_units`) and the result
     [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
     the programs must be resident at once (`check_resident`)."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
@@ -181,7 +196,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          operands, row_smem, stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
         if combine_in_kernel:
-            operands, (o_stage, w_stage) = operands      # the union's two groups (`_scratch`)
+            operands, (o_stage, m_stage, w_stage) = operands      # the union's two groups (`_scratch`)
         q_smem, qr_smem, kv_smem, kr_smem = operands
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
@@ -233,9 +248,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 # Past the wait both consumers of this program are done with the main loop's operands, whose memory
                 # the combine's buffers reuse.
                 plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
-                _combine_quarters(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
-                                  max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], o_stage.at[wg],
-                                  w_stage.at[wg], COMPUTE_WGS * split + wg, COMPUTE_WGS * num_splits, num_splits)
+                _combine_units(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
+                               max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], o_stage.at[wg],
+                               m_stage.at[wg], w_stage.at[wg], COMPUTE_WGS * split + wg, COMPUTE_WGS * num_splits,
+                               num_splits)
                 return
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
@@ -397,7 +413,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         for own in range(COMPUTE_WGS):
             pl.when(wg == own)(functools.partial(_consumer, own))
 
-    # Under the in-kernel combine the partials have stat_splits(P) splits, the first P written (`_combine_quarters`).
+    # Under the in-kernel combine the partials have stat_splits(P) splits, the first P written (`_combine_units`).
     buffers = stat_splits(num_splits) if combine_in_kernel else num_splits
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((buffers, s, rows, 2 * HALF), jnp.bfloat16),
@@ -407,7 +423,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
-        # exp2 as one ex2.approx.ftz.f32 (and `_combine_quarters`' exp as ex2 of x * log2(e)); interpret mode is exact.
+        # exp2 as one ex2.approx.ftz.f32 (and `_combine_units`' exp as ex2 of x * log2(e)); interpret mode is exact.
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
@@ -437,43 +453,47 @@ def _write_partial(out_ref, max_ref, sum_ref, acc, m, total, wg):
         sum_ref[...] = total
 
 
-def _combine_quarters(result_ref, out_ref, max_ref, sum_ref, o_stage, w_stage, first: int, step: int,
-                      num_splits: int):
+def _combine_units(result_ref, out_ref, max_ref, sum_ref, o_stage, m_stage, w_stage, first: int, step: int,
+                   num_splits: int):
     """A consumer warpgroup's share of joining its query tile's partials (out [P', BLOCK_Q, 512] normalised bf16,
     max / sum [P', BLOCK_Q] f32, the first P = num_splits of P' = `stat_splits`(P) written) into result [BLOCK_Q, 512]
-    bf16: the quarter rows (row, quarter) = divmod(unit, 4) for unit = first, first + step, ... < 4 * BLOCK_Q, each
-    QUARTER columns. Per unit, one round of loads from global memory (the quarter row's partials of every split, and
-    its group of STAT_ROWS rows' statistics) staged in this warpgroup's o_stage [staged_splits(P), QUARTER] and
-    w_stage [P', STAT_ROWS]; then from shared memory the row's largest max, the splits' weights
-    sum_p * exp(max_p - largest) (over the max in w_stage), and the weighted sum, each thread one column. Spread
-    over the wave's warpgroups (4 x BLOCK_Q units), not walked split by split from global memory per row: an earlier
-    version, one row per program with 8 splits' loads in flight, was slower than the separate combine kernel
-    (kernels.md, "Ninth session")."""
-    stats = plgpu.Layout.WG_STRIDED(w_stage.shape, vec_size=2)
+    bf16: the units first, first + step, ... of the tile's 4 x BLOCK_Q / R, unit u being R = unit_rows(P) rows from
+    R * (u // 4), QUARTER columns from QUARTER * (u % 4). Per unit, one round of loads from global memory (the
+    unit's partials of every split, its group of G = max(STAT_ROWS, R) rows' max and sum) staged in this
+    warpgroup's o_stage [staged_splits(P), R, QUARTER] and m_stage [P', G]; then per row, from shared memory, the
+    row's largest max, the splits' weights sum_p * exp(max_p - largest) (in w_stage [P', G]) and the weighted sum,
+    each thread one column. An earlier version, one row per program, 8 splits' loads in flight from global memory,
+    was slower than the separate combine kernel (kernels.md, "Ninth session")."""
+    unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
+    stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
     staged = plgpu.Layout.WG_STRIDED(o_stage.shape, vec_size=8)
     column = plgpu.Layout.WG_STRIDED((QUARTER,), vec_size=1)
 
-    @pl.loop(first, 4 * BLOCK_Q, step=step)
+    @pl.loop(first, 4 * BLOCK_Q // unit_row_count, step=step)
     def _(unit):
-        row, quarter = lax.div(unit, 4), lax.rem(unit, 4)
-        cols = pl.ds(quarter * QUARTER, QUARTER)
-        group, member = pl.ds(lax.div(row, STAT_ROWS) * STAT_ROWS, STAT_ROWS), lax.rem(row, STAT_ROWS)
-        splits = pl.ds(0, w_stage.shape[0])
-        row_max = plgpu.load(max_ref.at[splits, group], layout=stats, optimized=False)
-        row_sum = plgpu.load(sum_ref.at[splits, group], layout=stats, optimized=False)
-        o_stage[...] = plgpu.load(out_ref.at[pl.ds(0, o_stage.shape[0]), row, cols], layout=staged, optimized=False)
-        w_stage[...] = row_max
-        top = _fold(lambda p, top: jnp.maximum(top, w_stage[p, member]), num_splits, jnp.float32(-jnp.inf))
-        w_stage[...] = row_sum * jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))   # 0 where sum is 0
+        first_row, cols = lax.div(unit, 4) * unit_row_count, pl.ds(lax.rem(unit, 4) * QUARTER, QUARTER)
+        group = lax.div(first_row, group_rows) * group_rows
+        splits, group_ds = pl.ds(0, m_stage.shape[0]), pl.ds(group, group_rows)
+        row_max = plgpu.load(max_ref.at[splits, group_ds], layout=stats, optimized=False)
+        row_sum = plgpu.load(sum_ref.at[splits, group_ds], layout=stats, optimized=False)
+        o_stage[...] = plgpu.load(out_ref.at[pl.ds(0, o_stage.shape[0]), pl.ds(first_row, unit_row_count), cols],
+                                  layout=staged, optimized=False)
+        m_stage[...] = row_max
 
-        def add(p, carry):
-            acc, total = carry
-            weight = w_stage[p, member]
-            return acc + plgpu.load(o_stage.at[p], layout=column).astype(jnp.float32) * weight, total + weight
+        @pl.loop(0, unit_row_count)
+        def _(r):
+            member = first_row - group + r
+            top = _fold(lambda p, top: jnp.maximum(top, m_stage[p, member]), num_splits, jnp.float32(-jnp.inf))
+            w_stage[...] = row_sum * jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))   # 0 where sum is 0
 
-        acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
-                                             jnp.float32(0.0)))
-        result_ref.at[row, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
+            def add(p, carry):
+                acc, total = carry
+                weight = w_stage[p, member]
+                return acc + plgpu.load(o_stage.at[p, r], layout=column).astype(jnp.float32) * weight, total + weight
+
+            acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
+                                                 jnp.float32(0.0)))
+            result_ref.at[first_row + r, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
 
 
 def _fold(step, count: int, carry):

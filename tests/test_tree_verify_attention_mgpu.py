@@ -189,13 +189,13 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
 
 
 def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: int):
-    """The in-kernel combine's join (`_combine_quarters`) alone, as a kernel of `programs` programs of two
+    """The in-kernel combine's join (`_combine_units`) alone, as a kernel of `programs` programs of two
     warpgroups in interpret mode (the semaphore wait before it needs the GPU): partials of one 64-row tile (out
     [P', 64, 512] bf16, max / sum [P', 64] f32, P' = stat_splits(num_splits)) -> [64, 512] bf16."""
-    def body(out_ref, max_ref, sum_ref, result_ref, o_stage, w_stage):
+    def body(out_ref, max_ref, sum_ref, result_ref, *stage):
         wg, program = lax.axis_index("wg"), lax.axis_index("program")
-        AM._combine_quarters(result_ref, out_ref, max_ref, sum_ref, o_stage.at[wg], w_stage.at[wg],
-                             AM.COMPUTE_WGS * program + wg, AM.COMPUTE_WGS * programs, num_splits)
+        AM._combine_units(result_ref, out_ref, max_ref, sum_ref, *(ref.at[wg] for ref in stage),
+                          AM.COMPUTE_WGS * program + wg, AM.COMPUTE_WGS * programs, num_splits)
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((AM.BLOCK_Q, 2 * AM.HALF), jnp.bfloat16),
                         scratch_types=AM._combine_stage(num_splits), grid=(programs,), grid_names=("program",),
@@ -203,12 +203,14 @@ def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: i
                         interpret=plgpu.InterpretGPUParams())(out, row_max, row_sum)
 
 
-@pytest.mark.parametrize("num_splits,programs", [(5, 2), (13, 3)])
+@pytest.mark.parametrize("num_splits,programs", [(5, 2), (13, 3), pytest.param(66, 4, marks=pytest.mark.slow),
+                                                  pytest.param(90, 8, marks=pytest.mark.slow)])
 def test_in_kernel_join_matches_combine_partials(num_splits, programs):
     """The in-kernel combine's join over fresh random partials == `combine_partials`: splits that saw nothing (sum
-    0, max -inf), a row no split saw (0), each warpgroup taking many quarter rows (few programs) and, with 13
-    splits, a loop step of COMBINE_UNROLL splits and a rest; the buffers' splits past num_splits hold NaN, which
-    must not reach the result."""
+    0, max -inf), a row no split saw (0), each warpgroup taking many units (few programs) of 16, 8, 2 and 1 rows
+    (`unit_rows` at 5, 13, 66 and 90 splits; the last two slow, ~40 s each), from 13 splits a loop step of
+    COMBINE_UNROLL splits and a rest; the buffers' splits past num_splits hold NaN, which must not reach the
+    result."""
     rng = np.random.default_rng(num_splits)
     splits = AM.stat_splits(num_splits)
     out = rng.standard_normal((splits, AM.BLOCK_Q, 2 * AM.HALF)).astype(np.float32)
