@@ -12,10 +12,12 @@ where bias is 0 for the prefix and for the tree rows node t sees (`visible`), -i
 wholly inside the prefix take no bias; the few blocks from the one holding the prefix's end to the tree's last row
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
-each split writes a partial (out normalised within the split in bf16, the running max and sum in f32) that
-`tree_verify_attention_combine.merge` joins (one Triton kernel; in interpret mode XLA's `combine_partials`); with one
-split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the programs join their tile's partials
-themselves after a semaphore wait; measured slower than the separate combine (kernels.md, "Ninth session").
+each split writes a partial (out normalised within the split in bf16, the running max and sum in f32, by TMA). With
+`combine_in_kernel` (GPU only; the default at decode, T <= IN_KERNEL_COMBINE_MAX_NODES) the programs then join their
+tile's partials themselves: each signals a semaphore of the tile, waits for all the tile's splits, and takes its share
+of the tile in units of R rows x 128 columns (`_combine_units`), staged by TMA in the shared memory the main loop no
+longer uses. Otherwise `tree_verify_attention_combine.merge` joins them (one Triton kernel; in interpret mode XLA's
+`combine_partials`). With one split the kernel's output is the op's.
 
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
 streams c_kv (as two 256-column halves) and k_rope blocks through two shared-memory slots with TMA. Warpgroups 0 and
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import inverse_or_zero
@@ -63,6 +66,9 @@ MAX_UNIT_ROWS = 16   # rows of a unit of the in-kernel combine, at most
 MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combine stages (40 KB), at most
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
+# Tree nodes T up to which `tree_verify_attention` joins its split-K partials in the kernel by default (the decode
+# cases, measured: kernels.md, "Twenty-fifth session"); more nodes take the separate combine kernel.
+IN_KERNEL_COMBINE_MAX_NODES = 16
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
@@ -75,7 +81,8 @@ def _scratch(combine_splits: int = 0) -> tuple:
     slots' c_kv halves and k_rope blocks), then the row statistics, the consumers' exchanged statistics (warpgroup
     w's max at [w, 0], its final row sum at [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot,
     sync, and the pair's three hand-overs), then each consumer's slot index. With combine_splits = P > 0 (the
-    in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it."""
+    in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it,
+    and a barrier per consumer for the combine's loads comes last."""
     transforms = _smem_transforms()
     operands = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
@@ -93,17 +100,19 @@ def _scratch(combine_splits: int = 0) -> tuple:
             # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of
             # its blocks (and of the q halves) loop-invariant, which LLVM hoists out of the loop into registers that
             # ptxas then spills (kernels.md, "Twenty-second session").
-            plgpu.SMEM((COMPUTE_WGS,), jnp.int32))
+            plgpu.SMEM((COMPUTE_WGS,), jnp.int32)) + (
+        # Under the in-kernel combine each consumer's barrier for its three TMA loads of a unit (`_combine_units`).
+        (plgpu.Barrier(num_arrivals=3, num_barriers=COMPUTE_WGS),) if combine_splits else ())
 
 
 def _combine_stage(num_splits: int) -> tuple:
     """The in-kernel combine's buffers, one per consumer warpgroup (`_combine_units`): a unit's partials
-    [staged_splits(P), R, QUARTER] bf16, its row group's max and its row's weights [stat_splits(P), G] f32 each
-    (R = unit_rows(P) rows, G = max(STAT_ROWS, R))."""
+    [staged_splits(P), R, QUARTER] bf16, then its row group's max, sum and its row's weights [stat_splits(P), G] f32
+    each (R = unit_rows(P) rows, G = max(STAT_ROWS, R))."""
     rows = unit_rows(num_splits)
     stats = (COMPUTE_WGS, stat_splits(num_splits), max(STAT_ROWS, rows))
     return (plgpu.SMEM((COMPUTE_WGS, staged_splits(num_splits), rows, QUARTER), jnp.bfloat16),
-            plgpu.SMEM(stats, jnp.float32), plgpu.SMEM(stats, jnp.float32))
+            *(plgpu.SMEM(stats, jnp.float32) for _ in range(3)))
 
 
 def staged_splits(num_splits: int) -> int:
@@ -193,10 +202,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     def body(*refs):
         refs = list(refs)
         result_ref = refs.pop(6) if combine_in_kernel else None     # the first output
+        combine_bars = refs.pop() if combine_in_kernel else None      # the last scratch
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          operands, row_smem, stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
         if combine_in_kernel:
-            operands, (o_stage, m_stage, w_stage) = operands      # the union's two groups (`_scratch`)
+            operands, stage = operands      # the union's two groups (`_scratch`)
         q_smem, qr_smem, kv_smem, kr_smem = operands
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
@@ -237,22 +247,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.barrier_wait(q_bar.at[i])
 
         def finish(acc, m, total):
-            """Write this warpgroup's half of the split's partial: out normalised by `total`, max (base e) and sum."""
-            if combine_in_kernel:
-                _write_partial(out_ref.at[split, stream, q_rows], max_ref.at[split, stream, q_rows],
-                               sum_ref.at[split, stream, q_rows], acc, m * LN2, total, wg)
-                tile_sem = tile_sems.at[qi * s + stream]
-                # The signal's warpgroup barrier (Mosaic GPU's automatic barriers, on by default) orders every
-                # thread's stores above before its one-lane release; the wait ends with an acquire fence and a barrier.
-                plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
-                # Past the wait both consumers of this program are done with the main loop's operands, whose memory
-                # the combine's buffers reuse.
-                plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
-                _combine_units(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows],
-                               max_ref.at[:, stream, q_rows], sum_ref.at[:, stream, q_rows], o_stage.at[wg],
-                               m_stage.at[wg], w_stage.at[wg], COMPUTE_WGS * split + wg, COMPUTE_WGS * num_splits,
-                               num_splits)
-                return
+            """Write this warpgroup's half of the split's partial (out normalised by `total`, max in base e and sum)
+            by TMA; under combine_in_kernel then join the tile's partials once every program has written its own."""
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
@@ -272,6 +268,21 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.copy_smem_to_gmem(row_smem.at[1], sum_ref.at[split, stream, q_rows])
 
             plgpu.wait_smem_to_gmem(0)
+            if not combine_in_kernel:
+                return
+            tile_sem = tile_sems.at[qi * s + stream]
+            # The stores are complete (the wait above); the fence orders them (async proxy) before the release, which
+            # the signal's warpgroup barrier (Mosaic GPU's automatic barriers) extends to the thread that signals. The
+            # wait ends with an acquire, then a fence for the TMA loads of the other programs' partials after it.
+            _fence_async_global()
+            plgpu.semaphore_signal(tile_sem, 1, memory_scope="gpu")
+            # Past the wait both consumers of this program are done with the main loop's operands, whose memory the
+            # combine's buffers reuse.
+            plgpu.semaphore_wait(tile_sem, COMPUTE_WGS * num_splits, decrement=False, memory_scope="gpu")
+            _fence_async_global()
+            _combine_units(result_ref.at[stream, q_rows], out_ref.at[:, stream, q_rows], max_ref.at[:, stream, q_rows],
+                           sum_ref.at[:, stream, q_rows], [ref.at[wg] for ref in stage], combine_bars.at[wg],
+                           COMPUTE_WGS * split + wg, COMPUTE_WGS * num_splits, num_splits)
 
         def zero_state():
             """(acc [BLOCK_Q, HALF], running max in base 2, row sums) before any block."""
@@ -441,44 +452,44 @@ def _normalized(acc, total):
     return (acc * lax.broadcast_in_dim(inverse_or_zero(total), acc.shape, [0])).astype(jnp.bfloat16)
 
 
-def _write_partial(out_ref, max_ref, sum_ref, acc, m, total, wg):
-    """A consumer's piece of its split's partial, stored from registers (not by TMA, so that the semaphore's release
-    orders it for the other programs' plain loads): out [BLOCK_Q, 512] normalised (its HALF columns), max / sum
-    [BLOCK_Q] (warpgroup 0)."""
-    out_ref.at[:, pl.ds(wg * HALF, HALF)][...] = _normalized(acc, total)
+def _fence_async_global():
+    """fence.proxy.async.global: orders this thread's global-memory accesses by TMA (the async proxy) with its plain
+    ones, both ways (the in-kernel combine's partials are written and read by TMA around a semaphore)."""
+    @plgpu.inline_mgpu()
+    def fence(_):
+        mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
-    @pl.when(wg == 0)
-    def _():
-        max_ref[...] = m
-        sum_ref[...] = total
+    fence()
 
 
-def _combine_units(result_ref, out_ref, max_ref, sum_ref, o_stage, m_stage, w_stage, first: int, step: int,
-                   num_splits: int):
+def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first: int, step: int, num_splits: int):
     """A consumer warpgroup's share of joining its query tile's partials (out [P', BLOCK_Q, 512] normalised bf16,
     max / sum [P', BLOCK_Q] f32, the first P = num_splits of P' = `stat_splits`(P) written) into result [BLOCK_Q, 512]
     bf16: the units first, first + step, ... of the tile's 4 x BLOCK_Q / R, unit u being R = unit_rows(P) rows from
-    R * (u // 4), QUARTER columns from QUARTER * (u % 4). Per unit, one round of loads from global memory (the
-    unit's partials of every split, its group of G = max(STAT_ROWS, R) rows' max and sum) staged in this
-    warpgroup's o_stage [staged_splits(P), R, QUARTER] and m_stage [P', G]; then per row, from shared memory, the
-    row's largest max, the splits' weights sum_p * exp(max_p - largest) (in w_stage [P', G]) and the weighted sum,
-    each thread one column. An earlier version, one row per program, 8 splits' loads in flight from global memory,
-    was slower than the separate combine kernel (kernels.md, "Ninth session")."""
+    R * (u // 4), QUARTER columns from QUARTER * (u % 4). stage: this warpgroup's buffers (`_combine_stage`); barrier:
+    its barrier for three TMA loads. Per unit, one round of TMA loads from global memory (the unit's partials of every
+    split into o_stage [staged_splits(P), R, QUARTER], its group of G = max(STAT_ROWS, R) rows' max and sum into
+    [P', G] each); then per row, from shared memory, the row's largest max, the splits' weights
+    sum_p * exp(max_p - largest) (element-wise over the group, into w_stage) and the weighted sum, each thread one
+    column. An earlier version, one row per program, 8 splits' loads in flight from global memory, was slower than
+    the separate combine kernel (kernels.md, "Ninth session")."""
+    o_stage, m_stage, l_stage, w_stage = stage
     unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
-    staged = plgpu.Layout.WG_STRIDED(o_stage.shape, vec_size=8)
     column = plgpu.Layout.WG_STRIDED((QUARTER,), vec_size=1)
 
     @pl.loop(first, 4 * BLOCK_Q // unit_row_count, step=step)
     def _(unit):
         first_row, cols = lax.div(unit, 4) * unit_row_count, pl.ds(lax.rem(unit, 4) * QUARTER, QUARTER)
         group = lax.div(first_row, group_rows) * group_rows
-        splits, group_ds = pl.ds(0, m_stage.shape[0]), pl.ds(group, group_rows)
-        row_max = plgpu.load(max_ref.at[splits, group_ds], layout=stats, optimized=False)
-        row_sum = plgpu.load(sum_ref.at[splits, group_ds], layout=stats, optimized=False)
-        o_stage[...] = plgpu.load(out_ref.at[pl.ds(0, o_stage.shape[0]), pl.ds(first_row, unit_row_count), cols],
-                                  layout=staged, optimized=False)
-        m_stage[...] = row_max
+        splits, group_rows_ds = pl.ds(0, m_stage.shape[0]), pl.ds(group, group_rows)
+        plgpu.copy_gmem_to_smem(out_ref.at[pl.ds(0, o_stage.shape[0]), pl.ds(first_row, unit_row_count), cols],
+                                o_stage, barrier)
+        plgpu.copy_gmem_to_smem(max_ref.at[splits, group_rows_ds], m_stage, barrier)
+        plgpu.copy_gmem_to_smem(sum_ref.at[splits, group_rows_ds], l_stage, barrier)
+        plgpu.barrier_wait(barrier)
+        row_max = plgpu.load(m_stage, layout=stats, optimized=False)
+        row_sum = plgpu.load(l_stage, layout=stats, optimized=False)
 
         @pl.loop(0, unit_row_count)
         def _(r):
@@ -494,6 +505,9 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, o_stage, m_stage, w_st
             acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
                                                  jnp.float32(0.0)))
             result_ref.at[first_row + r, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
+
+        # Every thread's reads of the staged unit are done before the next unit's loads overwrite it.
+        plgpu.commit_smem()
 
 
 def _fold(step, count: int, carry):
@@ -623,16 +637,17 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool = False,
+                          num_splits: int | None = None, combine_in_kernel: bool | None = None,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
-    num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge`
-    (XLA's `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave
-    of programs; measured slower on the H200: kernels.md, "Ninth session"). N must be a multiple of 64."""
+    num_splits (default `default_num_splits`) > 1 the partials are joined in the kernel itself with
+    combine_in_kernel (GPU only, one wave of programs; by default where T <= IN_KERNEL_COMBINE_MAX_NODES and the
+    programs fit one wave), else by `combine.merge` (XLA's `combine_partials` in interpret mode). N must be a multiple
+    of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -641,10 +656,14 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     rows = t * h
     q_lat_rows, q_rope_rows = query_rows(q_lat), query_rows(q_rope)
     padded = q_lat_rows.shape[1]
+    tiles = s * (padded // BLOCK_Q)
+    if combine_in_kernel is None:
+        combine_in_kernel = not interpret and t <= IN_KERNEL_COMBINE_MAX_NODES and (
+            num_splits is None or tiles * num_splits <= resident_programs())
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
         if combine_in_kernel:                 # its programs must fit on the GPU at once
-            num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
+            num_splits = max(1, min(num_splits, resident_programs() // tiles))
     combine_in_kernel = combine_in_kernel and num_splits > 1
     if bias is None:
         bias = frame_bias(prefix_len, visible, h, padded)

@@ -192,13 +192,14 @@ def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: i
     """The in-kernel combine's join (`_combine_units`) alone, as a kernel of `programs` programs of two
     warpgroups in interpret mode (the semaphore wait before it needs the GPU): partials of one 64-row tile (out
     [P', 64, 512] bf16, max / sum [P', 64] f32, P' = stat_splits(num_splits)) -> [64, 512] bf16."""
-    def body(out_ref, max_ref, sum_ref, result_ref, *stage):
+    def body(out_ref, max_ref, sum_ref, result_ref, stage, barriers):
         wg, program = lax.axis_index("wg"), lax.axis_index("program")
-        AM._combine_units(result_ref, out_ref, max_ref, sum_ref, *(ref.at[wg] for ref in stage),
+        AM._combine_units(result_ref, out_ref, max_ref, sum_ref, [ref.at[wg] for ref in stage], barriers.at[wg],
                           AM.COMPUTE_WGS * program + wg, AM.COMPUTE_WGS * programs, num_splits)
 
+    scratch = (AM._combine_stage(num_splits), plgpu.Barrier(num_arrivals=3, num_barriers=AM.COMPUTE_WGS))
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((AM.BLOCK_Q, 2 * AM.HALF), jnp.bfloat16),
-                        scratch_types=AM._combine_stage(num_splits), grid=(programs,), grid_names=("program",),
+                        scratch_types=scratch, grid=(programs,), grid_names=("program",),
                         num_threads=AM.COMPUTE_WGS, thread_name="wg",
                         interpret=plgpu.InterpretGPUParams())(out, row_max, row_sum)
 
