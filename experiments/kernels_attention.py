@@ -18,7 +18,6 @@ and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 
@@ -101,8 +100,8 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, and where it splits also with its split-K partials joined in the kernel and by the separate combine
-    kernel, whichever its default is), for inputs `args` (GPU only: {} when `interpret`)."""
+    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when
+    `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
@@ -111,9 +110,8 @@ def attention_peers(args, interpret: bool) -> dict:
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
         rows = args[0].shape[1] * args[0].shape[2]
         if attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1]) > 1:
-            for name, fused in (("mosaic_gpu_combine_in_kernel", True), ("mosaic_gpu_combine_kernel", False)):
-                peers[name] = jax.jit(functools.partial(attn_mgpu.tree_verify_attention, scale=K26_SCALE,
-                                                        combine_in_kernel=fused))
+            peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
+                lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
     return peers
 
 

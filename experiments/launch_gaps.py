@@ -6,8 +6,7 @@ last end) against their busy time (sum of durations), per variant, on decode cas
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 experiments/launch_gaps.py --label=no_command_buffers \
         --out=experiments/results/launch_gaps_no_command_buffers.json
 
-Variants: `op` (ops.tree_verify_attention at its defaults: at these cases the Mosaic GPU kernel joining its own
-split-K partials), `op_planned` (the op
+Variants: `op` (ops.tree_verify_attention: Mosaic GPU kernel, then the Triton combine kernel), `op_planned` (the op
 with its `ops.tree_verify_plan` made beforehand, as the model does once per forward), `triton` (the Triton
 kernel and its combine), `mosaic_partials` (the Mosaic GPU kernel and its input fusions, no combine), `mosaic_twice`
 (two Mosaic GPU kernels of different scales in one call: is there a gap before the second too?),

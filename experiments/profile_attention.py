@@ -28,10 +28,8 @@ flags.DEFINE_integer("heads", 8, "heads H")
 flags.DEFINE_integer("prefix", 32768, "committed cache rows N per stream")
 flags.DEFINE_integer("nodes", 16, "tree nodes T")
 flags.DEFINE_integer("calls", 3, "calls of the op (the first compiles)")
-COMBINES = {"default": None, "in_kernel": True, "kernel": False}
-flags.DEFINE_enum("combine", "default", list(COMBINES), "mosaic_gpu only: where its split-K partials are joined: the "
-                  "kernel's default, in the kernel, or by the separate combine kernel")
-flags.DEFINE_list("skip", [], "diagnostic, with --combine=in_kernel (its results then wrong): parts of the in-kernel "
+flags.DEFINE_bool("combine_in_kernel", False, "mosaic_gpu only: the split-K partials joined in the kernel")
+flags.DEFINE_list("skip", [], "diagnostic, with --combine_in_kernel (its results then wrong): parts of the in-kernel "
                   "combine left out, to time the rest: 'join' (the programs' join of the partials), 'wait' (their "
                   "semaphore wait)")
 flags.DEFINE_list("registers", [], "mosaic_gpu only: registers per consumer and per producer thread (e.g. 240,24; "
@@ -43,8 +41,8 @@ def skip_parts(parts: list[str]) -> None:
     """Leave the named parts of the in-kernel combine out of the kernel traced next (this process only)."""
     if set(parts) - {"join", "wait"}:
         raise ValueError(f"--skip={parts}: only 'join' and 'wait'")
-    if parts and F.combine != "in_kernel":
-        raise ValueError("--skip: for --combine=in_kernel")
+    if parts and not F.combine_in_kernel:
+        raise ValueError("--skip: for --combine_in_kernel")
     if "join" in parts:
         attn_mgpu._combine_units = lambda *args, **kwargs: None
     if "wait" in parts:
@@ -59,10 +57,10 @@ def main(_):
         if F.kernel != "mosaic_gpu" or len(F.registers) != 2:
             raise ValueError(f"--registers={F.registers}: two numbers (consumer, producer), for --kernel=mosaic_gpu")
         options["registers"] = tuple(int(n) for n in F.registers)
-    if F.combine != "default":
+    if F.combine_in_kernel:
         if F.kernel != "mosaic_gpu":
-            raise ValueError(f"--combine={F.combine}: for --kernel=mosaic_gpu")
-        options["combine_in_kernel"] = COMBINES[F.combine]
+            raise ValueError("--combine_in_kernel: for --kernel=mosaic_gpu")
+        options["combine_in_kernel"] = True
     skip_parts(F.skip)
     op = jax.jit(lambda *a: KERNELS[F.kernel](*a, scale=K26_SCALE, **options))
     for _ in range(F.calls):

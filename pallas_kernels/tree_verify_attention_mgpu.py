@@ -12,12 +12,12 @@ where bias is 0 for the prefix and for the tree rows node t sees (`visible`), -i
 wholly inside the prefix take no bias; the few blocks from the one holding the prefix's end to the tree's last row
 (the "frame", `frame_width` columns) take theirs from `frame_bias` (one f32 tile per block, loaded from global
 memory in the wgmma layout), so the tree block is attended in the same kernel as the prefix. With num_splits > 1
-each split writes a partial (out normalised within the split in bf16, the running max and sum in f32, by TMA). With
-`combine_in_kernel` (GPU only; the default at decode, T <= IN_KERNEL_COMBINE_MAX_NODES) the programs then join their
-tile's partials themselves: each signals a semaphore of the tile, waits for all the tile's splits, and takes its share
-of the tile in units of R rows x 128 columns (`_combine_units`), staged by TMA in the shared memory the main loop no
-longer uses. Otherwise `tree_verify_attention_combine.merge` joins them (one Triton kernel; in interpret mode XLA's
-`combine_partials`). With one split the kernel's output is the op's.
+each split writes a partial (out normalised within the split in bf16, the running max and sum in f32, by TMA) that
+`tree_verify_attention_combine.merge` joins (one Triton kernel; in interpret mode XLA's `combine_partials`); with one
+split the kernel's output is the op's. Opt-in (`combine_in_kernel`, GPU only) the programs join their tile's partials
+themselves: each signals a semaphore of the tile, waits for all the tile's splits, and takes its share of the tile in
+units of R rows x 128 columns (`_combine_units`), staged by TMA in the shared memory the main loop no longer uses. On
+the H200 that is level with the separate combine kernel or slower (kernels.md, "Twenty-fifth session").
 
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
 streams c_kv (as two 256-column halves) and k_rope blocks through two shared-memory slots with TMA. Warpgroups 0 and
@@ -66,9 +66,6 @@ MAX_UNIT_ROWS = 16   # rows of a unit of the in-kernel combine, at most
 MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combine stages (40 KB), at most
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
-# Tree nodes T up to which `tree_verify_attention` joins its split-K partials in the kernel by default (the decode
-# cases, measured: kernels.md, "Twenty-fifth session"); more nodes take the separate combine kernel.
-IN_KERNEL_COMBINE_MAX_NODES = 16
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
@@ -637,17 +634,17 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool | None = None,
+                          num_splits: int | None = None, combine_in_kernel: bool = False,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
     [S, N, 512], k_rope [S, N, 64] bf16, prefix_len [S], visible [S, T, T] -> [S, T, H, 512] bf16). The T x H query
     rows are padded to 64-row tiles; the prefix and the tree block run in one kernel (`attention_partials`, under
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
-    num_splits (default `default_num_splits`) > 1 the partials are joined in the kernel itself with
-    combine_in_kernel (GPU only, one wave of programs; by default where T <= IN_KERNEL_COMBINE_MAX_NODES and the
-    programs fit one wave), else by `combine.merge` (XLA's `combine_partials` in interpret mode). N must be a multiple
-    of 64."""
+    num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge` (XLA's
+    `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave of
+    programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session"). N must
+    be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -656,14 +653,10 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     rows = t * h
     q_lat_rows, q_rope_rows = query_rows(q_lat), query_rows(q_rope)
     padded = q_lat_rows.shape[1]
-    tiles = s * (padded // BLOCK_Q)
-    if combine_in_kernel is None:
-        combine_in_kernel = not interpret and t <= IN_KERNEL_COMBINE_MAX_NODES and (
-            num_splits is None or tiles * num_splits <= resident_programs())
     if num_splits is None:
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
         if combine_in_kernel:                 # its programs must fit on the GPU at once
-            num_splits = max(1, min(num_splits, resident_programs() // tiles))
+            num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
     combine_in_kernel = combine_in_kernel and num_splits > 1
     if bias is None:
         bias = frame_bias(prefix_len, visible, h, padded)
