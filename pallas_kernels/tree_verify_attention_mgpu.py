@@ -186,8 +186,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_units`) and the result
-    [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's splits, so all
-    the programs must be resident at once (`check_resident`)."""
+    [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's
+    splits, so all the programs must be resident at once (`check_resident`)."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
     s, rows, _ = q_lat.shape
     if combine_in_kernel:
@@ -468,8 +468,8 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
     split into o_stage [staged_splits(P), R, QUARTER], its group of G = max(STAT_ROWS, R) rows' max and sum into
     [P', G] each); then per row, from shared memory, the row's largest max, the splits' weights
     sum_p * exp(max_p - largest) (element-wise over the group, into w_stage) and the weighted sum, each thread one
-    column. An earlier version, one row per program, 8 splits' loads in flight from global memory, was slower than
-    the separate combine kernel (kernels.md, "Ninth session")."""
+    column. Measured level with or slower than the separate combine kernel (kernels.md, "Twenty-fifth session"; the
+    version before it, one row per program walking the splits from global memory, was slower still)."""
     o_stage, m_stage, l_stage, w_stage = stage
     unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
