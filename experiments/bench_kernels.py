@@ -37,8 +37,9 @@ flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which p
 flags.DEFINE_integer("reps", 15, "timed calls per measurement (median reported)")
 flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whose representative cases also time "
                   "alternative tilings; '' for none")
-flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case (those it admits: at "
-                  "most prefix / (2 block_k), at most 4 waves of programs)")
+flags.DEFINE_list("attention_splits", [], "split-K counts also timed on every attention case: the Triton kernel's "
+                  "(those it admits: at most prefix / (2 block_k), at most 4 waves of programs) and the Mosaic GPU "
+                  "op's (up to one cache block a split; peers `mosaic_gpu:num_splits=N`)")
 flags.DEFINE_list("attention_cases", [], "the attention cases to run, each 'S/H/N/T' (streams, heads, prefix, "
                   "nodes; default: every case)")
 flags.DEFINE_list("moe_tokens", [], "the int4_moe token counts M to run (default: every case)")

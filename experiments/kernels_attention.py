@@ -18,6 +18,7 @@ and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -98,10 +99,11 @@ def attention_cost(case) -> tuple[float, float]:
     return flops, bytes_
 
 
-def attention_peers(args, interpret: bool) -> dict:
+def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
     """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, and joining its split-K partials in the kernel where it splits), for inputs `args` (GPU only: {} when
-    `interpret`)."""
+    rows, and joining its split-K partials in the kernel where it splits; and the Mosaic GPU op at the split-K counts
+    `splits` other than its default, up to one cache block a split, as `mosaic_gpu:num_splits=N`), for inputs `args`
+    (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
@@ -109,9 +111,14 @@ def attention_peers(args, interpret: bool) -> dict:
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
         rows = args[0].shape[1] * args[0].shape[2]
-        if attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1]) > 1:
+        default = attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1])
+        if default > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
+        for count in sorted(set(splits) - {default}):
+            if count <= args[2].shape[1] // attn_mgpu.BLOCK_KV:
+                peers[f"mosaic_gpu:num_splits={count}"] = jax.jit(functools.partial(
+                    attn_mgpu.tree_verify_attention, scale=K26_SCALE, num_splits=count))
     return peers
 
 
@@ -148,7 +155,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*(planned if fn is op else sets)[0]).astype(jnp.float32),
                                             ref)
-            peers = attention_peers(sets[0], interpret)
+            peers = attention_peers(sets[0], interpret, splits)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, planned if fn is op else sets) for name, fn in {**fns, **peers}.items()]
             plan_fn = jax.jit(lambda p, v, h=case["heads"]: ops.tree_verify_plan(p, v, num_heads=h))

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
@@ -97,6 +98,23 @@ def test_back_to_back_job_runs_the_calls_in_one_jitted_call():
     assert job.calls == 4 and len(job.arg_sets) == 3
     outs = job.fn(*job.args(1))                        # the second window: sets 4..7 mod 3
     assert [float(o[0]) for o in outs] == [2.0, 4.0, 0.0, 2.0]
+
+
+def test_attention_peers_time_the_mosaic_gpu_op_at_the_split_counts_asked():
+    """--attention_splits gives the Mosaic GPU op a peer per split count other than its default, up to one cache block
+    a split (built, not run: jitted functions compile when first called)."""
+    import jax
+    from experiments.kernels_attention import attention_inputs, attention_peers
+    from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
+
+    case = dict(streams=1, heads=64, prefix=4096, nodes=1)
+    args = attention_inputs(jax.random.key(0), case, np.random.default_rng(0))
+    default = attn_mgpu.default_num_splits(1, 64, args[2].shape[1])
+    blocks = args[2].shape[1] // attn_mgpu.BLOCK_KV
+    peers = attention_peers(args, interpret=False, splits=[default, 64, blocks + 1])
+    assert [name for name in peers if name.startswith("mosaic_gpu:")] == ["mosaic_gpu:num_splits=64"]
+    assert {"op_plan_in_call", "triton", "mosaic_gpu", "mosaic_gpu_combine_in_kernel"} <= set(peers)
+    assert attention_peers(args, interpret=True, splits=[64]) == {}
 
 
 def test_bench_round_tiny(tmp_path):
