@@ -1,6 +1,6 @@
 """bench_kernels section `attention`: `ops.tree_verify_attention` (the kernel `ops.attention_backend` picks per
 call) against its XLA reference at K2.6 MLA shapes (latent 512, rope 64), with an f32 check, optional split-K counts
-and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of its kernels is also timed alone
+(of the Triton kernel and of the Mosaic GPU op) and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of its kernels is also timed alone
 (the Triton kernel at its default tiling, the Mosaic GPU one where it fits the case).
 
     cases      S streams x H heads x N prefix rows x T tree nodes (attention_cases)

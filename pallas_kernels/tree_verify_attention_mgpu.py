@@ -61,6 +61,7 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 REGISTERS = (232, 40)
 COMBINE_UNROLL = 8   # splits per loop step of `_combine_units`' sums over shared memory
 QUARTER = 128        # columns of a unit of the in-kernel combine (a quarter of a row)
+QUARTERS = 2 * HALF // QUARTER
 STAT_ROWS = 8        # rows of the statistics a unit of the in-kernel combine loads, at least
 MAX_UNIT_ROWS = 16   # rows of a unit of the in-kernel combine, at most
 MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combine stages (40 KB), at most
@@ -113,14 +114,16 @@ def _combine_stage(num_splits: int) -> tuple:
 
 
 def staged_splits(num_splits: int) -> int:
-    """Partial rows a unit's bulk load takes: num_splits rounded up so that 8-element vectors tile them."""
+    """Partial rows a unit's TMA load takes: num_splits rounded up to a multiple of 8 (the splits past num_splits
+    are loaded and not used), the count `unit_rows` sizes units by."""
     return 8 * pl.cdiv(num_splits, 8)
 
 
 def stat_splits(num_splits: int) -> int:
-    """Splits of the partials' max and sum buffers under the in-kernel combine (those of the load of a row group's
-    statistics: [P, G] f32 in 2-element vectors over 128 threads), >= `staged_splits`. The splits past num_splits
-    are never written and never used."""
+    """Splits of the partial buffers (out, max, sum) under the in-kernel combine: num_splits rounded up to a multiple
+    of 32, so that a row group's statistics [P, G] f32 load into registers as 2-element vectors over 128 threads;
+    >= `staged_splits`. The splits past num_splits are never written and never used (out could take
+    `staged_splits`: at few splits the rounding up to 32 allocates it several times over)."""
     return 32 * pl.cdiv(num_splits, 32)
 
 
@@ -422,11 +425,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             pl.when(wg == own)(functools.partial(_consumer, own))
 
     # Under the in-kernel combine the partials have stat_splits(P) splits, the first P written (`_combine_units`).
-    buffers = stat_splits(num_splits) if combine_in_kernel else num_splits
+    allocated_splits = stat_splits(num_splits) if combine_in_kernel else num_splits
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
-        jax.ShapeDtypeStruct((buffers, s, rows, 2 * HALF), jnp.bfloat16),
-        jax.ShapeDtypeStruct((buffers, s, rows), jnp.float32),
-        jax.ShapeDtypeStruct((buffers, s, rows), jnp.float32))
+        jax.ShapeDtypeStruct((allocated_splits, s, rows, 2 * HALF), jnp.bfloat16),
+        jax.ShapeDtypeStruct((allocated_splits, s, rows), jnp.float32),
+        jax.ShapeDtypeStruct((allocated_splits, s, rows), jnp.float32))
     outs = plgpu.kernel(
         body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
@@ -462,8 +465,8 @@ def _fence_async_global():
 def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first: int, step: int, num_splits: int):
     """A consumer warpgroup's share of joining its query tile's partials (out [P', BLOCK_Q, 512] normalised bf16,
     max / sum [P', BLOCK_Q] f32, the first P = num_splits of P' = `stat_splits`(P) written) into result [BLOCK_Q, 512]
-    bf16: the units first, first + step, ... of the tile's 4 x BLOCK_Q / R, unit u being R = unit_rows(P) rows from
-    R * (u // 4), QUARTER columns from QUARTER * (u % 4). stage: this warpgroup's buffers (`_combine_stage`); barrier:
+    bf16: the units first, first + step, ... of the tile's QUARTERS x BLOCK_Q / R, unit u being R = unit_rows(P) rows
+    from R * (u // QUARTERS), QUARTER columns from QUARTER * (u % QUARTERS). stage: this warpgroup's buffers (`_combine_stage`); barrier:
     its barrier for three TMA loads. Per unit, one round of TMA loads from global memory (the unit's partials of every
     split into o_stage [staged_splits(P), R, QUARTER], its group of G = max(STAT_ROWS, R) rows' max and sum into
     [P', G] each); then per row, from shared memory, the row's largest max, the splits' weights
@@ -475,15 +478,16 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
     column = plgpu.Layout.WG_STRIDED((QUARTER,), vec_size=1)
 
-    @pl.loop(first, 4 * BLOCK_Q // unit_row_count, step=step)
+    @pl.loop(first, QUARTERS * BLOCK_Q // unit_row_count, step=step)
     def _(unit):
-        first_row, cols = lax.div(unit, 4) * unit_row_count, pl.ds(lax.rem(unit, 4) * QUARTER, QUARTER)
+        first_row = lax.div(unit, QUARTERS) * unit_row_count
+        cols = pl.ds(lax.rem(unit, QUARTERS) * QUARTER, QUARTER)
         group = lax.div(first_row, group_rows) * group_rows
-        splits, group_rows_ds = pl.ds(0, m_stage.shape[0]), pl.ds(group, group_rows)
+        splits, group_slice = pl.ds(0, m_stage.shape[0]), pl.ds(group, group_rows)
         plgpu.copy_gmem_to_smem(out_ref.at[pl.ds(0, o_stage.shape[0]), pl.ds(first_row, unit_row_count), cols],
                                 o_stage, barrier)
-        plgpu.copy_gmem_to_smem(max_ref.at[splits, group_rows_ds], m_stage, barrier)
-        plgpu.copy_gmem_to_smem(sum_ref.at[splits, group_rows_ds], l_stage, barrier)
+        plgpu.copy_gmem_to_smem(max_ref.at[splits, group_slice], m_stage, barrier)
+        plgpu.copy_gmem_to_smem(sum_ref.at[splits, group_slice], l_stage, barrier)
         plgpu.barrier_wait(barrier)
         row_max = plgpu.load(m_stage, layout=stats, optimized=False)
         row_sum = plgpu.load(l_stage, layout=stats, optimized=False)

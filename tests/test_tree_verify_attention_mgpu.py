@@ -72,9 +72,11 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits):
 
 def test_shared_memory_fits_an_h200():
     """The two 72 KB slots beside the 72 KB q tile, the statistics and the barriers fit an H200's 227 KB per block;
-    a third slot would not."""
+    a third slot would not. The in-kernel combine's buffers, up to one wave's 132 splits, fit in the memory of the
+    main loop's operands that they share: no more in all."""
     slot = 2 * AM.BLOCK_KV * (2 * AM.HALF + AM.ROPE)   # bytes: one block of bf16 c_kv and k_rope rows
     assert AM.shared_memory_bytes() <= SHARED_BYTES < AM.shared_memory_bytes() + slot
+    assert all(AM.shared_memory_bytes(splits) == AM.shared_memory_bytes() for splits in (2, 8, 66, 132))
 
 
 def test_bad_shapes_name_the_fix():
