@@ -1,7 +1,8 @@
 """bench_kernels section `attention`: `ops.tree_verify_attention` (the kernel `ops.attention_backend` picks per
 call) against its XLA reference at K2.6 MLA shapes (latent 512, rope 64), with an f32 check, optional split-K counts
-(of the Triton kernel and of the Mosaic GPU op) and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU each of its kernels is also timed alone
-(the Triton kernel at its default tiling, the Mosaic GPU one where it fits the case).
+(of the Triton kernel and of the Mosaic GPU op) and tilings of the Triton kernel, FLOPs and bytes per case. On the GPU
+each of its kernels is also timed alone (the Triton kernel at its default tiling, the Mosaic GPU one where it fits
+the case).
 
     cases      S streams x H heads x N prefix rows x T tree nodes (attention_cases)
     inputs     q_lat [S,T,H,512], q_rope [S,T,H,64], c_kv [S,N',512], k_rope [S,N',64] with N' = N + T rounded up to

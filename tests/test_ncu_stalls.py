@@ -58,7 +58,8 @@ def test_each_wait_is_classed_by_its_barrier(tmp_path):
         "retries out of line": {"other": 1},
     }
     assert list(result["warpgroups"]) == ["prologue", "producer", "consumer 0", "consumer 1", "retries out of line"]
-    assert result["consumers"]["waits for a cache block"] == 8 / 33 and sum(result["consumers"].values()) == pytest.approx(1)
+    assert result["consumers"]["waits for a cache block"] == 8 / 33
+    assert sum(result["consumers"].values()) == pytest.approx(1)
 
 
 def test_refuses_what_is_not_a_source_page(tmp_path):
