@@ -471,8 +471,9 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
     memory (the unit's partials of every split into o_stage [staged_splits(P), R, QUARTER], its group of
     G = max(STAT_ROWS, R) rows' max and sum into [P', G] each); then per row, from shared memory, the row's largest
     max, the splits' weights sum_p * exp(max_p - largest) (element-wise over the group, into w_stage) and the
-    weighted sum, each thread one column. Measured level with or slower than the separate combine kernel (kernels.md, "Twenty-fifth session"; the
-    version before it, one row per program walking the splits from global memory, was slower still)."""
+    weighted sum, each thread one column. Measured level with or slower than the separate combine kernel
+    (kernels.md, "Twenty-fifth session"; the version before it, one row per program walking the splits from global
+    memory, was slower still)."""
     o_stage, m_stage, l_stage, w_stage = stage
     unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
