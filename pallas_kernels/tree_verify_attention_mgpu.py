@@ -59,7 +59,7 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
-COMBINE_UNROLL = 8   # splits per loop step of `_combine_units`' sums over shared memory
+COMBINE_LANES = 8    # independent partial results of `_combine_units`' folds over the splits (`_fold`)
 QUARTER = 128        # columns of a unit of the in-kernel combine (a quarter of a row)
 QUARTERS = 2 * HALF // QUARTER
 STAT_ROWS = 8        # rows of the statistics a unit of the in-kernel combine loads, at least
@@ -122,8 +122,7 @@ def staged_splits(num_splits: int) -> int:
 def stat_splits(num_splits: int) -> int:
     """Splits of the partial buffers (out, max, sum) under the in-kernel combine: num_splits rounded up to a multiple
     of 32, so that a row group's statistics [P, G] f32 load into registers as 2-element vectors over 128 threads;
-    >= `staged_splits`. The splits past num_splits are never written and never used (out could take
-    `staged_splits`: at few splits the rounding up to 32 allocates it several times over)."""
+    >= `staged_splits` (out's splits). The splits past num_splits are never written and never used."""
     return 32 * pl.cdiv(num_splits, 32)
 
 
@@ -424,12 +423,14 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         for own in range(COMPUTE_WGS):
             pl.when(wg == own)(functools.partial(_consumer, own))
 
-    # Under the in-kernel combine the partials have stat_splits(P) splits, the first P written (`_combine_units`).
-    allocated_splits = stat_splits(num_splits) if combine_in_kernel else num_splits
+    # Under the in-kernel combine out has staged_splits(P) splits, max and sum stat_splits(P), the first P written
+    # (`_combine_units` loads them whole).
+    out_splits, stat_rows = ((staged_splits(num_splits), stat_splits(num_splits)) if combine_in_kernel
+                             else (num_splits, num_splits))
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
-        jax.ShapeDtypeStruct((allocated_splits, s, rows, 2 * HALF), jnp.bfloat16),
-        jax.ShapeDtypeStruct((allocated_splits, s, rows), jnp.float32),
-        jax.ShapeDtypeStruct((allocated_splits, s, rows), jnp.float32))
+        jax.ShapeDtypeStruct((out_splits, s, rows, 2 * HALF), jnp.bfloat16),
+        jax.ShapeDtypeStruct((stat_rows, s, rows), jnp.float32),
+        jax.ShapeDtypeStruct((stat_rows, s, rows), jnp.float32))
     outs = plgpu.kernel(
         body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
@@ -463,17 +464,17 @@ def _fence_async_global():
 
 
 def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first: int, step: int, num_splits: int):
-    """A consumer warpgroup's share of joining its query tile's partials (out [P', BLOCK_Q, 512] normalised bf16,
-    max / sum [P', BLOCK_Q] f32, the first P = num_splits of P' = `stat_splits`(P) written) into result [BLOCK_Q, 512]
-    bf16: the units first, first + step, ... of the tile's QUARTERS x BLOCK_Q / R, unit u being R = unit_rows(P) rows
-    from R * (u // QUARTERS), QUARTER columns from QUARTER * (u % QUARTERS). stage: this warpgroup's buffers
-    (`_combine_stage`); barrier: its barrier for three TMA loads. Per unit, one round of TMA loads from global
-    memory (the unit's partials of every split into o_stage [staged_splits(P), R, QUARTER], its group of
+    """A consumer warpgroup's share of joining its query tile's partials (out [P'', BLOCK_Q, 512] normalised bf16,
+    max / sum [P', BLOCK_Q] f32, P'' = `staged_splits`(P) and P' = `stat_splits`(P) with the first P = num_splits
+    written) into result [BLOCK_Q, 512] bf16: the units first, first + step, ... of the tile's QUARTERS x BLOCK_Q / R,
+    unit u being R = unit_rows(P) rows from R * (u // QUARTERS), QUARTER columns from QUARTER * (u % QUARTERS).
+    stage: this warpgroup's buffers (`_combine_stage`); barrier: its barrier for three TMA loads. Per unit, one round
+    of TMA loads from global memory (the unit's partials of every split into o_stage [P'', R, QUARTER], its group of
     G = max(STAT_ROWS, R) rows' max and sum into [P', G] each); then per row, from shared memory, the row's largest
     max, the splits' weights sum_p * exp(max_p - largest) (element-wise over the group, into w_stage) and the
-    weighted sum, each thread one column. Measured level with or slower than the separate combine kernel
-    (kernels.md, "Twenty-fifth session"; the version before it, one row per program walking the splits from global
-    memory, was slower still)."""
+    weighted sum, each thread one column, both folds over the splits in COMBINE_LANES lanes (`_fold`). Measured
+    against the separate combine kernel: kernels.md, "Twenty-fifth session" (one lane: level or slower) and
+    "Twenty-sixth session"."""
     o_stage, m_stage, l_stage, w_stage = stage
     unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
@@ -496,7 +497,8 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
         @pl.loop(0, unit_row_count)
         def _(r):
             member = first_row - group + r
-            top = _fold(lambda p, top: jnp.maximum(top, m_stage[p, member]), num_splits, jnp.float32(-jnp.inf))
+            top = _fold(lambda p, top: jnp.maximum(top, m_stage[p, member]), num_splits, jnp.float32(-jnp.inf),
+                        jnp.maximum)
             w_stage[...] = row_sum * jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))   # 0 where sum is 0
 
             def add(p, carry):
@@ -505,23 +507,26 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
                 return acc + plgpu.load(o_stage.at[p, r], layout=column).astype(jnp.float32) * weight, total + weight
 
             acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
-                                                 jnp.float32(0.0)))
+                                                 jnp.float32(0.0)), lambda a, b: (a[0] + b[0], a[1] + b[1]))
             result_ref.at[first_row + r, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
 
         # Every thread's reads of the staged unit are done before the next unit's loads overwrite it.
         plgpu.commit_smem()
 
 
-def _fold(step, count: int, carry):
-    """carry after step(p, carry) for p = 0, ..., count - 1, COMBINE_UNROLL steps per loop iteration."""
-    def unrolled(first, n: int, carry):
-        for i in range(n):
-            carry = step(first + i, carry)
-        return carry
+def _fold(step, count: int, init, merge):
+    """step(p, carry) over p = 0, ..., count - 1 into COMBINE_LANES independent carries (split p into lane
+    p % COMBINE_LANES, each lane from init), joined at the end by merge(a, b): each lane's chain of dependent steps
+    is COMBINE_LANES times shorter than one carry's, so the lanes' shared-memory loads and arithmetic overlap. One
+    loop iteration takes one step of every lane."""
+    lanes = min(COMBINE_LANES, count)
 
-    blocks, rest = divmod(count, COMBINE_UNROLL)
-    carry = lax.fori_loop(0, blocks, lambda b, c: unrolled(b * COMBINE_UNROLL, COMBINE_UNROLL, c), carry)
-    return unrolled(blocks * COMBINE_UNROLL, rest, carry)
+    def one_step_each(first, n: int, carries):
+        return tuple(step(first + i, carry) if i < n else carry for i, carry in enumerate(carries))
+
+    blocks, rest = divmod(count, lanes)
+    carries = lax.fori_loop(0, blocks, lambda b, c: one_step_each(b * lanes, lanes, c), (init,) * lanes)
+    return functools.reduce(merge, one_step_each(blocks * lanes, rest, carries))
 
 
 def resident_programs() -> int:
