@@ -59,7 +59,7 @@ SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one p
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
-COMBINE_LANES = 8    # independent partial results of `_combine_units`' folds over the splits (`_fold`)
+COMBINE_UNROLL = 8   # splits per loop step of `_combine_units`' sums over shared memory
 QUARTER = 128        # columns of a unit of the in-kernel combine (a quarter of a row)
 QUARTERS = 2 * HALF // QUARTER
 STAT_ROWS = 8        # rows of the statistics a unit of the in-kernel combine loads, at least
@@ -472,9 +472,8 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
     of TMA loads from global memory (the unit's partials of every split into o_stage [P'', R, QUARTER], its group of
     G = max(STAT_ROWS, R) rows' max and sum into [P', G] each); then per row, from shared memory, the row's largest
     max, the splits' weights sum_p * exp(max_p - largest) (element-wise over the group, into w_stage) and the
-    weighted sum, each thread one column, both folds over the splits in COMBINE_LANES lanes (`_fold`). Measured
-    against the separate combine kernel: kernels.md, "Twenty-fifth session" (one lane: level or slower) and
-    "Twenty-sixth session"."""
+    weighted sum, each thread one column. Measured level with or slower than the separate combine kernel (kernels.md,
+    "Twenty-fifth session", "Twenty-sixth session": the folds in independent lanes changed nothing)."""
     o_stage, m_stage, l_stage, w_stage = stage
     unit_row_count, group_rows = o_stage.shape[1], m_stage.shape[1]
     stats = plgpu.Layout.WG_STRIDED(m_stage.shape, vec_size=2)
@@ -497,8 +496,7 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
         @pl.loop(0, unit_row_count)
         def _(r):
             member = first_row - group + r
-            top = _fold(lambda p, top: jnp.maximum(top, m_stage[p, member]), num_splits, jnp.float32(-jnp.inf),
-                        jnp.maximum)
+            top = _fold(lambda p, top: jnp.maximum(top, m_stage[p, member]), num_splits, jnp.float32(-jnp.inf))
             w_stage[...] = row_sum * jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))   # 0 where sum is 0
 
             def add(p, carry):
@@ -507,26 +505,23 @@ def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first:
                 return acc + plgpu.load(o_stage.at[p, r], layout=column).astype(jnp.float32) * weight, total + weight
 
             acc, total = _fold(add, num_splits, (plgpu.layout_cast(jnp.zeros((QUARTER,), jnp.float32), column),
-                                                 jnp.float32(0.0)), lambda a, b: (a[0] + b[0], a[1] + b[1]))
+                                                 jnp.float32(0.0)))
             result_ref.at[first_row + r, cols][...] = (acc * inverse_or_zero(total)).astype(jnp.bfloat16)
 
         # Every thread's reads of the staged unit are done before the next unit's loads overwrite it.
         plgpu.commit_smem()
 
 
-def _fold(step, count: int, init, merge):
-    """step(p, carry) over p = 0, ..., count - 1 into COMBINE_LANES independent carries (split p into lane
-    p % COMBINE_LANES, each lane from init), joined at the end by merge(a, b): each lane's chain of dependent steps
-    is COMBINE_LANES times shorter than one carry's, so the lanes' shared-memory loads and arithmetic overlap. One
-    loop iteration takes one step of every lane."""
-    lanes = min(COMBINE_LANES, count)
+def _fold(step, count: int, carry):
+    """carry after step(p, carry) for p = 0, ..., count - 1, COMBINE_UNROLL steps per loop iteration."""
+    def unrolled(first, n: int, carry):
+        for i in range(n):
+            carry = step(first + i, carry)
+        return carry
 
-    def one_step_each(first, n: int, carries):
-        return tuple(step(first + i, carry) if i < n else carry for i, carry in enumerate(carries))
-
-    blocks, rest = divmod(count, lanes)
-    carries = lax.fori_loop(0, blocks, lambda b, c: one_step_each(b * lanes, lanes, c), (init,) * lanes)
-    return functools.reduce(merge, one_step_each(blocks * lanes, rest, carries))
+    blocks, rest = divmod(count, COMBINE_UNROLL)
+    carry = lax.fori_loop(0, blocks, lambda b, c: unrolled(b * COMBINE_UNROLL, COMBINE_UNROLL, c), carry)
+    return unrolled(blocks * COMBINE_UNROLL, rest, carry)
 
 
 def resident_programs() -> int:

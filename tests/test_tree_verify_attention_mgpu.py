@@ -211,9 +211,9 @@ def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: i
 def test_in_kernel_join_matches_combine_partials(num_splits, programs):
     """The in-kernel combine's join over fresh random partials == `combine_partials`: splits that saw nothing (sum
     0, max -inf), a row no split saw (0), each warpgroup taking many units (few programs) of 16, 8, 2 and 1 rows
-    (`unit_rows` at 5, 13, 66 and 90 splits; the last two slow, ~40 s each), from 13 splits loop steps of
-    COMBINE_LANES splits (one per lane of `_fold`) and a rest; the buffers' splits past num_splits hold NaN, which
-    must not reach the result."""
+    (`unit_rows` at 5, 13, 66 and 90 splits; the last two slow, ~40 s each), from 13 splits a loop step of
+    COMBINE_UNROLL splits and a rest; the buffers' splits past num_splits hold NaN, which must not reach the
+    result."""
     rng = np.random.default_rng(num_splits)
     splits = AM.stat_splits(num_splits)
     out = rng.standard_normal((splits, AM.BLOCK_Q, 2 * AM.HALF)).astype(np.float32)
