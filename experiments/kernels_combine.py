@@ -2,8 +2,10 @@
 attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify_attention_combine.combine`)
 against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the
 default the kernel runs with one and three steps of loads in flight (`stages_1`, `stages_3`), with half-width column
-tiles and twice the splits per step (`half_cols`: twice the programs) and with steps of twice the splits over 8 warps
-(`warps_8`).
+tiles and twice the splits per step (`half_cols`: twice the programs), with steps of twice the splits over 8 warps
+(`warps_8`), and with `tiling`'s larger steps and more programs: tiles of up to 16384 elements over >= 512 programs
+(`tile_16k`, 4 and 8 warps: every split in one step up to 256 splits of one row) and of 8192 over >= 1024
+(`tile_8k_1024`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,
@@ -60,9 +62,13 @@ def run_combine(ceil: dict, results: list, deadline: float, reps: int, save) -> 
                                   -jnp.inf if normalized else attn.NEG_INF)
             splits_step, block_rows, width = combine.tiling(splits, 1, rows, COLS)
             pow2 = triton.next_power_of_2(splits)
+            one_step = combine.tiling(splits, 1, rows, COLS, tile_elements=16384, target_programs=512)
+            narrow = combine.tiling(splits, 1, rows, COLS, tile_elements=8192, target_programs=1024)
             variants = {"kernel": {}, "stages_1": dict(stages=1), "stages_3": dict(stages=3),
                         "half_cols": dict(block=(min(pow2, 2 * splits_step), block_rows, width // 2)),
-                        "warps_8": dict(block=(min(pow2, 2 * splits_step), block_rows, width), num_warps=8)}
+                        "warps_8": dict(block=(min(pow2, 2 * splits_step), block_rows, width), num_warps=8),
+                        "tile_16k": dict(block=one_step), "tile_16k_warps_8": dict(block=one_step, num_warps=8),
+                        "tile_8k_1024": dict(block=narrow)}
             fns = {name: jax.jit(lambda *a, n=normalized, kw=kw: combine.combine(
                        call, *a, rows=rows, cols=COLS, dtype=jnp.bfloat16, normalized=n, **kw))
                    for name, kw in variants.items()}

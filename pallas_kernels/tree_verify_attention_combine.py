@@ -77,21 +77,22 @@ def _combine_kernel(out_ptr, max_ptr, sum_ptr, result_ptr, SPLITS: tl.constexpr,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def tiling(num_splits: int, num_streams: int, rows: int, cols: int) -> tuple[int, int, int]:
+def tiling(num_splits: int, num_streams: int, rows: int, cols: int, *, tile_elements: int = TILE_ELEMENTS,
+           target_programs: int = TARGET_PROGRAMS) -> tuple[int, int, int]:
     """(splits, rows, columns) per program step: the widest column tile up to MAX_BLOCK_COLS (contiguous loads), the
     most rows up to BLOCK_ROWS, then fewer rows and narrower columns (down to MIN_BLOCK_COLS) until the grid has
-    TARGET_PROGRAMS programs; as many splits as keep a step's tile within TILE_ELEMENTS."""
+    target_programs programs; as many splits as keep a step's tile within tile_elements."""
     width = min(MAX_BLOCK_COLS, triton.next_power_of_2(cols))
     block_rows = min(BLOCK_ROWS, triton.next_power_of_2(rows))
 
     def programs():
         return num_streams * triton.cdiv(rows, block_rows) * triton.cdiv(cols, width)
 
-    while block_rows > 1 and programs() < TARGET_PROGRAMS:
+    while block_rows > 1 and programs() < target_programs:
         block_rows //= 2
-    while width > MIN_BLOCK_COLS and programs() < TARGET_PROGRAMS:
+    while width > MIN_BLOCK_COLS and programs() < target_programs:
         width //= 2
-    splits = max(1, min(triton.next_power_of_2(num_splits), TILE_ELEMENTS // (block_rows * width)))
+    splits = max(1, min(triton.next_power_of_2(num_splits), tile_elements // (block_rows * width)))
     return splits, block_rows, width
 
 
