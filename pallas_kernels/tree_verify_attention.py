@@ -115,11 +115,13 @@ def default_config(num_streams: int, num_rows: int, capacity: int, lat: int = 51
                            num_stages=num_stages)
 
 
-def split_count(tiles: int, capacity: int, block_k: int, slots: int, partial_bytes: int, floor_bytes: float) -> int:
+def split_count(tiles: int, capacity: int, block_k: int, slots: int, partial_bytes: int, floor_bytes: float, *,
+                min_blocks: int = MIN_BLOCKS_PER_SPLIT, partial_budget: float = PARTIAL_BUDGET) -> int:
     """The split-K count (heuristic above) for `tiles` query tiles over a cache of `capacity` rows in blocks of
     block_k, `slots` programs resident on the GPU at once, partials of `partial_bytes` per split (written and read
-    back) against a call floor of `floor_bytes`."""
-    limit = max(1, min(int(PARTIAL_BUDGET * floor_bytes // partial_bytes), max_splits(capacity, block_k)))
+    back, at most partial_budget x floor_bytes in all) against a call floor of `floor_bytes`, at least min_blocks
+    blocks a split."""
+    limit = max(1, min(int(partial_budget * floor_bytes // partial_bytes), max_splits(capacity, block_k, min_blocks)))
     blocks = pl.cdiv(capacity, block_k)
     return min(range(1, limit + 1), key=lambda n: (
         pl.cdiv(tiles * n, slots) * (pl.cdiv(blocks, n) + PROGRAM_OVERHEAD_BLOCKS), -n))
@@ -148,9 +150,9 @@ def wave_slots(block_q: int) -> int:
     return NUM_SMS * PROGRAMS_PER_SM[block_q]
 
 
-def max_splits(capacity: int, block_k: int) -> int:
-    """Most splits of a cache of `capacity` rows: each split gets at least MIN_BLOCKS_PER_SPLIT blocks."""
-    return max(1, capacity // (block_k * MIN_BLOCKS_PER_SPLIT))
+def max_splits(capacity: int, block_k: int, min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
+    """Most splits of a cache of `capacity` rows: each split gets at least min_blocks blocks."""
+    return max(1, capacity // (block_k * min_blocks))
 
 
 def check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):

@@ -65,6 +65,12 @@ QUARTERS = 2 * HALF // QUARTER
 STAT_ROWS = 8        # rows of the statistics a unit of the in-kernel combine loads, at least
 MAX_UNIT_ROWS = 16   # rows of a unit of the in-kernel combine, at most
 MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combine stages (40 KB), at most
+# Split-K limits of `default_num_splits` (the Triton kernel's: 2 blocks a split, partials within the call's floor
+# bytes): one block a split and partials up to twice the floor, so that a single query tile over a short prefix spreads
+# over more multiprocessors (H=64 N=4096 T=1 on the H200: 65 splits against 32, kernel 10.8 -> 7.5 us, combine 2.9 ->
+# 3.9; kernels.md, "Twenty-sixth session").
+MIN_BLOCKS_PER_SPLIT = 1
+PARTIAL_BUDGET = 2.0
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
@@ -582,14 +588,15 @@ def padded_rows(rows: int) -> int:
 
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     """Split-K count for this kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with this
-    kernel's programs: 64-row tiles, one resident per multiprocessor (~218 KB of shared memory), bf16 partials of the
-    padded rows. Few query rows over a long prefix (H=8 T=1 N=32768, a shape `ops` sends to the Triton kernel, timed
+    kernel's programs and limits: 64-row tiles, one resident per multiprocessor (~218 KB of shared memory), bf16
+    partials of the padded rows, MIN_BLOCKS_PER_SPLIT and PARTIAL_BUDGET. Few query rows over a long prefix (H=8 T=1 N=32768, a shape `ops` sends to the Triton kernel, timed
     here by direct calls) take one wave, 132 splits, as the Triton kernel's decode tile does (kernels.md, "The Mosaic
     GPU whole op on the H200", "Seventeenth session")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,
-                          op.call_floor_bytes(num_streams, num_rows, capacity))
+                          op.call_floor_bytes(num_streams, num_rows, capacity), min_blocks=MIN_BLOCKS_PER_SPLIT,
+                          partial_budget=PARTIAL_BUDGET)
 
 
 def _pairs(steps):

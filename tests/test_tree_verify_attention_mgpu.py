@@ -154,14 +154,16 @@ def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
                                                    (8, 512, 32832), (1, 16384, 33024)])
 def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
     """One 64-row program per multiprocessor: the split count keeps every program in one wave when the call has fewer
-    query tiles than multiprocessors, gives each split at least two cache blocks, and a compute-bound call (H=64
-    T=256) one split."""
+    query tiles than multiprocessors, gives each split at least one cache block, and a compute-bound call (H=64
+    T=256) one split; one query tile over a short prefix (H=64 T=1 N=4096: 65 blocks) takes a split per block."""
     splits = AM.default_num_splits(streams, rows, capacity)
     tiles = streams * -(-rows // AM.BLOCK_Q)
-    assert 1 <= splits <= capacity // (2 * AM.BLOCK_KV)
+    assert 1 <= splits <= capacity // AM.BLOCK_KV
     assert tiles >= A.NUM_SMS or tiles * splits <= A.NUM_SMS
     if rows == 16384:
         assert splits == 1
+    if (rows, capacity) == (8, 4160):
+        assert splits == 65
 
 
 def test_few_rows_over_a_long_prefix_take_one_wave():
