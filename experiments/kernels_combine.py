@@ -3,9 +3,9 @@ attention kernels at split counts from 2 to 256, the Triton kernel (`tree_verify
 against XLA's `combine_partials`, side by side: the evidence that `merge` takes the kernel at every count. Beside the
 default the kernel runs with one and three steps of loads in flight (`stages_1`, `stages_3`), with half-width column
 tiles and twice the splits per step (`half_cols`: twice the programs), with steps of twice the splits over 8 warps
-(`warps_8`), and with `tiling`'s larger steps and more programs: tiles of up to 16384 elements over >= 512 programs
-(`tile_16k`, 4 and 8 warps: every split in one step up to 256 splits of one row) and of 8192 over >= 1024
-(`tile_8k_1024`).
+(`warps_8`), and with `tiling`'s larger steps and more programs: steps of up to 16384 elements aiming at >= 512
+programs (`tile_16k`, 4 and 8 warps: at 64 bf16 rows every split in one step up to 256 splits; at 128 rows two steps
+from 132 splits; 8 f32 rows reach 128 programs) and of 8192 aiming at >= 1024 (`tile_8k_1024`).
 
     cases      the partials of the attention section's decode shapes: the Triton kernel's (f32 unnormalised, 8 rows:
                H=8 T=1) and the Mosaic GPU one's (bf16 normalised, 128 and 64 rows: H=8 T=16, H=64 T=1), one stream,

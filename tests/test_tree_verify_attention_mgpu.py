@@ -150,19 +150,20 @@ def test_tree_verify_attention_refuses_a_cache_not_in_whole_blocks():
                                  jnp.ones((1, 1, 1), bool), scale=SCALE, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("streams,rows,capacity", [(1, 8, 32832), (1, 8, 4160), (1, 128, 4160), (1, 1024, 32832),
-                                                   (8, 512, 32832), (1, 16384, 33024)])
+@pytest.mark.parametrize("streams,rows,capacity", [(1, 8, 32832), (1, 8, 4160), (1, 64, 4160), (1, 128, 4160),
+                                                   (1, 1024, 32832), (8, 512, 32832), (1, 16384, 33024)])
 def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
     """One 64-row program per multiprocessor: the split count keeps every program in one wave when the call has fewer
     query tiles than multiprocessors, gives each split at least one cache block, and a compute-bound call (H=64
-    T=256) one split; one query tile over a short prefix (H=64 T=1 N=4096: 65 blocks) takes a split per block."""
+    T=256) one split; one query tile over a short prefix (8 or 64 rows, N=4096: 65 blocks) takes a split per
+    block."""
     splits = AM.default_num_splits(streams, rows, capacity)
     tiles = streams * -(-rows // AM.BLOCK_Q)
     assert 1 <= splits <= capacity // AM.BLOCK_KV
     assert tiles >= A.NUM_SMS or tiles * splits <= A.NUM_SMS
     if rows == 16384:
         assert splits == 1
-    if (rows, capacity) == (8, 4160):
+    if rows <= AM.BLOCK_Q and capacity == 4160:
         assert splits == 65
 
 
@@ -195,7 +196,8 @@ def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():
 def joined_in_interpret_mode(out, row_max, row_sum, num_splits: int, programs: int):
     """The in-kernel combine's join (`_combine_units`) alone, as a kernel of `programs` programs of two
     warpgroups in interpret mode (the semaphore wait before it needs the GPU): partials of one 64-row tile (out
-    [P', 64, 512] bf16, max / sum [P', 64] f32, P' = stat_splits(num_splits)) -> [64, 512] bf16."""
+    [P'', 64, 512] bf16, max / sum [P', 64] f32, P'' = staged_splits(num_splits) and P' = stat_splits(num_splits),
+    as the kernel allocates them) -> [64, 512] bf16."""
     def body(out_ref, max_ref, sum_ref, result_ref, stage, barriers):
         wg, program = lax.axis_index("wg"), lax.axis_index("program")
         AM._combine_units(result_ref, out_ref, max_ref, sum_ref, [ref.at[wg] for ref in stage], barriers.at[wg],
@@ -218,7 +220,7 @@ def test_in_kernel_join_matches_combine_partials(num_splits, programs):
     result."""
     rng = np.random.default_rng(num_splits)
     splits = AM.stat_splits(num_splits)
-    out = rng.standard_normal((splits, AM.BLOCK_Q, 2 * AM.HALF)).astype(np.float32)
+    out = rng.standard_normal((AM.staged_splits(num_splits), AM.BLOCK_Q, 2 * AM.HALF)).astype(np.float32)
     row_max = 3 * rng.standard_normal((splits, AM.BLOCK_Q)).astype(np.float32)
     row_sum = rng.uniform(0.5, 20.0, (splits, AM.BLOCK_Q)).astype(np.float32)
     empty = rng.random((splits, AM.BLOCK_Q)) < 0.3
