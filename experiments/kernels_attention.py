@@ -117,7 +117,7 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
         for count in sorted(set(splits) - {default}):
-            if count <= args[2].shape[1] // attn_mgpu.BLOCK_KV:
+            if count <= attn.max_splits(args[2].shape[1], attn_mgpu.BLOCK_KV, attn_mgpu.MIN_BLOCKS_PER_SPLIT):
                 peers[f"mosaic_gpu:num_splits={count}"] = jax.jit(functools.partial(
                     attn_mgpu.tree_verify_attention, scale=K26_SCALE, num_splits=count))
     return peers

@@ -431,12 +431,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
     # Under the in-kernel combine out has staged_splits(P) splits, max and sum stat_splits(P), the first P written
     # (`_combine_units` loads them whole).
-    out_splits, stat_rows = ((staged_splits(num_splits), stat_splits(num_splits)) if combine_in_kernel
-                             else (num_splits, num_splits))
+    out_splits, stats_splits = ((staged_splits(num_splits), stat_splits(num_splits)) if combine_in_kernel
+                                else (num_splits, num_splits))
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((out_splits, s, rows, 2 * HALF), jnp.bfloat16),
-        jax.ShapeDtypeStruct((stat_rows, s, rows), jnp.float32),
-        jax.ShapeDtypeStruct((stat_rows, s, rows), jnp.float32))
+        jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32),
+        jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32))
     outs = plgpu.kernel(
         body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
