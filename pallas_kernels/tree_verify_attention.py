@@ -120,14 +120,11 @@ def split_count(tiles: int, capacity: int, block_k: int, slots: int, partial_byt
     """The split-K count (heuristic above) for `tiles` query tiles over a cache of `capacity` rows in blocks of
     block_k, `slots` programs resident on the GPU at once, partials of `partial_bytes` per split (written and read
     back, at most partial_budget x floor_bytes in all) against a call floor of `floor_bytes`, at least min_blocks
-    blocks a split. The kernels give each split cdiv(blocks, num_splits) blocks, so of the counts with the best cost
-    the one returned is the fewest that give the same blocks a split: no split is left without a block (H=8 N=4096
-    T=16: 33 splits of 2 blocks, not 48 of which 15 are empty)."""
+    blocks a split."""
     limit = max(1, min(int(partial_budget * floor_bytes // partial_bytes), max_splits(capacity, block_k, min_blocks)))
     blocks = pl.cdiv(capacity, block_k)
-    best = min(range(1, limit + 1), key=lambda n: (
+    return min(range(1, limit + 1), key=lambda n: (
         pl.cdiv(tiles * n, slots) * (pl.cdiv(blocks, n) + PROGRAM_OVERHEAD_BLOCKS), -n))
-    return pl.cdiv(blocks, pl.cdiv(blocks, best))   # the splits that get a block: no program without one
 
 
 def call_floor_bytes(num_streams: int, num_rows: int, capacity: int, lat: int = 512, rope: int = 64,

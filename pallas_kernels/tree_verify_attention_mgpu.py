@@ -590,9 +590,8 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     """Split-K count for this kernel: the Triton kernel's heuristic (`tree_verify_attention.split_count`) with this
     kernel's programs and limits: 64-row tiles, one resident per multiprocessor (~218 KB of shared memory), bf16
     partials of the padded rows, MIN_BLOCKS_PER_SPLIT and PARTIAL_BUDGET. Few query rows over a long prefix (H=8 T=1
-    N=32768, a shape `ops` sends to the Triton kernel, timed here by direct calls) take one wave, 129 splits of 4
-    blocks, as the Triton kernel's decode tile does (kernels.md, "The Mosaic GPU whole op on the H200", "Seventeenth
-    session")."""
+    N=32768, a shape `ops` sends to the Triton kernel, timed here by direct calls) take one wave, 132 splits, as the
+    Triton kernel's decode tile does (kernels.md, "The Mosaic GPU whole op on the H200", "Seventeenth session")."""
     tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,

@@ -60,7 +60,7 @@ def test_attention_bf16_k26(kernel, heads, nodes):
                                                           (64, 4, 2, 16), (8, 16, 1, 3)])
 def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
     """The Mosaic GPU kernel joining its own split-K partials (semaphores; one wave of programs) == the reference and
-    == the same kernel with the separate combine, over a 32768-row cache (decode shapes: 3 to 129 splits; with two
+    == the same kernel with the separate combine, over a 32768-row cache (decode shapes: 3 to 132 splits; with two
     streams one prefix is 0, so most of its splits attend nothing), fresh inputs each call; a second call on other
     inputs also matches (its semaphores start from zero again)."""
     rng = np.random.default_rng(heads * 100 + nodes * 10 + streams)

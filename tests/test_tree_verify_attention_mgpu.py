@@ -169,11 +169,10 @@ def test_default_splits_take_one_wave_of_programs(streams, rows, capacity):
 
 def test_few_rows_over_a_long_prefix_take_one_wave():
     """H=8 T=1 N=32768: one program per multiprocessor in both kernels (the Triton kernel's 16-row decode tile with
-    four stages of 32-row blocks, this kernel's 64-row tile), so one wave: 129 splits each (of 8 and 4 blocks: no split
-    without a block)."""
+    four stages of 32-row blocks, this kernel's 64-row tile), so one wave of 132 splits each."""
     config = A.default_config(1, 8, 32832)
-    assert (config.block_q, config.block_k, config.num_stages, config.num_splits) == (16, 32, 4, 129)
-    assert AM.default_num_splits(1, 8, 32832) == 129
+    assert (config.block_q, config.block_k, config.num_stages, config.num_splits) == (16, 32, 4, 132)
+    assert AM.default_num_splits(1, 8, 32832) == 132
 
 
 def test_combine_in_kernel_refuses_interpret_mode_and_a_second_wave():

@@ -111,7 +111,7 @@ def test_tree_kernels_lower_to_one_xla_triton_call_each():
 
 @pytest.mark.parametrize("streams,nodes,heads,prefix", [(1, 1, 8, 32768), (2, 16, 8, 4096), (1, 256, 64, 4096)])
 def test_tree_verify_attention_lowers_to_xla_triton_calls(streams, nodes, heads, prefix):
-    """The Triton tree-verify attention at K2.6 shapes: the 16-row decode tile with 129 splits, 64-row tiles with splits
+    """The Triton tree-verify attention at K2.6 shapes: the 16-row decode tile with 132 splits, 64-row tiles with splits
     (the attention kernel, then the combine kernel), one split (the attention kernel alone)."""
     lat, rope, n = 512, 64, prefix + nodes
     args = (spec((streams, nodes, heads, lat), BF16), spec((streams, nodes, heads, rope), BF16),
