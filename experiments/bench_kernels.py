@@ -31,6 +31,8 @@ from experiments.kernels_moe import run_moe
 from experiments.kernels_tree import run_tree
 from experiments.timing import measure_ceilings
 from kdtree_jax import cli, plots
+from pallas_kernels import tree_verify_attention_triton as attn_triton
+from pallas_kernels.triton_call import LAUNCHERS
 
 flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
 flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which parts to run")
@@ -44,6 +46,9 @@ flags.DEFINE_list("attention_cases", [], "the attention cases to run, each 'S/H/
                   "nodes; default: every case)")
 flags.DEFINE_list("moe_tokens", [], "the int4_moe token counts M to run (default: every case)")
 flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M whose int4_moe case sweeps tilings")
+flags.DEFINE_enum("attention_sweep_launcher", attn_triton.LAUNCHER, list(LAUNCHERS), "the `triton_call` launcher of the "
+                  "Triton kernel's tilings and split counts in the attention sweep (the op's own is its module's "
+                  "LAUNCHER; its default tiling is also timed through the others as `triton:launch:NAME`)")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
@@ -76,6 +81,7 @@ def main(_):
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), code=code_version(),
                              sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
                              attention_splits=F.attention_splits, attention_cases=F.attention_cases,
+                             attention_sweep_launcher=F.attention_sweep_launcher,
                              moe_tokens=F.moe_tokens,
                              moe_sweep_tokens=F.moe_sweep_tokens,
                              xla_flags=os.environ.get("XLA_FLAGS", "")),
@@ -97,7 +103,8 @@ def main(_):
             RESULTS["checks"]["attention_f32"] = f"{type(e).__name__}: {str(e)[:2000]}"
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
-                      "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases)
+                      "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases,
+                      F.attention_sweep_launcher)
         order = {case_name(case): i for i, case in enumerate(attention_cases(F.quick))}
         RESULTS["attention"].sort(key=lambda row: order.get(case_name(row), len(order)))   # merged rows: table order
     if "mgpu" in F.sections:

@@ -34,10 +34,16 @@ from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
 from pallas_kernels import tree_verify_attention_triton as attn_triton
 from pallas_kernels.tree import random_tree_visible
+from pallas_kernels.triton_call import LAUNCHERS
 
 K26_LAT, K26_ROPE = 512, 64
 K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's softmax scale
 CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many (kdtree_jax.decode's cache_len)
+# The Triton kernel at its default tiling through `triton_call`'s other launchers, peers `triton:launch:NAME`: "ffi"
+# and "jax_triton" run Triton 3.6's own compile of it, "xla" XLA's Triton pipeline (which made int4_moe's kernels
+# 2-3x slower: kernels.md, "Launching Triton kernels"). Those of BACK_TO_BACK_PEERS are also timed back to back.
+TRITON_LAUNCH_PEERS = tuple(name for name in LAUNCHERS if name != attn_triton.LAUNCHER)
+BACK_TO_BACK_PEERS = ("triton", "triton:launch:ffi")
 
 
 def attention_cases(quick: bool) -> list[dict]:
@@ -69,7 +75,7 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
         return split_configs
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
-        variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6),
+        variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6), dict(num_warps=8),
                     dict(block_k=64, num_stages=2, num_splits=2 * attn.NUM_SMS), more]
     else:
         variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer,
@@ -101,14 +107,17 @@ def attention_cost(case) -> tuple[float, float]:
 
 
 def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
-    """The op's kernels, each alone at its default tiling (Mosaic GPU wherever it `supports` the call, also below 64
-    rows, and joining its split-K partials in the kernel where it splits; and the Mosaic GPU op at the split-K counts
-    `splits` other than its default, up to one cache block a split, as `mosaic_gpu:num_splits=N`), for inputs `args`
-    (GPU only: {} when `interpret`)."""
+    """The op's kernels, each alone at its default tiling (the Triton kernel also through TRITON_LAUNCH_PEERS; Mosaic
+    GPU wherever it `supports` the call, also below 64 rows, and joining its split-K partials in the kernel where it
+    splits; and the Mosaic GPU op at the split-K counts `splits` other than its default, up to one cache block a
+    split, as `mosaic_gpu:num_splits=N`), for inputs `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
              "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
+    for launcher in TRITON_LAUNCH_PEERS:
+        peers[f"triton:launch:{launcher}"] = jax.jit(functools.partial(attn_triton.tree_verify_attention,
+                                                                       scale=K26_SCALE, launcher=launcher))
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
         rows = args[0].shape[1] * args[0].shape[2]
@@ -124,11 +133,12 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
 
 
 def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
-                  splits: list[int], save, only_cases: list[str] = ()) -> None:
-    """Time every case (the op, the Triton kernel at the configs of attention_sweep, each kernel alone, the XLA
-    reference) against the ceilings `ceil`; one row per case appended to `results`, printed, then `save()`; no new
-    case past `deadline` (time.time()). only_cases: the cases to run as 'S/H/N/T' (empty: all); a ValueError names
-    those that are not cases."""
+                  splits: list[int], save, only_cases: list[str] = (),
+                  sweep_launcher: str = attn_triton.LAUNCHER) -> None:
+    """Time every case (the op, the Triton kernel at the configs of attention_sweep through `sweep_launcher`, each
+    kernel alone, the XLA reference) against the ceilings `ceil`; one row per case appended to `results`, printed,
+    then `save()`; no new case past `deadline` (time.time()). only_cases: the cases to run as 'S/H/N/T' (empty:
+    all); a ValueError names those that are not cases."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     cases = attention_cases(quick)
@@ -150,8 +160,8 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             fns = {"kernel": op}
             if not interpret:
                 for cfg in attention_sweep(case, quick, tilings, splits):
-                    fns[f"triton:{cfg}"] = jax.jit(
-                        lambda *a, cfg=cfg: attn_triton.tree_verify_attention(*a, scale=K26_SCALE, config=cfg))
+                    fns[f"triton:{cfg}"] = jax.jit(functools.partial(
+                        attn_triton.tree_verify_attention, scale=K26_SCALE, config=cfg, launcher=sweep_launcher))
             ref_fn = jax.jit(lambda *a: attn.tree_verify_attention_reference(*a, scale=K26_SCALE))
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*(planned if fn is op else sets)[0]).astype(jnp.float32),
@@ -163,6 +173,8 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             jobs += [Job("plan", plan_fn, [a[4:6] for a in sets]),
                      Job("reference", ref_fn, sets), back_to_back_job("kernel:back_to_back", op, planned),
                      back_to_back_job("reference:back_to_back", ref_fn, sets)]
+            jobs += [back_to_back_job(f"{name}:back_to_back", peers[name], sets) for name in BACK_TO_BACK_PEERS
+                     if name in peers]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)
             floor = roofline(flops, bytes_, ceil)
@@ -185,6 +197,8 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          sweep={k: dict(us=t[k]["us"], rel_err=errors[k]) for k in fns if k != "kernel"},
                          sweep_failed=failed, timings=t,
                          peers_us={name: t[name]["us"] for name in peers if name in t},
+                         peers_back_to_back_us={name: t[f"{name}:back_to_back"]["us"] for name in BACK_TO_BACK_PEERS
+                                                if f"{name}:back_to_back" in t},
                          peers_rel_err_bf16=peer_errors, peers_failed=peers_failed)
         except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}")
