@@ -43,7 +43,7 @@ CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many
 # and "jax_triton" run Triton 3.6's own compile of it, "xla" XLA's Triton pipeline (which made int4_moe's kernels
 # 2-3x slower: kernels.md, "Launching Triton kernels"). Those of BACK_TO_BACK_PEERS are also timed back to back.
 TRITON_LAUNCH_PEERS = tuple(name for name in LAUNCHERS if name != attn_triton.LAUNCHER)
-BACK_TO_BACK_PEERS = ("triton", "triton:launch:ffi", "mosaic_gpu", f"mosaic_gpu:block_kv={attn_mgpu.DECODE_BLOCK_KV}")
+BACK_TO_BACK_PEERS = ("triton", "triton:launch:ffi")
 
 
 def attention_cases(quick: bool) -> list[dict]:
@@ -108,9 +108,8 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
     """The op's kernels, each alone at its default tiling (the Triton kernel also through TRITON_LAUNCH_PEERS; Mosaic
-    GPU wherever it `supports` the call, also below 64 rows, at both slot sizes (`mosaic_gpu:block_kv=32`: four
-    slots of 32 cache rows), and joining its split-K partials in the kernel where it splits; and the Mosaic GPU op at
-    the split-K counts `splits` other than its default, up to one cache block a
+    GPU wherever it `supports` the call, also below 64 rows, and joining its split-K partials in the kernel where it
+    splits; and the Mosaic GPU op at the split-K counts `splits` other than its default, up to one cache block a
     split, as `mosaic_gpu:num_splits=N`), for inputs `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
@@ -121,9 +120,6 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
                                                                        scale=K26_SCALE, launcher=launcher))
     if attn_mgpu.supports(*args[:4]):
         peers["mosaic_gpu"] = jax.jit(lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE))
-        for block_kv in set(attn_mgpu.BLOCK_KVS) - {attn_mgpu.BLOCK_KV}:
-            peers[f"mosaic_gpu:block_kv={block_kv}"] = jax.jit(functools.partial(
-                attn_mgpu.tree_verify_attention, scale=K26_SCALE, block_kv=block_kv))
         rows = args[0].shape[1] * args[0].shape[2]
         default = attn_mgpu.default_num_splits(args[0].shape[0], rows, args[2].shape[1])
         if default > 1:

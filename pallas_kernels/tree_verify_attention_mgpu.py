@@ -51,13 +51,11 @@ from pallas_kernels import tree_verify_attention_combine as combine
 from pallas_kernels.triton_call import bound_to
 
 BLOCK_Q = 64     # query rows per program: one wgmma M tile
-BLOCK_KV = 64    # cache rows per slot by default (= ROPE: p [BLOCK_Q, BLOCK_KV] takes the place of the slot's rope
-                 # rows), the frame's granularity (`frame_bias`) and the split model's block (`default_num_splits`)
-DECODE_BLOCK_KV = 32   # cache rows per slot of the four-slot schedule (`slot_count`): two pairs of blocks in flight
-BLOCK_KVS = (BLOCK_KV, DECODE_BLOCK_KV)
+BLOCK_KV = 64    # cache rows per slot (= ROPE: p [BLOCK_Q, BLOCK_KV] takes the place of the slot's rope rows)
 HALF = 256       # output (latent) columns per consumer warpgroup
 ROPE = 64        # rope width of a K2.x latent row
 COMPUTE_WGS = 2
+SLOTS = COMPUTE_WGS   # shared-memory slots: the pair of blocks in flight, one per consumer (the schedule needs 2)
 # Registers per thread of a consumer / the producer warpgroup (65536 per SM over 3 x 128 threads; JAX's attention_mgpu
 # example's split). FlashAttention-3 uses 240 / 24: kernels.md, "Ninth session".
 REGISTERS = (232, 40)
@@ -73,49 +71,34 @@ MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combi
 # 3.9; kernels.md, "Twenty-sixth session").
 MIN_BLOCKS_PER_SPLIT = 1
 PARTIAL_BUDGET = 2.0
-REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (consumer, part) of a pair's slots in the producer's order
+REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
 
 
-def slot_count(block_kv: int) -> int:
-    """Shared-memory slots of cache blocks of block_kv rows: the pairs of blocks in flight (one block per consumer)
-    that the q tile leaves room for, 2 at 64 rows (one pair, loaded while nothing is computed on) and 4 at 32 (two
-    pairs: one loads while the other is computed on)."""
-    return COMPUTE_WGS * BLOCK_KV // block_kv
+def _smem_transforms():
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _smem_transforms(block_kv: int):
-    """Tiling and swizzle of every wgmma operand: one swizzle is a row of p [BLOCK_Q, block_kv] bf16 (128 bytes at 64
-    rows, 64 at 32: wgmma's K is a multiple of the swizzle's elements, and its two operands share one swizzle)."""
-    swizzle = 2 * block_kv
-    return plgpu.TilingTransform((8, block_kv)), plgpu.SwizzleTransform(swizzle)
-
-
-def _scratch(combine_splits: int = 0, block_kv: int = BLOCK_KV) -> tuple:
-    """The kernel's scratch: first the main loop's operands (the q tile's two latent halves and its rope, the
-    slots' c_kv halves and k_rope blocks: `slot_count`; p [BLOCK_Q, block_kv] of a slot's block takes the place of
-    its rope rows once they are scored, the same buffer at 64 rows, a union of the two shapes at 32), then the row
-    statistics, the consumers' exchanged statistics (warpgroup w's max at [w, 0], its final row sum at [w, 1]), the
-    barriers (q, c_kv halves, k_rope, free per part of a slot, sync, and the pair's three hand-overs), then each
-    consumer's slot index. With combine_splits = P > 0 (the in-kernel combine, 64-row blocks only) the main loop's
-    operands share their memory with `_combine_stage`'s buffers, used after it, and a barrier per consumer for the
-    combine's loads comes last."""
-    transforms = _smem_transforms(block_kv)
-    slots = slot_count(block_kv)
-    rope = plgpu.SMEM((slots, block_kv, ROPE), jnp.bfloat16, transforms=transforms)
+def _scratch(combine_splits: int = 0) -> tuple:
+    """The kernel's scratch: first the main loop's operands (the q tile's two latent halves and its rope, the two
+    slots' c_kv halves and k_rope blocks), then the row statistics, the consumers' exchanged statistics (warpgroup
+    w's max at [w, 0], its final row sum at [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot,
+    sync, and the pair's three hand-overs), then each consumer's slot index. With combine_splits = P > 0 (the
+    in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it,
+    and a barrier per consumer for the combine's loads comes last."""
+    transforms = _smem_transforms()
     operands = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
-                plgpu.SMEM((slots, 2, block_kv, HALF), jnp.bfloat16, transforms=transforms),
-                rope if block_kv == BLOCK_Q else plgpu.RefUnion(
-                    rope, plgpu.SMEM((slots, BLOCK_Q, block_kv), jnp.bfloat16, transforms=transforms)))
+                plgpu.SMEM((SLOTS, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
+                plgpu.SMEM((SLOTS, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms))
     return (plgpu.RefUnion(operands, _combine_stage(combine_splits)) if combine_splits else operands,
             plgpu.SMEM((2, BLOCK_Q), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             plgpu.Barrier(num_barriers=3),
-            plgpu.Barrier(num_barriers=2 * slots),
-            plgpu.Barrier(num_barriers=slots),
-            plgpu.Barrier(num_barriers=2 * slots),
+            plgpu.Barrier(num_barriers=2 * SLOTS),
+            plgpu.Barrier(num_barriers=SLOTS),
+            plgpu.Barrier(num_barriers=2 * SLOTS),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             plgpu.Barrier(num_barriers=3),
             # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of
@@ -159,11 +142,10 @@ def unit_rows(num_splits: int) -> int:
     return rows
 
 
-def shared_memory_bytes(combine_splits: int = 0, block_kv: int = BLOCK_KV) -> int:
+def shared_memory_bytes(combine_splits: int = 0) -> int:
     """Shared memory of a program (`_scratch`), by Mosaic GPU's count: every buffer aligned to 1 KB, then 1 KB of
     barriers."""
-    buffers = [ref for ref in jax.tree.leaves(_scratch(combine_splits, block_kv))
-               if not isinstance(ref, plgpu.Barrier)]
+    buffers = [ref for ref in jax.tree.leaves(_scratch(combine_splits)) if not isinstance(ref, plgpu.Barrier)]
     return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024 for ref in buffers) + 1024
 
 
@@ -199,10 +181,10 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "block_kv",
-                                             "registers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "registers",
+                                             "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, combine_in_kernel: bool = False, block_kv: int = BLOCK_KV,
+                       num_splits: int = 1, combine_in_kernel: bool = False,
                        registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
@@ -211,19 +193,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
-    block_kv: cache rows per shared-memory slot (`BLOCK_KVS`; `slot_count` slots).
-    combine_in_kernel (GPU only, 64-row blocks): the programs also join the partials (`_combine_units`) and the result
+    combine_in_kernel (GPU only): the programs also join the partials (`_combine_units`) and the result
     [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's
     splits, so all the programs must be resident at once (`check_resident`)."""
     _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
-    if block_kv not in BLOCK_KVS:
-        raise ValueError(f"attention_partials: block_kv={block_kv} must be one of {BLOCK_KVS}")
-    if combine_in_kernel and block_kv != BLOCK_KV:
-        raise ValueError(f"attention_partials: combine_in_kernel takes {BLOCK_KV}-row blocks (its buffers reuse the "
-                         f"main loop's), not block_kv={block_kv}: pass block_kv={BLOCK_KV} or combine_in_kernel=False")
     s, rows, _ = q_lat.shape
-    slots = slot_count(block_kv)
-    groups = slots // COMPUTE_WGS       # pairs of blocks in flight: pair j takes slots COMPUTE_WGS * (j % groups) + w
     if combine_in_kernel:
         if interpret:
             raise ValueError("attention_partials: combine_in_kernel needs the GPU (Mosaic GPU's interpret mode has no "
@@ -239,8 +213,6 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         if combine_in_kernel:
             operands, stage = operands      # the union's two groups (`_scratch`)
         q_smem, qr_smem, kv_smem, kr_smem = operands
-        # p of a slot's block over its scored rope rows (`_scratch`): the rope buffer itself at 64-row blocks.
-        kr_smem, p_smem = (kr_smem, kr_smem) if block_kv == BLOCK_Q else kr_smem
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
@@ -254,31 +226,27 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.copy_gmem_to_smem(q_lat_ref.at[stream, q_rows, pl.ds(h * HALF, HALF)], q_smem.at[h],
                                         q_bar.at[h])
             plgpu.copy_gmem_to_smem(q_rope_ref.at[stream, q_rows], qr_smem, q_bar.at[2])
-            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits, block_kv)
+            lo, steps = _split_blocks(len_ref[stream] + num_nodes, split, num_splits)
 
-            # Block 2j + w of pair j lives in slot COMPUTE_WGS * (j % groups) + w, scored by warpgroup w; part 0 of a
-            # slot is the half its own warpgroup multiplies first, part 1 the other half and the rope rows (over
-            # which the slot's warpgroup leaves its p for the other).
-            def fetch(step, slot, own, part):
-                kv_rows = pl.ds((lo + step) * block_kv, block_kv)
-                h = own if part == 0 else 1 - own
+            # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
+            # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
+            # other).
+            def fetch(step, slot, part):
+                kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
+                h = slot if part == 0 else 1 - slot
                 plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
                                         kv_bars.at[2 * slot + h])
                 if part:
                     plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
 
-            for first in range(0, slots, COMPUTE_WGS):
-                for own, part in REFILL_ORDER:
-                    pl.when(first + own < steps)(functools.partial(fetch, first + own, first + own, own, part))
+            for slot, part in REFILL_ORDER:
+                pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
 
             @pl.loop(0, _pairs(steps))
             def _(j):
-                base = COMPUTE_WGS * lax.rem(j, groups)
-                for own, part in REFILL_ORDER:
-                    ahead = 2 * (j + groups) + own
-                    pl.when(2 * j + own < steps)(
-                        functools.partial(plgpu.barrier_wait, free_bars.at[2 * (base + own) + part]))
-                    pl.when(ahead < steps)(functools.partial(fetch, ahead, base + own, own, part))
+                for slot, part in REFILL_ORDER:
+                    pl.when(2 * j + slot < steps)(functools.partial(plgpu.barrier_wait, free_bars.at[2 * slot + part]))
+                    pl.when(2 * j + 2 + slot < steps)(functools.partial(fetch, 2 * j + 2 + slot, slot, part))
 
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
@@ -328,7 +296,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             return plgpu.layout_cast(jnp.zeros((BLOCK_Q, HALF), jnp.float32), plgpu.Layout.WGMMA), m, total
 
         def scores_of(slot, halves):
-            """q . k of the slot's block [BLOCK_Q, block_kv] (unscaled), each part's barrier waited just before its
+            """q . k of the slot's block [BLOCK_Q, BLOCK_KV] (unscaled), each part's barrier waited just before its
             wgmma: the c_kv halves in the order `halves`, then the rope rows."""
             def scores(acc_ref):
                 for h in halves:
@@ -338,12 +306,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            return pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+            return pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
 
-        def with_bias(qk, lo, step, frame_row):
-            """qk plus the frame's bias tile of block `step` (0 or -inf, so adding it before the scale is the same);
-            the frame starts at cache row frame_row."""
-            cols = pl.ds((lo + step) * block_kv - frame_row, block_kv)
+        def with_bias(qk, lo, step, frame_start):
+            """qk plus the frame's bias tile of block `step` (0 or -inf, so adding it before the scale is the same)."""
+            cols = pl.ds((lo + step - frame_start) * BLOCK_KV, BLOCK_KV)
             return qk + plgpu.load(bias_ref.at[stream, q_rows, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
         def block_max(qk, m):
@@ -371,13 +338,12 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
             prefix = len_ref[stream]
-            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits, block_kv)
-            frame_start = lax.div(prefix, block_kv)                # the first block not wholly inside the prefix
-            frame_row = lax.div(prefix, BLOCK_KV) * BLOCK_KV       # the frame's first row (`frame_bias`)
+            lo, steps = _split_blocks(prefix + num_nodes, split, num_splits)
+            frame_start = lax.div(prefix, BLOCK_KV)                # the first block not wholly inside the prefix
             plain_steps = jnp.clip(frame_start - lo, 0, steps)     # the blocks before it
 
             def product(acc, p, slot):
-                """acc + p [BLOCK_Q, block_kv] @ this warpgroup's half of the values in `slot` (traced: Python
+                """acc + p [BLOCK_Q, BLOCK_KV] @ this warpgroup's half of the values in `slot` (traced: Python
                 ints as indices inside `_accumulate`'s run_state do not lower) by wgmma."""
                 return _accumulate(acc, p, kv_smem.at[slot, wg], in_place=not interpret)
 
@@ -386,32 +352,31 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(barrier)
 
-            def own_scores(j, mine, half, framed: bool):
-                # The halves in the order own, other: as `half`, `1 - half` (read at run time, like the slot, so
+            def own_scores(j, mine, framed: bool):
+                # The halves in the order own, other: as `mine`, `1 - mine` (read at run time, like the slot, so
                 # that the q tile's descriptors are not hoisted either).
-                qk = scores_of(mine, halves=(half, 1 - half))
+                qk = scores_of(mine, halves=(mine, 1 - mine))
                 if not framed:
                     return qk
                 step = 2 * j + own
-                return lax.cond(lo + step >= frame_start, lambda x: with_bias(x, lo, step, frame_row),
+                return lax.cond(lo + step >= frame_start, lambda x: with_bias(x, lo, step, frame_start),
                                 lambda x: x, qk)
 
             def pair_fn(j, carry, framed: bool):
                 acc, m, total = carry
                 second_exists = 2 * j + 1 < steps if framed else True     # the plain pairs are whole
-                half = slot_smem[own]                                   # = own, read at run time (`_scratch`)
-                base = COMPUTE_WGS * lax.rem(j, groups)                 # this pair's slots
-                mine, theirs = base + half, base + 1 - half
+                mine = slot_smem[own]                                   # = own, read at run time (`_scratch`)
+                theirs = 1 - mine
 
                 def add_theirs(acc):
                     """acc + the other warpgroup's p @ this warpgroup's half of its block's values."""
                     plgpu.barrier_wait(kv_bars.at[2 * theirs + own])
-                    acc = product(acc, p_smem.at[theirs], theirs)
+                    acc = product(acc, kr_smem.at[theirs], theirs)
                     plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
                     return acc
 
                 if own == 0:
-                    qk = own_scores(j, mine, half, framed)
+                    qk = own_scores(j, mine, framed)
                     m_a = block_max(qk, m)
                     publish(stat_smem.at[0, 0], m_a, max_a)
                     p = probabilities(qk, _finite(m_a))
@@ -420,18 +385,18 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     plgpu.barrier_arrive(free_bars.at[2 * mine])
                     plgpu.barrier_wait(max_b)
                     m_new = plgpu.load(stat_smem.at[1, 0], layout=ROW_LAYOUT)
-                    publish(p_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
+                    publish(kr_smem.at[mine], rescale(p, m_a, m_new).astype(jnp.bfloat16), p_a)
                     acc, total = rescale(acc, m_a, m_new), rescale(total, m_a, m_new)
                     acc = add_theirs(acc) if second_exists is True else lax.cond(second_exists, add_theirs,
                                                                                    lambda a: a, acc)
                     return acc, m_new, total
 
                 def with_block(acc, total):
-                    qk = own_scores(j, mine, half, framed)
+                    qk = own_scores(j, mine, framed)
                     plgpu.barrier_wait(max_a)
                     m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=ROW_LAYOUT))
                     p = probabilities(qk, _finite(m_new))
-                    p_smem.at[mine][...] = p.astype(jnp.bfloat16)
+                    kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
                     publish(stat_smem.at[1, 0], m_new, max_b)
                     total = rescale(total, m, m_new) + p.sum(axis=1)
                     acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), mine)
@@ -473,7 +438,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32))
     outs = plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0, block_kv),
+        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
         grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         # exp2 as one ex2.approx.ftz.f32 (and `_combine_units`' exp as ex2 of x * log2(e)); interpret mode is exact.
@@ -639,10 +604,10 @@ def _pairs(steps):
     return lax.div(steps + 1, 2)
 
 
-def _split_blocks(length, split, num_splits: int, block_kv: int):
-    """(first block, number of blocks) of `split`'s contiguous piece of the cdiv(length, block_kv) blocks that hold
+def _split_blocks(length, split, num_splits: int):
+    """(first block, number of blocks) of `split`'s contiguous piece of the cdiv(length, BLOCK_KV) blocks that hold
     a stream's `length` attended cache rows (its prefix and tree block)."""
-    num_blocks = lax.div(length + block_kv - 1, block_kv)
+    num_blocks = lax.div(length + BLOCK_KV - 1, BLOCK_KV)
     per_split = lax.div(num_blocks + num_splits - 1, num_splits)
     lo = split * per_split
     return lo, jnp.maximum(jnp.minimum(lo + per_split, num_blocks) - lo, 0)
@@ -679,10 +644,9 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "block_kv", "registers",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool = False, block_kv: int = BLOCK_KV,
+                          num_splits: int | None = None, combine_in_kernel: bool = False,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
@@ -710,8 +674,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
-        num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, block_kv=block_kv,
-        registers=registers, interpret=interpret)
+        num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
+        interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
     elif num_splits == 1:

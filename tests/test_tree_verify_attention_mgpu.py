@@ -70,20 +70,6 @@ def test_partials_merge_to_the_reference(prefixes, rows, num_splits):
             assert not np.asarray(got[s]).any() and not np.asarray(row_sum[:, s]).any()
 
 
-@pytest.mark.parametrize("prefixes,rows,num_splits", [([300, 37, 0], 64, 1), ([200, 37], 128, 2), ([70], 64, 3)])
-def test_four_slots_of_32_rows_merge_to_the_reference(prefixes, rows, num_splits):
-    """block_kv=32 (four slots, two pairs of blocks in flight): ten blocks of 32 rows (pairs in both slot groups,
-    refilled, an odd last one), two, none; two query tiles; more splits than a stream's blocks."""
-    rng = np.random.default_rng(sum(prefixes) + rows)
-    q_lat, q_rope, c_kv, k_rope = inputs(rng, len(prefixes), rows, 320)
-    prefix_len = jnp.asarray(prefixes, jnp.int32)
-    out, row_max, row_sum = prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=num_splits,
-                                        block_kv=AM.DECODE_BLOCK_KV)
-    got = A.combine_partials(out, row_max, row_sum, normalized=True)
-    assert np.isfinite(np.asarray(got)).all()
-    assert rel_err(got, reference(q_lat, q_rope, c_kv, k_rope, prefix_len)) < 1e-2
-
-
 def test_shared_memory_fits_an_h200():
     """The two 72 KB slots beside the 72 KB q tile, the statistics and the barriers fit an H200's 227 KB per block;
     a third slot would not. The in-kernel combine's buffers, up to one wave's 132 splits, fit in the memory of the
@@ -111,8 +97,7 @@ def test_bad_shapes_name_the_fix():
 @pytest.mark.parametrize("prefixes,nodes,heads,num_splits", [
     ([150, 0], 5, 8, 2), ([64, 190], 9, 16, 3), ([200], 1, 8, 2), ([120, 7], 20, 4, 1),
     pytest.param([60, 128], 70, 1, 2, marks=pytest.mark.slow), ([250, 7], 20, 4, 1)])
-@pytest.mark.parametrize("block_kv", AM.BLOCK_KVS)
-def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits, block_kv):
+def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num_splits):
     """The whole op under random ancestor masks, with T x H rows padded to 64-row tiles (40, 144, 8, 80 and 70 rows),
     an empty prefix (only the tree block is attended), a tree block across two cache blocks (prefix 120 and T = 20;
     with -m slow also prefix 60 and T = 70, a frame of three blocks), one split (the kernel's output is the op's) and
@@ -126,8 +111,7 @@ def test_tree_verify_attention_matches_the_reference(prefixes, nodes, heads, num
             bf16(s, 320, AM.ROPE), jnp.asarray(prefixes, jnp.int32),
             jnp.asarray(random_tree_visible(rng, s, nodes)))
     with jax.disable_jit(INTERPRET):
-        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, block_kv=block_kv,
-                                       interpret=INTERPRET)
+        got = AM.tree_verify_attention(*args, scale=SCALE, num_splits=num_splits, interpret=INTERPRET)
     want = A.tree_verify_attention_reference(*args, scale=SCALE)
     assert got.shape == want.shape and got.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(got, np.float32)).all()
