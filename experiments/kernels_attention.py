@@ -41,9 +41,8 @@ K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's s
 CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many (kdtree_jax.decode's cache_len)
 # The Triton kernel at its default tiling through `triton_call`'s other launchers, peers `triton:launch:NAME`: "ffi"
 # and "jax_triton" run Triton 3.6's own compile of it, "xla" XLA's Triton pipeline (which made int4_moe's kernels
-# 2-3x slower: kernels.md, "Launching Triton kernels"). Those of BACK_TO_BACK_PEERS are also timed back to back.
+# 2-3x slower; the attention kernels it compiles as fast or faster at decode: kernels.md, "Twenty-eighth session").
 TRITON_LAUNCH_PEERS = tuple(name for name in LAUNCHERS if name != attn_triton.LAUNCHER)
-BACK_TO_BACK_PEERS = ("triton", "triton:launch:ffi")
 
 
 def attention_cases(quick: bool) -> list[dict]:
@@ -75,7 +74,7 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
         return split_configs
     fewer, more = dict(num_splits=max(1, base.num_splits // 2)), dict(num_splits=2 * base.num_splits)
     if rows <= 16:
-        variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6), dict(num_warps=8),
+        variants = [dict(num_stages=3), dict(num_stages=5), dict(num_stages=6),
                     dict(block_k=64, num_stages=2, num_splits=2 * attn.NUM_SMS), more]
     else:
         variants = [dict(block_k=32), dict(block_q=32, num_warps=4), dict(block_q=32, block_k=32, num_stages=3), fewer,
@@ -173,8 +172,6 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             jobs += [Job("plan", plan_fn, [a[4:6] for a in sets]),
                      Job("reference", ref_fn, sets), back_to_back_job("kernel:back_to_back", op, planned),
                      back_to_back_job("reference:back_to_back", ref_fn, sets)]
-            jobs += [back_to_back_job(f"{name}:back_to_back", peers[name], sets) for name in BACK_TO_BACK_PEERS
-                     if name in peers]
             t = time_jobs(jobs, reps)
             flops, bytes_ = attention_cost(case)
             floor = roofline(flops, bytes_, ceil)
@@ -197,8 +194,6 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                          sweep={k: dict(us=t[k]["us"], rel_err=errors[k]) for k in fns if k != "kernel"},
                          sweep_failed=failed, timings=t,
                          peers_us={name: t[name]["us"] for name in peers if name in t},
-                         peers_back_to_back_us={name: t[f"{name}:back_to_back"]["us"] for name in BACK_TO_BACK_PEERS
-                                                if f"{name}:back_to_back" in t},
                          peers_rel_err_bf16=peer_errors, peers_failed=peers_failed)
         except Exception as e:  # noqa: BLE001 - record the failure and go on with the other cases
             entry = dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}")
