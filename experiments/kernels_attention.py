@@ -41,7 +41,8 @@ K26_SCALE = 192 ** -0.5  # 1 / sqrt(qk_nope 128 + qk_rope 64), the benchmark's s
 CACHE_BLOCK = 64         # cache rows are allocated in whole blocks of this many (kdtree_jax.decode's cache_len)
 # The Triton kernel at its default tiling through `triton_call`'s other launchers, peers `triton:launch:NAME`: "ffi"
 # and "jax_triton" run Triton 3.6's own compile of it, "xla" XLA's Triton pipeline (which made int4_moe's kernels
-# 2-3x slower; the attention kernels it compiles as fast or faster at decode: kernels.md, "Twenty-eighth session").
+# 2-3x slower; on the H200 it compiles the attention decode tile 4-5% faster than Triton 3.6 does, the 64-row tile
+# ~11% slower: kernels.md, "Twenty-eighth session").
 TRITON_LAUNCH_PEERS = tuple(name for name in LAUNCHERS if name != attn_triton.LAUNCHER)
 
 
