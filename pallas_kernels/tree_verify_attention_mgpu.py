@@ -558,8 +558,10 @@ def _merge_cluster(acc, m, total, row_smem, o_stage, stats_stage, out_ref, max_r
     rows = BLOCK_Q // (COMPUTE_WGS * cluster_splits)
 
     def merge_rows(worker: int):
-        merged = functools.reduce(operator.add, [_peer_rows(o_stage, p, worker * rows, rows)
-                                                 for p in range(cluster_splits)])
+        # Member m reads the peers from its own on (m, m + 1, ...): at each step every program's memory serves one
+        # member's reads, not all of them at once.
+        order = [(worker + i) % cluster_splits for i in range(cluster_splits)]
+        merged = functools.reduce(operator.add, [_peer_rows(o_stage, p, worker * rows, rows) for p in order])
         out_ref.at[pl.ds(worker * rows, rows)][...] = merged.astype(jnp.bfloat16)
 
     for peer in range(cluster_splits):
