@@ -108,10 +108,9 @@ def attention_cost(case) -> tuple[float, float]:
 
 def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
     """The op's kernels, each alone at its default tiling (the Triton kernel also through TRITON_LAUNCH_PEERS; Mosaic
-    GPU wherever it `supports` the call, also below 64 rows, and where it splits joining its split-K partials in the
-    kernel, and merging them in clusters of C programs as `mosaic_gpu:cluster_splits=C`; and the Mosaic GPU op at
-    the split-K counts `splits` other than its default, up to one cache block a split, as
-    `mosaic_gpu:num_splits=N`), for inputs `args` (GPU only: {} when `interpret`)."""
+    GPU wherever it `supports` the call, also below 64 rows, and joining its split-K partials in the kernel where it
+    splits; and the Mosaic GPU op at the split-K counts `splits` other than its default, up to one cache block a
+    split, as `mosaic_gpu:num_splits=N`), for inputs `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
@@ -126,16 +125,6 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
         if default > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
-        for size in attn_mgpu.CLUSTER_SIZES[1:]:
-            count, clustered = attn_mgpu.cluster_num_splits(default, size)
-            if clustered == size:
-                peers[f"mosaic_gpu:cluster_splits={size}"] = jax.jit(functools.partial(
-                    attn_mgpu.tree_verify_attention, scale=K26_SCALE, cluster_splits=size))
-            # Also at a multiple of 16 splits: whether clusters of 4 fill the multiprocessors as clusters of 8 would.
-            if size < count // 16 * 16 != count:
-                peers[f"mosaic_gpu:cluster_splits={size}:num_splits={count // 16 * 16}"] = jax.jit(functools.partial(
-                    attn_mgpu.tree_verify_attention, scale=K26_SCALE, cluster_splits=size,
-                    num_splits=count // 16 * 16))
         for count in sorted(set(splits) - {default}):
             if count <= attn.max_splits(args[2].shape[1], attn_mgpu.BLOCK_KV, attn_mgpu.MIN_BLOCKS_PER_SPLIT):
                 peers[f"mosaic_gpu:num_splits={count}"] = jax.jit(functools.partial(

@@ -37,15 +37,11 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import gpu
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -75,10 +71,6 @@ MAX_STAGED_ROWS = 160   # quarter rows of partials a unit of the in-kernel combi
 # 3.9; kernels.md, "Twenty-sixth session").
 MIN_BLOCKS_PER_SPLIT = 1
 PARTIAL_BUDGET = 2.0
-# Splits a cluster of programs merges before writing one partial (`cluster_splits`, distributed shared memory).
-CLUSTER_SIZES = (1, 2, 4, 8)
-CLUSTER_AXIS = "member"     # a program's place in its cluster, along the split axis
-MERGE_SYNCS = 3             # cluster barriers of `_merge_cluster`
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
@@ -88,22 +80,19 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch(combine_splits: int = 0, cluster_splits: int = 1) -> tuple:
+def _scratch(combine_splits: int = 0) -> tuple:
     """The kernel's scratch: first the main loop's operands (the q tile's two latent halves and its rope, the two
     slots' c_kv halves and k_rope blocks), then the row statistics, the consumers' exchanged statistics (warpgroup
     w's max at [w, 0], its final row sum at [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot,
     sync, and the pair's three hand-overs), then each consumer's slot index. With combine_splits = P > 0 (the
     in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it,
-    and a barrier per consumer for the combine's loads comes last; with cluster_splits = C > 1 they share it with
-    `_merge_stage`'s."""
+    and a barrier per consumer for the combine's loads comes last."""
     transforms = _smem_transforms()
     operands = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((SLOTS, 2, BLOCK_KV, HALF), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((SLOTS, BLOCK_KV, ROPE), jnp.bfloat16, transforms=transforms))
-    after = (_combine_stage(combine_splits) if combine_splits else
-             _merge_stage(cluster_splits) if cluster_splits > 1 else None)
-    return (plgpu.RefUnion(operands, after) if after else operands,
+    return (plgpu.RefUnion(operands, _combine_stage(combine_splits)) if combine_splits else operands,
             plgpu.SMEM((2, BLOCK_Q), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             plgpu.Barrier(num_barriers=3),
@@ -130,14 +119,6 @@ def _combine_stage(num_splits: int) -> tuple:
             *(plgpu.SMEM(stats, jnp.float32) for _ in range(3)))
 
 
-def _merge_stage(cluster_splits: int) -> tuple:
-    """The cluster merge's buffers (`_merge_cluster`), untiled (a peer's shared memory is read only so at jax
-    0.11.2): the program's out [BLOCK_Q, 512] f32 weighted to the cluster's statistics, then each consumer's copy of
-    the cluster's row statistics [COMPUTE_WGS, C, 2, BLOCK_Q] f32 (per program: max in base 2, sum)."""
-    return (plgpu.SMEM((BLOCK_Q, 2 * HALF), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, cluster_splits, 2, BLOCK_Q), jnp.float32))
-
-
 def staged_splits(num_splits: int) -> int:
     """Partial rows a unit's TMA load takes: num_splits rounded up to a multiple of 8 (the splits past num_splits
     are loaded and not used), the count `unit_rows` sizes units by."""
@@ -161,25 +142,21 @@ def unit_rows(num_splits: int) -> int:
     return rows
 
 
-def shared_memory_bytes(combine_splits: int = 0, cluster_splits: int = 1) -> int:
+def shared_memory_bytes(combine_splits: int = 0) -> int:
     """Shared memory of a program (`_scratch`), by Mosaic GPU's count: every buffer aligned to 1 KB, then 1 KB of
     barriers."""
-    buffers = [ref for ref in jax.tree.leaves(_scratch(combine_splits, cluster_splits))
-               if not isinstance(ref, plgpu.Barrier)]
+    buffers = [ref for ref in jax.tree.leaves(_scratch(combine_splits)) if not isinstance(ref, plgpu.Barrier)]
     return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024 for ref in buffers) + 1024
 
 
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int,
-           registers: tuple[int, int], cluster_splits: int):
+           registers: tuple[int, int]):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
     problems = []
     if num_splits < 1:
         problems.append(f"num_splits={num_splits} must be >= 1")
-    if cluster_splits not in CLUSTER_SIZES or num_splits % cluster_splits:
-        problems.append(f"cluster_splits={cluster_splits} must be one of {CLUSTER_SIZES} and divide "
-                        f"num_splits={num_splits} (`cluster_num_splits` rounds a count down to one it divides)")
     consumer, producer = registers
     if any(n % 8 or not 24 <= n <= 256 for n in registers) or 128 * (COMPUTE_WGS * consumer + producer) > 65536:
         problems.append(f"registers={registers} must be multiples of 8 in [24, 256] with 128 x ({COMPUTE_WGS} x "
@@ -204,31 +181,23 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "cluster_splits",
-                                             "registers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "registers",
+                                             "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, combine_in_kernel: bool = False, cluster_splits: int = 1,
+                       num_splits: int = 1, combine_in_kernel: bool = False,
                        registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
     scale) -> (out [P, S, rows, 512] bf16, max [P, S, rows] f32,
-    sum [P, S, rows] f32), P = num_splits / cluster_splits, over the cache rows j < prefix_len + num_nodes; a
-    partial with nothing to attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
+    sum [P, S, rows] f32), P = num_splits, over the cache rows j < prefix_len + num_nodes; a split with nothing to
+    attend has sum 0 (and max -inf). Needs prefix_len + num_nodes <= N.
 
-    cluster_splits = C > 1 (GPU only): C adjacent splits run as one cluster of programs that merges its partials
-    over distributed shared memory (`_merge_cluster`) and writes one, so that the partials' bytes (written at the
-    wave's end, read back by the combine) shrink C-fold.
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_units`) and the result
     [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's
     splits, so all the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers, cluster_splits)
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
     s, rows, _ = q_lat.shape
-    clustered = cluster_splits > 1
-    if clustered and (interpret or combine_in_kernel):
-        raise ValueError("attention_partials: cluster_splits > 1 needs the GPU (Mosaic GPU's interpret mode has no "
-                         "distributed shared memory) and the separate combine; pass cluster_splits=1 "
-                         + ("in interpret mode" if interpret else "with combine_in_kernel"))
     if combine_in_kernel:
         if interpret:
             raise ValueError("attention_partials: combine_in_kernel needs the GPU (Mosaic GPU's interpret mode has no "
@@ -241,13 +210,11 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         combine_bars = refs.pop() if combine_in_kernel else None      # the last scratch
         (q_lat_ref, q_rope_ref, ckv_ref, krope_ref, len_ref, bias_ref, out_ref, max_ref, sum_ref,
          operands, row_smem, stat_smem, q_bar, kv_bars, kr_bars, free_bars, sync_bar, exchange_bars, slot_smem) = refs
-        if combine_in_kernel or clustered:
+        if combine_in_kernel:
             operands, stage = operands      # the union's two groups (`_scratch`)
         q_smem, qr_smem, kv_smem, kr_smem = operands
-        qi, stream, wg = lax.axis_index("q"), lax.axis_index("stream"), lax.axis_index("wg")
-        # Under clusters the grid's split axis counts clusters: split = cluster * C + member.
-        member = lax.axis_index(CLUSTER_AXIS) if clustered else 0
-        split = lax.axis_index("split") * cluster_splits + member
+        qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
+        wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
         # One semaphore per query tile, zeroed before each call: every consumer warpgroup of the tile's splits adds 1.
         tile_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((s * rows // BLOCK_Q,))) if combine_in_kernel else None
@@ -283,21 +250,13 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
             for i in range(3):
                 plgpu.barrier_wait(q_bar.at[i])
-            if clustered:       # every thread of the cluster takes part in its barriers (`_merge_cluster`)
-                for _ in range(MERGE_SYNCS):
-                    _cluster_sync()
 
-        def finish(acc, m, total, own: int):
+        def finish(acc, m, total):
             """Write this warpgroup's half of the split's partial (out normalised by `total`, max in base e and sum)
             by TMA; under combine_in_kernel then join the tile's partials once every program has written its own."""
             # Both consumers have read q_smem for the last time: each writes its half of out over its half of q.
             plgpu.barrier_arrive(sync_bar)
             plgpu.barrier_wait(sync_bar)
-            if clustered:
-                partial = (lax.axis_index("split"), stream, q_rows)
-                _merge_cluster(acc, m, total, row_smem, *stage, out_ref.at[partial], max_ref.at[partial],
-                               sum_ref.at[partial], own, member, cluster_splits)
-                return
             q_smem.at[wg][...] = _normalized(acc, total)
 
             @pl.when(wg == 0)
@@ -465,31 +424,28 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             publish(stat_smem.at[own, 1], total, sync_bar)
             plgpu.barrier_wait(sync_bar)
             total = total + plgpu.load(stat_smem.at[other, 1], layout=ROW_LAYOUT)
-            finish(acc, m, total, own)
+            finish(acc, m, total)
 
         for own in range(COMPUTE_WGS):
             pl.when(wg == own)(functools.partial(_consumer, own))
 
     # Under the in-kernel combine out has staged_splits(P) splits, max and sum stat_splits(P), the first P written
     # (`_combine_units` loads them whole).
-    partials = num_splits // cluster_splits
     out_splits, stats_splits = ((staged_splits(num_splits), stat_splits(num_splits)) if combine_in_kernel
-                                else (partials, partials))
+                                else (num_splits, num_splits))
     out_types = ((jax.ShapeDtypeStruct((s, rows, 2 * HALF), jnp.bfloat16),) if combine_in_kernel else ()) + (
         jax.ShapeDtypeStruct((out_splits, s, rows, 2 * HALF), jnp.bfloat16),
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32))
     outs = plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0, cluster_splits),
-        grid=(rows // BLOCK_Q, partials, s), grid_names=("q", "split", "stream"),
-        **(dict(cluster=(1, cluster_splits, 1), cluster_names=("cluster_q", CLUSTER_AXIS, "cluster_stream"))
-           if clustered else {}),
+        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
+        grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         # exp2 as one ex2.approx.ftz.f32 (and `_combine_units`' exp as ex2 of x * log2(e)); interpret mode is exact.
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_lat, q_rope, c_kv, k_rope, prefix_len.astype(jnp.int32), bias)
-    return outs[:-3] + tuple(x[:partials] for x in outs[-3:])
+    return outs[:-3] + tuple(x[:num_splits] for x in outs[-3:])
 
 
 def _finite(m):
@@ -511,90 +467,6 @@ def _fence_async_global():
         mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
     fence()
-
-
-def _cluster_sync():
-    """barrier.cluster, arrive with release then wait with acquire: every thread of every program of the cluster
-    takes part, so each program's shared-memory writes before it are seen by its peers' reads (over distributed
-    shared memory) after it."""
-    @plgpu.inline_mgpu()
-    def sync(_):
-        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                              has_side_effects=True)
-
-    sync()
-
-
-def _merge_cluster(acc, m, total, row_smem, o_stage, stats_stage, out_ref, max_ref, sum_ref, own: int, member,
-                   cluster_splits: int):
-    """A consumer warpgroup's part of merging the C = cluster_splits partials of its cluster (C programs, adjacent
-    splits of one query tile) into the cluster's one: out_ref [BLOCK_Q, 512] bf16 (normalised), max_ref / sum_ref
-    [BLOCK_Q] f32 (max in base e). acc [BLOCK_Q, HALF] f32: consumer `own`'s half of its program's unnormalised out;
-    m: the program's running max (base 2), total: its row sums. Three cluster barriers (`_cluster_sync`; the
-    producer warpgroup takes part in each, MERGE_SYNCS):
-    1. each program's (m, total) is in its row_smem: each consumer copies the cluster's C into its stats_stage,
-       takes their max M and the cluster's sum L = sum_p total_p 2^(m_p - M), and stages acc 2^(m - M) / L in its
-       half of o_stage [BLOCK_Q, 512] f32 (untiled: peers read it);
-    2. the C staged outs sum to the cluster's out: each of the cluster's 2C consumers reads its BLOCK_Q / 2C rows of
-       every program's o_stage and stores them; member 0's first consumer writes (M ln 2, L) by TMA;
-    3. no program exits while a peer may still read its shared memory.
-    The second step is written out per member: a peer's rows are read at static offsets (`_peer_rows`)."""
-    if own == 0:
-        row_smem.at[0][...] = m
-        row_smem.at[1][...] = total
-    _cluster_sync()
-    stats = stats_stage.at[own]
-    gathered = plgpu.Layout.WG_STRIDED(row_smem.shape, vec_size=1)
-    for p in range(cluster_splits):
-        stats.at[p][...] = plgpu.load(plgpu.cluster_ref(row_smem, {CLUSTER_AXIS: p}), layout=gathered,
-                                      optimized=False)
-    peer_max = [plgpu.load(stats.at[p, 0], layout=ROW_LAYOUT) for p in range(cluster_splits)]
-    peer_sum = [plgpu.load(stats.at[p, 1], layout=ROW_LAYOUT) for p in range(cluster_splits)]
-    top = functools.reduce(jnp.maximum, peer_max)
-    cluster_sum = functools.reduce(operator.add, [l * jnp.exp2(x - _finite(top)) for x, l in zip(peer_max, peer_sum)])
-    weight = jnp.exp2(m - _finite(top)) * inverse_or_zero(cluster_sum)     # 0 where the cluster saw nothing
-    o_stage.at[:, pl.ds(own * HALF, HALF)][...] = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
-    _cluster_sync()
-    rows = BLOCK_Q // (COMPUTE_WGS * cluster_splits)
-
-    def merge_rows(worker: int):
-        # Member m reads the peers from its own on (m, m + 1, ...): at each step every program's memory serves one
-        # member's reads, not all of them at once.
-        order = [(worker + i) % cluster_splits for i in range(cluster_splits)]
-        merged = functools.reduce(operator.add, [_peer_rows(o_stage, p, worker * rows, rows) for p in order])
-        out_ref.at[pl.ds(worker * rows, rows)][...] = merged.astype(jnp.bfloat16)
-
-    for peer in range(cluster_splits):
-        pl.when(member == peer)(functools.partial(merge_rows, own * cluster_splits + peer))
-
-    def write_statistics():     # the peers read row_smem before the second barrier
-        row_smem.at[0][...] = top * LN2
-        row_smem.at[1][...] = cluster_sum
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(row_smem.at[0], max_ref)
-        plgpu.copy_smem_to_gmem(row_smem.at[1], sum_ref)
-        plgpu.wait_smem_to_gmem(0)
-
-    if own == 0:
-        pl.when(member == 0)(write_statistics)
-    _cluster_sync()
-
-
-def _peer_rows(ref, peer: int, first: int, rows: int):
-    """ref[first:first + rows] ([rows, W] f32, untiled shared memory) of the cluster's program `peer`, over
-    distributed shared memory, in a strided layout. Written in Mosaic GPU itself: at jax 0.11.2 Pallas' `cluster_ref`
-    of a slice does not lower (it slices before mapping to the peer, and the peer's memref type then loses the
-    slice's offset); here the whole buffer is mapped, then sliced."""
-    shape = (rows, ref.shape[1])
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
-        shape, jnp.float32, layout=plgpu.Layout.WG_STRIDED(shape, vec_size=4)))
-    def load(_, smem):
-        # The split axis is the grid's middle one, which Mosaic GPU launches as the cluster's y dimension.
-        peer_ref = mgpu.get_cluster_ref(smem, gpu.Dimension.y, mgpu.c(peer, ir.IndexType.get()), generic=False)
-        return mgpu.FragmentedArray.load_strided(mgpu.memref_slice(peer_ref, slice(first, first + rows)), vec_size=4)
-
-    return load(ref)
 
 
 def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first: int, step: int, num_splits: int):
@@ -727,14 +599,6 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
                           partial_budget=PARTIAL_BUDGET)
 
 
-def cluster_num_splits(num_splits: int, cluster_splits: int) -> tuple[int, int]:
-    """(split count, cluster size) for a default split count under clusters of `cluster_splits`: the count rounded
-    down to a multiple of the cluster size, or no clusters (1) where the count is smaller than one cluster."""
-    if num_splits < cluster_splits:
-        return num_splits, 1
-    return num_splits // cluster_splits * cluster_splits, cluster_splits
-
-
 def _pairs(steps):
     """The pairs of blocks (one per consumer warpgroup) in a split of `steps` blocks, the last maybe a single one."""
     return lax.div(steps + 1, 2)
@@ -780,10 +644,9 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "cluster_splits", "registers",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool = False, cluster_splits: int = 1,
+                          num_splits: int | None = None, combine_in_kernel: bool = False,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
@@ -792,10 +655,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge` (XLA's
     `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave of
-    programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session").
-    cluster_splits = C > 1 (GPU only): clusters of C splits merge their partials before the combine
-    (`attention_partials`); the default split count is then rounded down to a multiple of C (`cluster_num_splits`).
-    N must be a multiple of 64."""
+    programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session"). N must
+    be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -808,18 +669,16 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         num_splits = default_num_splits(s, rows, c_kv.shape[1])
         if combine_in_kernel:                 # its programs must fit on the GPU at once
             num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
-        num_splits, cluster_splits = cluster_num_splits(num_splits, cluster_splits)
     combine_in_kernel = combine_in_kernel and num_splits > 1
-    partials = num_splits // cluster_splits
     if bias is None:
         bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
         num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
-        cluster_splits=cluster_splits, interpret=interpret)
+        interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
-    elif partials == 1:
+    elif num_splits == 1:
         merged = outs[0][0, :, :rows]
     else:
         call = None if interpret else bound_to(combine.LAUNCHER, interpret=False, reference="interpret=True",

@@ -78,33 +78,6 @@ def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
     assert rel_err(second, A.tree_verify_attention_reference(*again, scale=K26.softmax_scale)) < BF16_TOL
 
 
-@pytest.mark.parametrize("heads,nodes,streams,splits,cluster", [
-    (64, 1, 1, None, 2), (64, 1, 1, None, 4), (64, 1, 1, None, 8), (8, 16, 2, None, 2), (8, 16, 1, None, 4),
-    (64, 4, 2, 16, 4), (64, 16, 1, 8, 8), (8, 1, 2, 8, 2)])
-def test_attention_mgpu_cluster_merge(heads, nodes, streams, splits, cluster):
-    """Clusters of 2, 4 or 8 programs merging their split-K partials over distributed shared memory (one partial a
-    cluster) == the reference, and == the kernel without clusters to the partials' bf16 rounding, over a 32768-row
-    cache with ragged prefixes (with two streams one prefix is 0: whole clusters attend nothing; with 8 or 16
-    splits a cluster's splits are long, and with T = 16 its last splits hold the tree block), fresh inputs each
-    case; the partials come out C-fold fewer."""
-    rng = np.random.default_rng(heads * 100 + nodes * 10 + streams + cluster)
-    inputs = make_inputs(rng, streams, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 32768,
-                         dtype=jnp.bfloat16)
-    run = functools.partial(AM.tree_verify_attention, *inputs, scale=K26.softmax_scale, num_splits=splits)
-    merged, plain = run(cluster_splits=cluster), run()
-    ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
-    assert np.isfinite(np.asarray(merged, np.float32)).all()
-    assert max(rel_err(merged[s], ref[s]) for s in range(streams)) < BF16_TOL
-    assert rel_err(merged, plain) < 1e-2
-    rows = AM.padded_rows(nodes * heads)
-    q_lat, q_rope = AM.query_rows(inputs[0]), AM.query_rows(inputs[1])
-    count = splits or AM.cluster_num_splits(AM.default_num_splits(streams, nodes * heads, 32768), cluster)[0]
-    out, row_max, row_sum = AM.attention_partials(
-        q_lat, q_rope, inputs[2], inputs[3], inputs[4], AM.frame_bias(inputs[4], inputs[5], heads, rows),
-        scale=K26.softmax_scale, num_nodes=nodes, num_splits=count, cluster_splits=cluster)
-    assert out.shape[0] == row_max.shape[0] == row_sum.shape[0] == count // cluster
-
-
 @pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),
                                     A.AttentionConfig(block_q=16, block_k=16, num_splits=4), None],
                          ids=["small_tiles", "small_tiles_4_splits", "default"])

@@ -256,31 +256,3 @@ def test_combine_in_kernel_lowers_for_the_h200():
     semaphore buffer zeroed by XLA), no combine kernel after it."""
     text = lowered_for_h200(1, 1, 64, 32768, combine_in_kernel=True)
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "triton" not in text
-
-
-@pytest.mark.parametrize("cluster", [2, 4, 8])
-def test_cluster_merge_lowers_for_the_h200(cluster):
-    """Clusters of 2, 4 and 8 programs merging their partials over distributed shared memory, lowered for an H200
-    (no GPU needed; interpret mode has no distributed shared memory, so the results are checked on the H200,
-    test_kernels_gpu.py): one Mosaic GPU custom call, then the separate combine."""
-    text = lowered_for_h200(1, 1, 64, 32768, cluster_splits=cluster)
-    assert text.count("custom_call @mosaic_gpu_v2") == 1
-
-
-def test_cluster_merge_refuses_what_it_cannot_run():
-    """Clusters need whole clusters of splits, the GPU and the separate combine: each refused with the fix named;
-    the op's default split count is rounded down to whole clusters, and a count below one cluster takes none."""
-    rng = np.random.default_rng(4)
-    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 64, 512)
-    prefix_len = jnp.asarray([300], jnp.int32)
-    with pytest.raises(ValueError, match=r"cluster_splits=4 must be one of \(1, 2, 4, 8\) and divide num_splits=6"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=6, cluster_splits=4)
-    with pytest.raises(ValueError, match="cluster_splits=3 must be one of"):
-        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=6, cluster_splits=3)
-    bias = AM.frame_bias(prefix_len, jnp.zeros((1, 0, 0), bool), 1, 64)
-    with pytest.raises(ValueError, match="interpret mode has no distributed shared memory"):
-        AM.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0, num_splits=4,
-                              cluster_splits=2, interpret=True)
-    assert AM.cluster_num_splits(132, 8) == (128, 8) and AM.cluster_num_splits(66, 4) == (64, 4)
-    assert AM.cluster_num_splits(3, 4) == (3, 1) and AM.cluster_num_splits(132, 1) == (132, 1)
-    assert AM.shared_memory_bytes(cluster_splits=8) == AM.shared_memory_bytes()
