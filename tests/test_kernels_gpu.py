@@ -56,6 +56,46 @@ def test_attention_bf16_k26(kernel, heads, nodes):
     assert max(errors) < BF16_TOL, errors
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="the head-parallel mesh needs 2 or more GPUs (nvidia-h200-x2)")
+@pytest.mark.parametrize("local_heads,nodes,backend", [(8, 1, "triton"), (8, 16, "mosaic_gpu"), (8, 64, "mosaic_gpu"),
+                                                       (64, 1, "mosaic_gpu")])
+def test_attention_under_head_parallel_mesh(local_heads, nodes, backend):
+    """The op as the model calls it under tp = every local GPU (`parallel.head_parallel`, the plan from
+    `parallel.attention_plan`): each device runs the kernel `backend` for its local_heads heads (K2.6 at tp=8: 8)
+    over the replicated 4096-row cache, its output stays split on heads, and each stream == the one-device reference
+    to BF16_TOL (2 streams, ragged prefixes, fresh inputs)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from kdtree_jax import sharding
+    from kdtree_jax.model import parallel
+
+    tp = jax.device_count()
+    heads = local_heads * tp
+    rng = np.random.default_rng(heads * 10 + nodes)
+    inputs = make_inputs(rng, 2, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, 4096, dtype=jnp.bfloat16)
+    local_q = [x[:, :, :local_heads] for x in inputs[:2]]
+    assert ops.attention_backend(*local_q, *inputs[2:4]) == backend
+    mesh = sharding.make_mesh(tp=tp)
+    per_head = NamedSharding(mesh, P(None, None, sharding.TP, None))
+    attention = functools.partial(ops.tree_verify_attention, scale=K26.softmax_scale)
+
+    def sharded(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+        plan = parallel.attention_plan(prefix_len, visible, heads)
+        return parallel.head_parallel(attention, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan)
+
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, per_head) for x in inputs[:2]] + [jax.device_put(x, NamedSharding(mesh, P()))
+                                                                     for x in inputs[2:]]
+        step = jax.jit(sharded)
+        kernel_names = step.lower(*args).as_text()
+        out = step(*args)
+    assert ("tree_verify_attention_mgpu" in kernel_names) == (backend == "mosaic_gpu")
+    assert out.sharding.spec == per_head.spec and len(out.addressable_shards) == tp
+    ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    errors = [rel_err(out[s], ref[s]) for s in range(2)]
+    assert max(errors) < BF16_TOL, errors
+
+
 @pytest.mark.parametrize("heads,nodes,streams,splits", [(64, 1, 1, None), (8, 16, 1, None), (8, 1, 2, None),
                                                           (64, 4, 2, 16), (8, 16, 1, 3)])
 def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
