@@ -74,19 +74,25 @@ PARTIAL_BUDGET = 2.0
 REFILL_ORDER = ((0, 0), (1, 0), (0, 1), (1, 1))   # (slot, part) in the order the producer refills them
 ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)   # a [BLOCK_Q] row statistic as the wgmma accumulator holds it
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is in base 2; the partials' max in base e
+# Query tiles of one split whose programs form a cluster that loads each cache block once, by TMA multicast
+# (`multicast_tiles`); TILE_AXIS is a program's place in its cluster.
+MULTICAST_SIZES = (1, 2, 4)
+TILE_AXIS = "tile"
 
 
 def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _scratch(combine_splits: int = 0) -> tuple:
+def _scratch(combine_splits: int = 0, multicast_tiles: int = 1) -> tuple:
     """The kernel's scratch: first the main loop's operands (the q tile's two latent halves and its rope, the two
     slots' c_kv halves and k_rope blocks), then the row statistics, the consumers' exchanged statistics (warpgroup
     w's max at [w, 0], its final row sum at [w, 1]), the barriers (q, c_kv halves, k_rope, free per part of a slot,
     sync, and the pair's three hand-overs), then each consumer's slot index. With combine_splits = P > 0 (the
     in-kernel combine) the main loop's operands share their memory with `_combine_stage`'s buffers, used after it,
-    and a barrier per consumer for the combine's loads comes last."""
+    and a barrier per consumer for the combine's loads comes last. With multicast_tiles = C > 1 the slots' free
+    barriers are the cluster's: a part of a slot is refilled (in all C programs at once) when every program's
+    consumer has released it."""
     transforms = _smem_transforms()
     operands = (plgpu.SMEM((2, BLOCK_Q, HALF), jnp.bfloat16, transforms=transforms),
                 plgpu.SMEM((BLOCK_Q, ROPE), jnp.bfloat16, transforms=transforms),
@@ -98,7 +104,8 @@ def _scratch(combine_splits: int = 0) -> tuple:
             plgpu.Barrier(num_barriers=3),
             plgpu.Barrier(num_barriers=2 * SLOTS),
             plgpu.Barrier(num_barriers=SLOTS),
-            plgpu.Barrier(num_barriers=2 * SLOTS),
+            (plgpu.ClusterBarrier(collective_axes=(TILE_AXIS,), num_barriers=2 * SLOTS) if multicast_tiles > 1
+             else plgpu.Barrier(num_barriers=2 * SLOTS)),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             plgpu.Barrier(num_barriers=3),
             # Each consumer's slot, read back every pair: a slot fixed at compile time makes the wgmma descriptors of
@@ -150,7 +157,7 @@ def shared_memory_bytes(combine_splits: int = 0) -> int:
 
 
 def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_splits: int,
-           registers: tuple[int, int]):
+           registers: tuple[int, int], multicast_tiles: int):
     if q_lat.ndim != 3:
         raise ValueError(f"attention_partials: q_lat {q_lat.shape} must be [S, rows, {2 * HALF}]")
     s, rows, c = q_lat.shape
@@ -169,6 +176,9 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
                         f"[S, rows, {ROPE}]")
     if rows % BLOCK_Q:
         problems.append(f"rows={rows} must be a multiple of {BLOCK_Q} (pad the query rows)")
+    elif multicast_tiles not in MULTICAST_SIZES or (rows // BLOCK_Q) % multicast_tiles:
+        problems.append(f"multicast_tiles={multicast_tiles} must be one of {MULTICAST_SIZES} and divide the "
+                        f"{rows // BLOCK_Q} query tiles of a stream (pass 1)")
     if c_kv.ndim != 3 or c_kv.shape[0] != s or c_kv.shape[2] != c or k_rope.shape != (s, c_kv.shape[1], ROPE):
         problems.append(f"c_kv {c_kv.shape} / k_rope {k_rope.shape} must be [S, N, {c}] / [S, N, {ROPE}]")
     elif c_kv.shape[1] % BLOCK_KV:
@@ -181,10 +191,10 @@ def _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes: int, num_sp
         raise ValueError("attention_partials: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "registers",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_nodes", "num_splits", "combine_in_kernel", "multicast_tiles",
+                                             "registers", "interpret"))
 def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: float, num_nodes: int,
-                       num_splits: int = 1, combine_in_kernel: bool = False,
+                       num_splits: int = 1, combine_in_kernel: bool = False, multicast_tiles: int = 1,
                        registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """q_lat [S, rows, 512], q_rope [S, rows, 64], c_kv [S, N, 512], k_rope [S, N, 64] (bf16), prefix_len [S] int32,
     bias [S, rows, frame_width(num_nodes)] f32 of 0 or -inf (`frame_bias`: a mask; the kernel adds it before the
@@ -195,9 +205,17 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
     registers: (per consumer thread, per producer thread), `set_max_registers`'s limits.
     combine_in_kernel (GPU only): the programs also join the partials (`_combine_units`) and the result
     [S, rows, 512] bf16 comes first: (result, out, max, sum). Every program of a query tile waits for all its tile's
-    splits, so all the programs must be resident at once (`check_resident`)."""
-    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers)
+    splits, so all the programs must be resident at once (`check_resident`).
+    multicast_tiles = C > 1 (GPU only): the programs of C adjacent query tiles of a split run as one cluster, each
+    block of c_kv and k_rope loaded once for all C by TMA multicast (each program issues 1/C of it), so that the
+    cache crosses from the L2 to the multiprocessors once per cluster, not once per tile."""
+    _check(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, num_nodes, num_splits, registers, multicast_tiles)
     s, rows, _ = q_lat.shape
+    multicast = multicast_tiles > 1
+    if multicast and (interpret or combine_in_kernel):
+        raise ValueError("attention_partials: multicast_tiles > 1 needs the GPU (Mosaic GPU's interpret mode has no "
+                         "clusters) and the separate combine; pass multicast_tiles=1 in interpret mode or with "
+                         "combine_in_kernel")
     if combine_in_kernel:
         if interpret:
             raise ValueError("attention_partials: combine_in_kernel needs the GPU (Mosaic GPU's interpret mode has no "
@@ -214,6 +232,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             operands, stage = operands      # the union's two groups (`_scratch`)
         q_smem, qr_smem, kv_smem, kr_smem = operands
         qi, split, stream = lax.axis_index("q"), lax.axis_index("split"), lax.axis_index("stream")
+        if multicast:        # the grid's q axis counts clusters: tile = cluster * C + place in the cluster
+            qi = qi * multicast_tiles + lax.axis_index(TILE_AXIS)
         wg = lax.axis_index("wg")
         q_rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
         # One semaphore per query tile, zeroed before each call: every consumer warpgroup of the tile's splits adds 1.
@@ -231,13 +251,16 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
             # Block 2j + slot lives in slot `slot`; part 0 of a slot is the half its own warpgroup (slot) multiplies
             # first, part 1 the other half and the rope rows (over which the slot's warpgroup leaves its p for the
             # other).
+            # Under multicast every program of the cluster issues 1/C of each copy for all C.
+            cache_copy = functools.partial(plgpu.copy_gmem_to_smem, collective_axes=TILE_AXIS if multicast else None)
+
             def fetch(step, slot, part):
                 kv_rows = pl.ds((lo + step) * BLOCK_KV, BLOCK_KV)
                 h = slot if part == 0 else 1 - slot
-                plgpu.copy_gmem_to_smem(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
-                                        kv_bars.at[2 * slot + h])
+                cache_copy(ckv_ref.at[stream, kv_rows, pl.ds(h * HALF, HALF)], kv_smem.at[slot, h],
+                           kv_bars.at[2 * slot + h])
                 if part:
-                    plgpu.copy_gmem_to_smem(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
+                    cache_copy(krope_ref.at[stream, kv_rows], kr_smem.at[slot], kr_bars.at[slot])
 
             for slot, part in REFILL_ORDER:
                 pl.when(slot < steps)(functools.partial(fetch, slot, slot, part))
@@ -428,6 +451,8 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
 
         for own in range(COMPUTE_WGS):
             pl.when(wg == own)(functools.partial(_consumer, own))
+        if multicast:      # no program leaves while a peer may still arrive on its free barriers
+            _cluster_sync()
 
     # Under the in-kernel combine out has staged_splits(P) splits, max and sum stat_splits(P), the first P written
     # (`_combine_units` loads them whole).
@@ -438,8 +463,10 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32),
         jax.ShapeDtypeStruct((stats_splits, s, rows), jnp.float32))
     outs = plgpu.kernel(
-        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0),
-        grid=(rows // BLOCK_Q, num_splits, s), grid_names=("q", "split", "stream"),
+        body, out_type=out_types, scratch_types=_scratch(num_splits if combine_in_kernel else 0, multicast_tiles),
+        grid=(rows // BLOCK_Q // multicast_tiles, num_splits, s), grid_names=("q", "split", "stream"),
+        **(dict(cluster=(multicast_tiles, 1, 1), cluster_names=(TILE_AXIS, "cluster_split", "cluster_stream"))
+           if multicast else {}),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="tree_verify_attention_mgpu",
         # exp2 as one ex2.approx.ftz.f32 (and `_combine_units`' exp as ex2 of x * log2(e)); interpret mode is exact.
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -467,6 +494,17 @@ def _fence_async_global():
         mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
     fence()
+
+
+def _cluster_sync():
+    """barrier.cluster (arrive with release, wait with acquire), taken by every thread of every program of the
+    cluster."""
+    @plgpu.inline_mgpu()
+    def sync(_):
+        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
+                              has_side_effects=True)
+
+    sync()
 
 
 def _combine_units(result_ref, out_ref, max_ref, sum_ref, stage, barrier, first: int, step: int, num_splits: int):
@@ -644,9 +682,10 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "registers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "multicast_tiles", "registers",
+                                             "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool = False,
+                          num_splits: int | None = None, combine_in_kernel: bool = False, multicast_tiles: int = 1,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
@@ -655,8 +694,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     `frame_bias`, or `bias` where the caller made it once for a forward's calls: `ops.tree_verify_plan`). With
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge` (XLA's
     `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave of
-    programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session"). N must
-    be a multiple of 64."""
+    programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session").
+    multicast_tiles: `attention_partials`'. N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -674,8 +713,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(
         q_lat_rows, q_rope_rows, c_kv, k_rope, prefix_len, bias, scale=scale,
-        num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, registers=registers,
-        interpret=interpret)
+        num_nodes=t, num_splits=num_splits, combine_in_kernel=combine_in_kernel, multicast_tiles=multicast_tiles,
+        registers=registers, interpret=interpret)
     if combine_in_kernel:
         merged = outs[0][:, :rows]
     elif num_splits == 1:

@@ -118,6 +118,22 @@ def test_attention_mgpu_combine_in_kernel(heads, nodes, streams, splits):
     assert rel_err(second, A.tree_verify_attention_reference(*again, scale=K26.softmax_scale)) < BF16_TOL
 
 
+@pytest.mark.parametrize("heads,nodes,streams,prefix,tiles", [(8, 16, 1, 32768, 2), (8, 64, 2, 4096, 2),
+                                                                (8, 64, 1, 4096, 4), (64, 16, 1, 4096, 2)])
+def test_attention_mgpu_multicast_tiles(heads, nodes, streams, prefix, tiles):
+    """Clusters of `tiles` query tiles of a split, each cache block loaded once for all by TMA multicast: == the
+    reference, and bit for bit the kernel without clusters (the same arithmetic on the same bytes), at the default
+    split count (66 splits at H=8 N=32768 T=16), fresh inputs."""
+    rng = np.random.default_rng(heads * 100 + nodes * 10 + tiles)
+    inputs = make_inputs(rng, streams, nodes, heads, K26.kv_lora_rank, K26.qk_rope_head_dim, prefix,
+                         dtype=jnp.bfloat16)
+    multicast = AM.tree_verify_attention(*inputs, scale=K26.softmax_scale, multicast_tiles=tiles)
+    plain = AM.tree_verify_attention(*inputs, scale=K26.softmax_scale)
+    ref = A.tree_verify_attention_reference(*inputs, scale=K26.softmax_scale)
+    assert max(rel_err(multicast[s], ref[s]) for s in range(streams)) < BF16_TOL
+    np.testing.assert_array_equal(np.asarray(multicast, np.float32), np.asarray(plain, np.float32))
+
+
 @pytest.mark.parametrize("config", [A.AttentionConfig(block_q=16, block_k=16, num_splits=1),
                                     A.AttentionConfig(block_q=16, block_k=16, num_splits=4), None],
                          ids=["small_tiles", "small_tiles_4_splits", "default"])

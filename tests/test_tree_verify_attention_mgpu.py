@@ -256,3 +256,28 @@ def test_combine_in_kernel_lowers_for_the_h200():
     semaphore buffer zeroed by XLA), no combine kernel after it."""
     text = lowered_for_h200(1, 1, 64, 32768, combine_in_kernel=True)
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "triton" not in text
+
+
+@pytest.mark.parametrize("t,h,tiles", [(16, 8, 2), (64, 8, 2), (64, 8, 4)])
+def test_multicast_tiles_lowers_for_the_h200(t, h, tiles):
+    """Clusters of 2 or 4 query tiles of a split loading each cache block once by TMA multicast, lowered for an H200
+    (no GPU needed; interpret mode has no clusters, so the results are checked on the H200, test_kernels_gpu.py):
+    one Mosaic GPU custom call, then the separate combine."""
+    assert lowered_for_h200(1, t, h, 32768, multicast_tiles=tiles).count("custom_call @mosaic_gpu_v2") == 1
+
+
+def test_multicast_tiles_refuses_what_it_cannot_run():
+    """Multicast needs whole clusters of query tiles, the GPU and the separate combine: each refused with the fix
+    named."""
+    rng = np.random.default_rng(5)
+    q_lat, q_rope, c_kv, k_rope = inputs(rng, 1, 128, 512)
+    prefix_len = jnp.asarray([300], jnp.int32)
+    with pytest.raises(ValueError, match=r"multicast_tiles=4 must be one of \(1, 2, 4\) and divide the 2 query"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=2, multicast_tiles=4)
+    with pytest.raises(ValueError, match="multicast_tiles=3 must be one of"):
+        prefix_only(q_lat, q_rope, c_kv, k_rope, prefix_len, num_splits=2, multicast_tiles=3)
+    bias = AM.frame_bias(prefix_len, jnp.zeros((1, 0, 0), bool), 1, 128)
+    for options in (dict(interpret=True), dict(combine_in_kernel=True)):
+        with pytest.raises(ValueError, match="multicast_tiles > 1 needs the GPU"):
+            AM.attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, scale=SCALE, num_nodes=0,
+                                  num_splits=2, multicast_tiles=2, **options)
