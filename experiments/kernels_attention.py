@@ -109,8 +109,9 @@ def attention_cost(case) -> tuple[float, float]:
 def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
     """The op's kernels, each alone at its default tiling (the Triton kernel also through TRITON_LAUNCH_PEERS; Mosaic
     GPU wherever it `supports` the call, also below 64 rows, and joining its split-K partials in the kernel where it
-    splits, and with clusters of 2 or 4 query tiles sharing the cache's loads where they divide the tiles,
-    `mosaic_gpu:multicast_tiles=C`; and the Mosaic GPU op at the split-K counts `splits` other than its default, up to one cache block a
+    splits, and with C = 1 or 2 query tiles a cluster sharing the cache's loads, the one of the two that is not its
+    default (`default_multicast_tiles`) where C divides the stream's tiles, `mosaic_gpu:multicast_tiles=C`; and the
+    Mosaic GPU op at the split-K counts `splits` other than its default, up to one cache block a
     split, as `mosaic_gpu:num_splits=N`), for inputs `args` (GPU only: {} when `interpret`)."""
     if interpret:
         return {}
@@ -127,8 +128,9 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
         tiles = attn_mgpu.padded_rows(rows) // attn_mgpu.BLOCK_Q
-        for size in attn_mgpu.MULTICAST_SIZES[1:]:
-            if tiles % size == 0:
+        own = attn_mgpu.default_multicast_tiles(args[0].shape[0], rows, args[2].shape[1], default)
+        for size in sorted({1, 2} - {own}):
+            if tiles % size == 0 and tiles > 1:
                 peers[f"mosaic_gpu:multicast_tiles={size}"] = jax.jit(functools.partial(
                     attn_mgpu.tree_verify_attention, scale=K26_SCALE, multicast_tiles=size))
         for count in sorted(set(splits) - {default}):

@@ -78,6 +78,10 @@ LOG2E, LN2 = math.log2(math.e), math.log(2.0)   # the consumers' running max is 
 # (`multicast_tiles`); TILE_AXIS is a program's place in its cluster.
 MULTICAST_SIZES = (1, 2, 4)
 TILE_AXIS = "tile"
+# `default_multicast_tiles`: clusters of 2 where a stream has exactly 2 query tiles and its splits at least this many
+# cache blocks each (H200, back to back: 1-4% faster from 4 blocks a split, 5% slower at 1-2; kernels.md,
+# "Thirtieth session").
+MULTICAST_MIN_BLOCKS = 4
 
 
 def _smem_transforms():
@@ -637,6 +641,17 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
                           partial_budget=PARTIAL_BUDGET)
 
 
+def default_multicast_tiles(num_streams: int, num_rows: int, capacity: int, num_splits: int) -> int:
+    """multicast_tiles for the op's calls: 2 where a stream's num_rows padded to 64-row tiles make exactly 2 tiles and
+    each of its num_splits splits of the capacity cache rows holds at least MULTICAST_MIN_BLOCKS blocks (the two
+    tiles' stream of the cache then bounds the kernel, and sharing its loads pays); else 1. At 4 or more tiles
+    clusters of 2 are level and of 4 slower (kernels.md, "Thirtieth session"). num_streams does not enter: each
+    cluster is of one stream."""
+    del num_streams
+    tiles = padded_rows(num_rows) // BLOCK_Q
+    return 2 if tiles == 2 and capacity // BLOCK_KV >= MULTICAST_MIN_BLOCKS * num_splits else 1
+
+
 def _pairs(steps):
     """The pairs of blocks (one per consumer warpgroup) in a split of `steps` blocks, the last maybe a single one."""
     return lax.div(steps + 1, 2)
@@ -685,7 +700,8 @@ def frame_bias(prefix_len, visible, num_heads: int, rows: int):
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "combine_in_kernel", "multicast_tiles", "registers",
                                              "interpret"))
 def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, bias=None,
-                          num_splits: int | None = None, combine_in_kernel: bool = False, multicast_tiles: int = 1,
+                          num_splits: int | None = None, combine_in_kernel: bool = False,
+                          multicast_tiles: int | None = None,
                           registers: tuple[int, int] = REGISTERS, interpret: bool = False):
     """Tree-verify attention in Mosaic GPU: the semantics and shapes of
     `tree_verify_attention.tree_verify_attention_reference` (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv
@@ -695,7 +711,8 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     num_splits (default `default_num_splits`) > 1 the partials are joined by `combine.merge` (XLA's
     `combine_partials` in interpret mode), or with combine_in_kernel in the kernel itself (GPU only, one wave of
     programs; on the H200 level with or slower than the separate combine: kernels.md, "Twenty-fifth session").
-    multicast_tiles: `attention_partials`'. N must be a multiple of 64."""
+    multicast_tiles: `attention_partials`' (default on the GPU `default_multicast_tiles`, with the separate combine;
+    1 in interpret mode). N must be a multiple of 64."""
     op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
     if c_kv.shape[1] % BLOCK_KV:
@@ -709,6 +726,9 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
         if combine_in_kernel:                 # its programs must fit on the GPU at once
             num_splits = max(1, min(num_splits, resident_programs() // (s * (padded // BLOCK_Q))))
     combine_in_kernel = combine_in_kernel and num_splits > 1
+    if multicast_tiles is None:
+        multicast_tiles = (1 if interpret or combine_in_kernel
+                           else default_multicast_tiles(s, rows, c_kv.shape[1], num_splits))
     if bias is None:
         bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(
