@@ -19,6 +19,10 @@ themselves: each signals a semaphore of the tile, waits for all the tile's split
 units of R rows x 128 columns (`_combine_units`), staged by TMA in the shared memory the main loop no longer uses. On
 the H200 that is level with the separate combine kernel or slower (kernels.md, "Twenty-fifth session").
 
+With `multicast_tiles` = C (GPU only; `default_multicast_tiles` takes 2 for streams of two query tiles over long
+splits) the programs of C adjacent query tiles of a split run as one cluster that loads each cache block once for all
+by TMA multicast (1-4% faster there on the H200, slower elsewhere: kernels.md, "Thirtieth session").
+
 One program = one 64-row query tile of one stream and one split of its cache rows, three warpgroups. Warpgroup 2
 streams c_kv (as two 256-column halves) and k_rope blocks through two shared-memory slots with TMA. Warpgroups 0 and
 1 each own 256 of the 512 output columns (a [64, 256] f32 accumulator in registers) and take the blocks in pairs, as
