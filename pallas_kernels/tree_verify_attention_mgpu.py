@@ -645,13 +645,12 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
                           partial_budget=PARTIAL_BUDGET)
 
 
-def default_multicast_tiles(num_streams: int, num_rows: int, capacity: int, num_splits: int) -> int:
+def default_multicast_tiles(num_rows: int, capacity: int, num_splits: int) -> int:
     """multicast_tiles for the op's calls: 2 where a stream's num_rows padded to 64-row tiles make exactly 2 tiles and
     each of its num_splits splits of the capacity cache rows holds at least MULTICAST_MIN_BLOCKS blocks (the two
     tiles' stream of the cache then bounds the kernel, and sharing its loads pays); else 1. At 4 or more tiles
-    clusters of 2 are level and of 4 slower (kernels.md, "Thirtieth session"). num_streams does not enter: each
-    cluster is of one stream."""
-    del num_streams
+    clusters of 2 are level and of 4 slower (kernels.md, "Thirtieth session"). A cluster is of one stream, so the
+    stream count does not enter."""
     tiles = padded_rows(num_rows) // BLOCK_Q
     return 2 if tiles == 2 and capacity // BLOCK_KV >= MULTICAST_MIN_BLOCKS * num_splits else 1
 
@@ -732,7 +731,7 @@ def tree_verify_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, s
     combine_in_kernel = combine_in_kernel and num_splits > 1
     if multicast_tiles is None:
         multicast_tiles = (1 if interpret or combine_in_kernel
-                           else default_multicast_tiles(s, rows, c_kv.shape[1], num_splits))
+                           else default_multicast_tiles(rows, c_kv.shape[1], num_splits))
     if bias is None:
         bias = frame_bias(prefix_len, visible, h, padded)
     outs = attention_partials(

@@ -269,12 +269,12 @@ def test_multicast_tiles_lowers_for_the_h200(t, h, tiles):
 def test_default_multicast_tiles_takes_two_tile_streams_over_long_splits():
     """Clusters of 2 by default only where a stream has exactly 2 query tiles and each split at least
     MULTICAST_MIN_BLOCKS cache blocks (H=8 T=16 at N=32768 over 66 splits; not at N=4096, not at 1 or 4 tiles)."""
-    assert AM.default_multicast_tiles(1, 128, 32832, 66) == 2
-    assert AM.default_multicast_tiles(4, 128, 32832, 16) == 2
-    assert AM.default_multicast_tiles(1, 128, 4160, 48) == 1
-    assert AM.default_multicast_tiles(1, 64, 32832, 132) == 1
-    assert AM.default_multicast_tiles(1, 256, 32832, 33) == 1
-    assert AM.default_multicast_tiles(1, 72, 32832, 66) == 2     # 72 rows pad to two tiles
+    assert AM.default_multicast_tiles(128, 32832, 66) == 2
+    assert AM.default_multicast_tiles(128, 32832, 16) == 2
+    assert AM.default_multicast_tiles(128, 4160, 48) == 1
+    assert AM.default_multicast_tiles(64, 32832, 132) == 1
+    assert AM.default_multicast_tiles(256, 32832, 33) == 1
+    assert AM.default_multicast_tiles(72, 32832, 66) == 2     # 72 rows pad to two tiles
 
 
 def test_multicast_tiles_refuses_what_it_cannot_run():
