@@ -45,7 +45,7 @@ def parse_case(text: str) -> dict:
 def run_case(case: dict, sizes: list[int], key) -> list[dict]:
     """One row per multicast size that divides the case's tiles: times, error against the reference."""
     s, h, t = case["streams"], case["heads"], case["nodes"]
-    tiles = attn_mgpu.padded_rows(t * h) // attn_mgpu.BLOCK_Q
+    tiles = attn_mgpu.query_tiles(t * h)
     one = 2.0 * s * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
     for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):

@@ -127,7 +127,7 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
         if default > 1:
             peers["mosaic_gpu_combine_in_kernel"] = jax.jit(
                 lambda *a: attn_mgpu.tree_verify_attention(*a, scale=K26_SCALE, combine_in_kernel=True))
-        tiles = attn_mgpu.padded_rows(rows) // attn_mgpu.BLOCK_Q
+        tiles = attn_mgpu.query_tiles(rows)
         own = attn_mgpu.default_multicast_tiles(rows, args[2].shape[1], default)
         for size in sorted({1, 2} - {own}):
             if tiles % size == 0 and tiles > 1:

@@ -627,9 +627,14 @@ def takes_rows(rows: int) -> bool:
     return rows >= BLOCK_Q
 
 
+def query_tiles(rows: int) -> int:
+    """The 64-row query tiles of a stream of `rows` = T x H (node, head) pairs (`padded_rows` / BLOCK_Q)."""
+    return pl.cdiv(rows, BLOCK_Q)
+
+
 def padded_rows(rows: int) -> int:
     """The kernel's query rows for `rows` = T x H (node, head) pairs: rounded up to whole 64-row tiles."""
-    return BLOCK_Q * pl.cdiv(rows, BLOCK_Q)
+    return BLOCK_Q * query_tiles(rows)
 
 
 def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
@@ -638,7 +643,7 @@ def default_num_splits(num_streams: int, num_rows: int, capacity: int) -> int:
     partials of the padded rows, MIN_BLOCKS_PER_SPLIT and PARTIAL_BUDGET. Few query rows over a long prefix (H=8 T=1
     N=32768, a shape `ops` sends to the Triton kernel, timed here by direct calls) take one wave, 132 splits, as the
     Triton kernel's decode tile does (kernels.md, "The Mosaic GPU whole op on the H200", "Seventeenth session")."""
-    tiles = num_streams * pl.cdiv(num_rows, BLOCK_Q)
+    tiles = num_streams * query_tiles(num_rows)
     partial_bytes = 2 * tiles * BLOCK_Q * (2 * HALF * 2 + 8)      # bf16 out, f32 max and sum: written, read back
     return op.split_count(tiles, capacity, BLOCK_KV, op.NUM_SMS, partial_bytes,
                           op.call_floor_bytes(num_streams, num_rows, capacity), min_blocks=MIN_BLOCKS_PER_SPLIT,
@@ -651,8 +656,7 @@ def default_multicast_tiles(num_rows: int, capacity: int, num_splits: int) -> in
     tiles' stream of the cache then bounds the kernel, and sharing its loads pays); else 1. At 4 or more tiles
     clusters of 2 are level and of 4 slower (kernels.md, "Thirtieth session"). A cluster is of one stream, so the
     stream count does not enter."""
-    tiles = padded_rows(num_rows) // BLOCK_Q
-    return 2 if tiles == 2 and capacity // BLOCK_KV >= MULTICAST_MIN_BLOCKS * num_splits else 1
+    return 2 if query_tiles(num_rows) == 2 and capacity // BLOCK_KV >= MULTICAST_MIN_BLOCKS * num_splits else 1
 
 
 def _pairs(steps):
