@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.kernels_attention import K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs, cache_rows
+from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs, cache_rows,
+                                           parse_case)
 from experiments.timing import ROTATE_BYTES, back_to_back_job, rel_err, time_jobs
 from kdtree_jax import cli, plots
 from pallas_kernels import tree_verify_attention as attn
@@ -32,14 +33,6 @@ flags.DEFINE_integer("reps", 15, "timed windows per variant (median reported)")
 flags.DEFINE_string("out", "experiments/results/attention_multicast.json", "JSON results (a PNG beside it)")
 F = flags.FLAGS
 KERNEL = "tree_verify_attention_mgpu_mosaic_gpu_kernel"   # the kernel's event name in the device trace
-
-
-def parse_case(text: str) -> dict:
-    parts = text.split("/")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts[:3]) or not parts[3].isdigit():
-        cli.fail(f"--cases: {text!r} is not S/H/N/T (positive streams, heads, prefix; nodes >= 0), e.g. 1/8/32768/16")
-    s, h, n, t = (int(p) for p in parts)
-    return dict(streams=s, heads=h, prefix=n, nodes=t)
 
 
 def run_case(case: dict, sizes: list[int], key) -> list[dict]:

@@ -48,7 +48,9 @@ flags.DEFINE_list("moe_tokens", [], "the int4_moe token counts M to run (default
 flags.DEFINE_list("moe_sweep_tokens", ["1", "1024", "4096"], "token counts M whose int4_moe case sweeps tilings")
 flags.DEFINE_enum("attention_sweep_launcher", attn_triton.LAUNCHER, list(LAUNCHERS), "the `triton_call` launcher of the "
                   "Triton kernel's tilings and split counts in the attention sweep (the op's own is its module's "
-                  "LAUNCHER; its default tiling is also timed through the others as `triton:launch:NAME`)")
+                  "LAUNCHER; with --attention_launch_peers its default tiling is also timed through the others)")
+flags.DEFINE_bool("attention_launch_peers", False, "also time the Triton kernel's default tiling through the other "
+                  "`triton_call` launchers (peers `triton:launch:NAME`; their compiles about double a case's time)")
 flags.DEFINE_float("attention_budget_s", 240.0, "start no new attention case past this many seconds of the section")
 flags.DEFINE_float("moe_budget_s", 200.0, "start no new int4_moe case past this many seconds of the section")
 flags.DEFINE_float("tree_budget_s", 240.0, "start no new tree case past this many seconds of the section")
@@ -82,6 +84,7 @@ def main(_):
                              sections=F.sections, reps=F.reps, quick=F.quick, sweep=F.sweep,
                              attention_splits=F.attention_splits, attention_cases=F.attention_cases,
                              attention_sweep_launcher=F.attention_sweep_launcher,
+                             attention_launch_peers=F.attention_launch_peers,
                              moe_tokens=F.moe_tokens,
                              moe_sweep_tokens=F.moe_sweep_tokens,
                              xla_flags=os.environ.get("XLA_FLAGS", "")),
@@ -104,7 +107,7 @@ def main(_):
         print("attention f32 check:", RESULTS["checks"]["attention_f32"], flush=True)
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
                       "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases,
-                      F.attention_sweep_launcher)
+                      F.attention_sweep_launcher, F.attention_launch_peers)
         order = {case_name(case): i for i, case in enumerate(attention_cases(F.quick))}
         RESULTS["attention"].sort(key=lambda row: order.get(case_name(row), len(order)))   # merged rows: table order
     if "mgpu" in F.sections:

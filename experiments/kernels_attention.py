@@ -61,6 +61,16 @@ def case_name(case: dict) -> str:
     return f"{case['streams']}/{case['heads']}/{case['prefix']}/{case['nodes']}"
 
 
+def parse_case(text: str) -> dict:
+    """A case from its 'S/H/N/T' form (streams, heads, prefix, nodes); a ValueError names a malformed one."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts[:3]) or not parts[3].isdigit():
+        raise ValueError(f"case {text!r} is not S/H/N/T (positive streams, heads, prefix; nodes >= 0), "
+                         "e.g. 1/8/32768/16")
+    s, h, n, t = (int(p) for p in parts)
+    return dict(streams=s, heads=h, prefix=n, nodes=t)
+
+
 def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -> list[attn.AttentionConfig]:
     """Alternative configs of the Triton kernel timed beside the op: the split-K counts `splits` on every case (those
     it admits: at most N' / (2 block_k), at most 4 waves of programs), and with `tilings` other tilings on five
@@ -106,8 +116,9 @@ def attention_cost(case) -> tuple[float, float]:
     return flops, bytes_
 
 
-def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
-    """The op's kernels, each alone at its default tiling (the Triton kernel also through TRITON_LAUNCH_PEERS; Mosaic
+def attention_peers(args, interpret: bool, splits: list[int] = (), launch_peers: bool = False) -> dict:
+    """The op's kernels, each alone at its default tiling (the Triton kernel, with `launch_peers` also through
+    TRITON_LAUNCH_PEERS, whose Triton 3.6 compiles double a case's time in the section; Mosaic
     GPU wherever it `supports` the call, also below 64 rows, and joining its split-K partials in the kernel where it
     splits, and with C = 1 or 2 query tiles a cluster sharing the cache's loads, the one of the two that is not its
     default (`default_multicast_tiles`) where C divides the stream's tiles, `mosaic_gpu:multicast_tiles=C`; and the
@@ -117,7 +128,7 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
         return {}
     peers = {"op_plan_in_call": jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE)),
              "triton": jax.jit(lambda *a: attn_triton.tree_verify_attention(*a, scale=K26_SCALE))}
-    for launcher in TRITON_LAUNCH_PEERS:
+    for launcher in TRITON_LAUNCH_PEERS if launch_peers else ():
         peers[f"triton:launch:{launcher}"] = jax.jit(functools.partial(attn_triton.tree_verify_attention,
                                                                        scale=K26_SCALE, launcher=launcher))
     if attn_mgpu.supports(*args[:4]):
@@ -142,10 +153,10 @@ def attention_peers(args, interpret: bool, splits: list[int] = ()) -> dict:
 
 def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: bool, tilings: bool,
                   splits: list[int], save, only_cases: list[str] = (),
-                  sweep_launcher: str = attn_triton.LAUNCHER) -> None:
+                  sweep_launcher: str = attn_triton.LAUNCHER, launch_peers: bool = False) -> None:
     """Time every case (the op, the Triton kernel at the configs of attention_sweep through `sweep_launcher`, each
     kernel alone, the XLA reference) against the ceilings `ceil`; one row per case appended to `results`, printed,
-    then `save()`; no new case past `deadline` (time.time()). only_cases: the cases to run as 'S/H/N/T' (empty:
+    then `save()`; no new case past `deadline` (time.time()). launch_peers: as `attention_peers`. only_cases: the cases to run as 'S/H/N/T' (empty:
     all); a ValueError names those that are not cases."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
@@ -174,7 +185,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             ref = ref_fn(*sets[0]).astype(jnp.float32)
             errors, failed = try_candidates(fns, lambda fn: fn(*(planned if fn is op else sets)[0]).astype(jnp.float32),
                                             ref)
-            peers = attention_peers(sets[0], interpret, splits)
+            peers = attention_peers(sets[0], interpret, splits, launch_peers)
             peer_errors, peers_failed = try_candidates(peers, lambda fn: fn(*sets[0]).astype(jnp.float32), ref)
             jobs = [Job(name, fn, planned if fn is op else sets) for name, fn in {**fns, **peers}.items()]
             plan_fn = jax.jit(lambda p, v, h=case["heads"]: ops.tree_verify_plan(p, v, num_heads=h))

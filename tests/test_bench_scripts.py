@@ -114,7 +114,34 @@ def test_attention_peers_time_the_mosaic_gpu_op_at_the_split_counts_asked():
     peers = attention_peers(args, interpret=False, splits=[default, 64, blocks + 1])
     assert [name for name in peers if name.startswith("mosaic_gpu:")] == ["mosaic_gpu:num_splits=64"]
     assert {"op_plan_in_call", "triton", "mosaic_gpu", "mosaic_gpu_combine_in_kernel"} <= set(peers)
+    assert not any(name.startswith("triton:launch:") for name in peers)
+    launched = attention_peers(args, interpret=False, launch_peers=True)
+    assert {name for name in launched if name.startswith("triton:launch:")} == {"triton:launch:ffi",
+                                                                               "triton:launch:jax_triton"}
     assert attention_peers(args, interpret=True, splits=[64]) == {}
+
+
+@pytest.mark.parametrize("text", ["1/8/4096", "0/8/4096/1", "1/8/4096/-1", "a/8/4096/1"])
+def test_parse_case_names_a_malformed_case(text):
+    from experiments.kernels_attention import parse_case
+    with pytest.raises(ValueError, match="is not S/H/N/T"):
+        parse_case(text)
+
+
+def test_attention_flashmla_refuses_a_cpu_a_malformed_case_and_several_streams():
+    """The FlashMLA comparison runs on a GPU at one stream; elsewhere it says so (exit 2) before anything is built."""
+    from experiments import attention_flashmla
+    from experiments.kernels_attention import parse_case
+    assert parse_case("1/64/32768/16") == dict(streams=1, heads=64, prefix=32768, nodes=16)
+    assert attention_flashmla.chain_visible(3)[0].tolist() == [[True, False, False], [True, True, False],
+                                                              [True, True, True]]
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    for args, why in ((["--flashmla=/nonexistent"], "run it on a Hopper GPU"),
+                      (["--flashmla=/nonexistent", "--cases=1/8/4096"], "is not S/H/N/T"),
+                      (["--flashmla=/nonexistent", "--cases=2/8/4096/1"], "each must have one stream")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "attention_flashmla.py"), *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_round_tiny(tmp_path):

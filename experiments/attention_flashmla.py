@@ -1,0 +1,185 @@
+"""The tree-verify attention op against FlashMLA's sm90 dense decode (bf16), side by side in one run, on the decode
+shapes of #14: the anchor the issue names, measured on the same H200 at the same shapes.
+
+At one stream FlashMLA schedules as the op does: the stream's T x H query rows in 64-row tiles, each tile's cache
+split over about 132 / tiles multiprocessors, then a combine kernel (its partials f32, the op's Mosaic GPU ones bf16).
+Both attend the same keys: the prefix and a chain of T nodes (FlashMLA's causal mask over the nodes is the chain's
+ancestor mask), so their outputs agree to bf16 rounding. Each is timed per call of `timing.BACK_TO_BACK` calls over
+input sets rotated past the L2: the op in one jitted function (`timing.back_to_back_job`), FlashMLA in one CUDA graph
+(PyTorch, CUDA events; its kernels' device times from PyTorch's profiler).
+
+FlashMLA is not a dependency: build its extension first (`experiments/peers/build_flashmla.sh`, which says where its
+sources come from), then on the GPU:
+
+    python3 experiments/attention_flashmla.py --flashmla=/tmp/flashmla --out=experiments/results/attention_flashmla.json
+
+Writes the JSON (--out) and a bar plot of both per-call times beside it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # PyTorch shares the GPU in this process
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import flags, logging  # noqa: E402
+
+from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs,  # noqa: E402
+                                           cache_rows, parse_case)
+from experiments.timing import (BACK_TO_BACK, ROTATE_BYTES, back_to_back_job, measure_ceilings, rel_err,  # noqa: E402
+                                roofline, time_jobs)
+from kdtree_jax import cli, plots  # noqa: E402
+from pallas_kernels import ops  # noqa: E402
+from pallas_kernels import tree_verify_attention as attn  # noqa: E402
+
+flags.DEFINE_list("cases", ["1/8/32768/1", "1/8/32768/16", "1/64/32768/1", "1/64/32768/16", "1/8/4096/1",
+                            "1/64/4096/1", "1/64/4096/16", "1/8/32768/64"], "S/H/N/T: streams (1), heads, prefix, nodes")
+flags.DEFINE_string("flashmla", None, "directory holding the flashmla_decode extension (build_flashmla.sh's OUT_DIR)")
+flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
+flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
+flags.mark_flag_as_required("flashmla")
+F = flags.FLAGS
+PAGE = 64          # FlashMLA's page block size (its only one), the op's cache block
+
+
+def chain_visible(nodes: int) -> np.ndarray:
+    """visible [1, T, T]: node i sees nodes 0..i, the tree FlashMLA's causal mask describes."""
+    return np.tril(np.ones((1, nodes, nodes), bool))
+
+
+def flashmla_inputs(torch, args):
+    """The op's inputs (q_lat [1, T, H, 512], q_rope [1, T, H, 64], c_kv [1, N', 512], k_rope [1, N', 64], prefix_len
+    [1]) as FlashMLA's: q [1, T, H, 576], a paged cache [N' / 64, 64, 1, 576] with its block table [1, N' / 64] and
+    seqlens [1] = prefix + T."""
+    q_lat, q_rope, c_kv, k_rope, prefix_len = args[:5]
+    q = jnp.concatenate([q_lat, q_rope], axis=-1)
+    cache = jnp.concatenate([c_kv, k_rope], axis=-1)[0]
+    cache = cache.reshape(cache.shape[0] // PAGE, PAGE, 1, cache.shape[-1])
+    q, cache = (torch.from_dlpack(jax.block_until_ready(x)) for x in (q, cache))
+    blocks = torch.arange(cache.shape[0], dtype=torch.int32, device="cuda")[None]
+    seqlens = torch.tensor([int(prefix_len[0]) + q.shape[1]], dtype=torch.int32, device="cuda")
+    return q, cache, seqlens, blocks
+
+
+def time_flashmla(torch, fm, sets, reps: int) -> dict:
+    """FlashMLA per call, us: `us` (median over reps of a CUDA graph of BACK_TO_BACK calls, rotated over sets, by CUDA
+    events), `kernels_us` (each kernel's device time per call from PyTorch's profiler), `num_splits` (its scheduler's
+    split offsets per stream); and the first set's output."""
+    first = fm.dense_decode_fwd(*sets[0][:2], 512, *sets[0][2:], K26_SCALE, True, None, None)
+    meta, splits = first[2], first[3]
+
+    def calls():
+        for c in range(BACK_TO_BACK):
+            q, cache, seqlens, blocks = sets[c % len(sets)]
+            fm.dense_decode_fwd(q, cache, 512, seqlens, blocks, K26_SCALE, True, meta, splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / BACK_TO_BACK)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.device_time_total / (reps * BACK_TO_BACK) for e in prof.key_averages()
+               if e.device_time_total > 0}
+    return dict(us=float(np.median(times)), us_spread=float(np.std(times)), kernels_us=kernels,
+                out=first[0], num_splits=splits.tolist())
+
+
+def run_case(torch, fm, case: dict, ceil: dict, key) -> dict:
+    """One row: the op's and FlashMLA's per-call times, their errors against the op's XLA reference."""
+    one = 2.0 * cache_rows(case) * (K26_LAT + K26_ROPE)
+    sets = []
+    for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
+        args = attention_inputs(jax.random.fold_in(key, i), case, np.random.default_rng(i))
+        args = (*args[:5], jnp.asarray(chain_visible(case["nodes"])))
+        sets.append((*args, ops.tree_verify_plan(args[4], args[5], num_heads=case["heads"])))
+    ref = attn.tree_verify_attention_reference(*sets[0][:6], scale=K26_SCALE).astype(jnp.float32)
+    op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
+    ours = time_jobs([back_to_back_job("op", op, sets)], F.reps)["op"]
+    peer = time_flashmla(torch, fm, [flashmla_inputs(torch, a) for a in sets], F.reps)
+    theirs = jnp.asarray(peer.pop("out").float().cpu().numpy())
+    flops, bytes_ = attention_cost(case)
+    floor = roofline(flops, bytes_, ceil)
+    row = dict(case, cache_rows=cache_rows(case), backend=ops.attention_backend(*sets[0][:4]),
+               op_us=ours["us"], op_kernels_us=ours.get("kernels_us"), flashmla_us=peer["us"],
+               flashmla_us_spread=peer["us_spread"], flashmla_kernels_us=peer["kernels_us"],
+               flashmla_num_splits=peer["num_splits"], op_vs_flashmla=peer["us"] / ours["us"],
+               roofline_us=floor, op_roofline_fraction=floor / ours["us"], flashmla_roofline_fraction=floor / peer["us"],
+               op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref), flashmla_rel_err_bf16=rel_err(theirs, ref),
+               input_sets=len(sets))
+    logging.info("%s: op %.2f us, FlashMLA %.2f us", case, row["op_us"], row["flashmla_us"])
+    return row
+
+
+def main(_):
+    cases = [parse_case(text) for text in F.cases]
+    if any(case["streams"] != 1 for case in cases):
+        cli.fail(f"--cases {F.cases}: each must have one stream (the comparison runs FlashMLA at batch 1)")
+    if jax.default_backend() != "gpu":
+        cli.fail("attention_flashmla.py times CUDA kernels: run it on a Hopper GPU")
+    import torch
+    sys.path.insert(0, os.path.abspath(F.flashmla))
+    try:
+        import flashmla_decode as fm
+    except ImportError as e:
+        cli.fail(f"--flashmla={F.flashmla}: no flashmla_decode extension there ({e}); build it with "
+                 "experiments/peers/build_flashmla.sh")
+    ceil = measure_ceilings(F.reps, quick=False)
+    print(f"ceilings: {ceil['bandwidth_GBps']:.0f} GB/s, {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'case S/H/N/T':16s} {'backend':>10s} {'op us':>8s} {'FlashMLA us':>12s} {'FlashMLA / op':>14s} "
+          f"{'op roof':>8s} {'FlashMLA roof':>14s} {'op err':>8s} {'FlashMLA err':>13s}")
+    rows = []
+    for i, (text, case) in enumerate(zip(F.cases, cases)):
+        row = run_case(torch, fm, case, ceil, jax.random.key(i))
+        rows.append(row)
+        print(f"{text:16s} {row['backend']:>10s} {row['op_us']:8.2f} {row['flashmla_us']:12.2f} "
+              f"{row['op_vs_flashmla']:14.2f} {row['op_roofline_fraction']:8.1%} "
+              f"{row['flashmla_roofline_fraction']:14.1%} {row['op_rel_err_bf16']:8.1e} "
+              f"{row['flashmla_rel_err_bf16']:13.1e}", flush=True)
+    meta = dict(jax=jax.__version__, torch=torch.__version__, device=jax.devices()[0].device_kind,
+                ceilings={k: v for k, v in ceil.items() if k != "timings"}, reps=F.reps, back_to_back=BACK_TO_BACK,
+                code=open("REV").read().strip() if os.path.exists("REV") else None)
+    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    plot(rows, os.path.splitext(F.out)[0] + ".png", meta)
+
+
+def plot(rows, path: str, meta: dict) -> None:
+    plt = plots.pyplot()
+    cases = [f"{r['streams']}/{r['heads']}/{r['prefix']}/{r['nodes']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
+    x = np.arange(len(cases))
+    ax.bar(x - 0.2, [r["op_us"] for r in rows], 0.4, label="tree_verify_attention (ops)")
+    ax.bar(x + 0.2, [r["flashmla_us"] for r in rows], 0.4, label="FlashMLA dense decode")
+    ax.set_xticks(x, cases, rotation=30, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("us per call (back to back)")
+    ax.set_title(f"the op against FlashMLA ({meta['device']}, code {meta['code']})")
+    ax.legend()
+    plots.save(fig, path)
+
+
+if __name__ == "__main__":
+    cli.run(main)
