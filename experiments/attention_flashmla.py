@@ -60,7 +60,7 @@ def flashmla_inputs(torch, args):
     q = jnp.concatenate([q_lat, q_rope], axis=-1)
     cache = jnp.concatenate([c_kv, k_rope], axis=-1)[0]
     cache = cache.reshape(cache.shape[0] // PAGE, PAGE, 1, cache.shape[-1])
-    q, cache = (torch.from_dlpack(jax.block_until_ready(x)) for x in (q, cache))
+    q, cache = (torch.from_numpy(np.asarray(x).view(np.uint16)).view(torch.bfloat16).cuda() for x in (q, cache))
     blocks = torch.arange(cache.shape[0], dtype=torch.int32, device="cuda")[None]
     seqlens = torch.tensor([int(prefix_len[0]) + q.shape[1]], dtype=torch.int32, device="cuda")
     return q, cache, seqlens, blocks
