@@ -27,17 +27,20 @@ for unit in sm90/decode/dense/instantiations/bf16.cu smxx/decode/combine/combine
             smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu; do
   obj="$out/obj/$(basename "${unit%.cu}").o"
   objects+=("$obj")
+  [ -s "$obj" ] && continue      # built by an earlier run into the same OUT_DIR
   nvcc "${flags[@]}" "${includes[@]}" -c "$src/$unit" -o "$obj" &
 done
 wait
 for obj in "${objects[@]}"; do [ -s "$obj" ] || { echo "build_flashmla.sh: $obj was not built" >&2; exit 1; }; done
 python3 - "$here/flashmla_binding.cpp" "$out" "$src" "${objects[@]}" <<'PY'
 import sys
+import os
 from torch.utils import cpp_extension
 binding, out, src, *objects = sys.argv[1:]
 cpp_extension.load(name="flashmla_decode", sources=[binding], build_directory=out, verbose=False,
                    extra_cflags=["-O3", "-std=c++20", "-DFLASH_MLA_DISABLE_FP16"],
-                   extra_include_paths=[src, f"{src}/kerutils/include", f"{src}/sm90", f"{src}/cutlass/include"],
+                   extra_include_paths=[src, f"{src}/kerutils/include", f"{src}/sm90", f"{src}/cutlass/include",
+                                        os.path.join(cpp_extension.CUDA_HOME, "include", "cccl")],  # CUDA 13's libcu++
                    extra_ldflags=objects, with_cuda=True)
 print(f"build_flashmla.sh: built {out}/flashmla_decode.so")
 PY
