@@ -6,7 +6,8 @@ split over about 132 / tiles multiprocessors, then a combine kernel (its partial
 Both attend the same keys: the prefix and a chain of T nodes (FlashMLA's causal mask over the nodes is the chain's
 ancestor mask), so their outputs agree to bf16 rounding. Each is timed per call of `timing.BACK_TO_BACK` calls over
 input sets rotated past the L2: the op in one jitted function (`timing.back_to_back_job`), FlashMLA in one CUDA graph
-(PyTorch, CUDA events; its kernels' device times from PyTorch's profiler).
+(PyTorch, CUDA events; its kernels' device times from PyTorch's profiler, after every case's JAX timing: JAX's
+profiler cannot take CUPTI once PyTorch's has).
 
 FlashMLA is not a dependency: build its extension first (`experiments/peers/build_flashmla.sh`, which says where its
 sources come from), then on the GPU:
@@ -38,7 +39,8 @@ from pallas_kernels import ops  # noqa: E402
 from pallas_kernels import tree_verify_attention as attn  # noqa: E402
 
 flags.DEFINE_list("cases", ["1/8/32768/1", "1/8/32768/16", "1/64/32768/1", "1/64/32768/16", "1/8/4096/1",
-                            "1/64/4096/1", "1/64/4096/16", "1/8/32768/64"], "S/H/N/T: streams (1), heads, prefix, nodes")
+                            "1/64/4096/1", "1/64/4096/16", "1/8/32768/64", "1/64/32768/64"],
+                  "S/H/N/T: streams (1), heads, prefix, nodes")
 flags.DEFINE_string("flashmla", None, "directory holding the flashmla_decode extension (build_flashmla.sh's OUT_DIR)")
 flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
 flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
@@ -66,10 +68,9 @@ def flashmla_inputs(torch, args):
     return q, cache, seqlens, blocks
 
 
-def time_flashmla(torch, fm, sets, reps: int) -> dict:
-    """FlashMLA per call, us: `us` (median over reps of a CUDA graph of BACK_TO_BACK calls, rotated over sets, by CUDA
-    events), `kernels_us` (each kernel's device time per call from PyTorch's profiler), `num_splits` (its scheduler's
-    split offsets per stream); and the first set's output."""
+def flashmla_graph(torch, fm, sets):
+    """A CUDA graph of BACK_TO_BACK FlashMLA calls rotated over sets (its scheduler's metadata made once, as a decode
+    step reuses it), the first set's output, and the scheduler's split offsets per stream."""
     first = fm.dense_decode_fwd(*sets[0][:2], 512, *sets[0][2:], K26_SCALE, True, None, None)
     meta, splits = first[2], first[3]
 
@@ -86,6 +87,11 @@ def time_flashmla(torch, fm, sets, reps: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
+    return graph, first[0], splits.tolist()
+
+
+def time_graph(torch, graph, reps: int) -> dict:
+    """Per call of the graph's BACK_TO_BACK calls, us: the median over reps replays by CUDA events, and its spread."""
     for _ in range(3):
         graph.replay()
     times = []
@@ -96,18 +102,24 @@ def time_flashmla(torch, fm, sets, reps: int) -> dict:
         end.record()
         end.synchronize()
         times.append(1e3 * start.elapsed_time(end) / BACK_TO_BACK)
+    return dict(us=float(np.median(times)), us_spread=float(np.std(times)))
+
+
+def graph_kernels_us(torch, graph, reps: int) -> dict:
+    """{'splitkv' | 'combine' | name: device us per call} of the graph's kernels, from PyTorch's profiler. Run it after
+    every JAX timing: once PyTorch's profiler has held CUPTI, JAX's cannot subscribe to it in this process."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    kernels = {e.key: e.device_time_total / (reps * BACK_TO_BACK) for e in prof.key_averages()
-               if e.device_time_total > 0}
-    return dict(us=float(np.median(times)), us_spread=float(np.std(times)), kernels_us=kernels,
-                out=first[0], num_splits=splits.tolist())
+    short = {"splitkv": "splitkv", "combine": "combine"}
+    return {next((v for k, v in short.items() if k in e.key), e.key[:60]): e.device_time_total / (reps * BACK_TO_BACK)
+            for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def run_case(torch, fm, case: dict, ceil: dict, key) -> dict:
-    """One row: the op's and FlashMLA's per-call times, their errors against the op's XLA reference."""
+def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
+    """One row (the op's and FlashMLA's per-call times, their errors against the op's XLA reference) and FlashMLA's
+    graph, whose kernels `graph_kernels_us` times once every case has run."""
     one = 2.0 * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
     for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
@@ -117,19 +129,20 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> dict:
     ref = attn.tree_verify_attention_reference(*sets[0][:6], scale=K26_SCALE).astype(jnp.float32)
     op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
     ours = time_jobs([back_to_back_job("op", op, sets)], F.reps)["op"]
-    peer = time_flashmla(torch, fm, [flashmla_inputs(torch, a) for a in sets], F.reps)
-    theirs = jnp.asarray(peer.pop("out").float().cpu().numpy())
+    graph, first, splits = flashmla_graph(torch, fm, [flashmla_inputs(torch, a) for a in sets])
+    peer = time_graph(torch, graph, F.reps)
+    theirs = jnp.asarray(first.float().cpu().numpy())
     flops, bytes_ = attention_cost(case)
     floor = roofline(flops, bytes_, ceil)
     row = dict(case, cache_rows=cache_rows(case), backend=ops.attention_backend(*sets[0][:4]),
-               op_us=ours["us"], op_kernels_us=ours.get("kernels_us"), flashmla_us=peer["us"],
-               flashmla_us_spread=peer["us_spread"], flashmla_kernels_us=peer["kernels_us"],
-               flashmla_num_splits=peer["num_splits"], op_vs_flashmla=peer["us"] / ours["us"],
-               roofline_us=floor, op_roofline_fraction=floor / ours["us"], flashmla_roofline_fraction=floor / peer["us"],
+               op_us=ours["us"], op_timing_method=ours["method"], op_kernels_us=ours.get("kernels_us"),
+               flashmla_us=peer["us"], flashmla_us_spread=peer["us_spread"], flashmla_split_offsets=splits,
+               op_vs_flashmla=peer["us"] / ours["us"], roofline_us=floor, op_roofline_fraction=floor / ours["us"],
+               flashmla_roofline_fraction=floor / peer["us"],
                op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref), flashmla_rel_err_bf16=rel_err(theirs, ref),
                input_sets=len(sets))
     logging.info("%s: op %.2f us, FlashMLA %.2f us", case, row["op_us"], row["flashmla_us"])
-    return row
+    return row, graph
 
 
 def main(_):
@@ -149,14 +162,20 @@ def main(_):
     print(f"ceilings: {ceil['bandwidth_GBps']:.0f} GB/s, {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'case S/H/N/T':16s} {'backend':>10s} {'op us':>8s} {'FlashMLA us':>12s} {'FlashMLA / op':>14s} "
           f"{'op roof':>8s} {'FlashMLA roof':>14s} {'op err':>8s} {'FlashMLA err':>13s}")
-    rows = []
+    rows, graphs = [], []
     for i, (text, case) in enumerate(zip(F.cases, cases)):
-        row = run_case(torch, fm, case, ceil, jax.random.key(i))
+        row, graph = run_case(torch, fm, case, ceil, jax.random.key(i))
         rows.append(row)
+        graphs.append(graph)
         print(f"{text:16s} {row['backend']:>10s} {row['op_us']:8.2f} {row['flashmla_us']:12.2f} "
               f"{row['op_vs_flashmla']:14.2f} {row['op_roofline_fraction']:8.1%} "
               f"{row['flashmla_roofline_fraction']:14.1%} {row['op_rel_err_bf16']:8.1e} "
               f"{row['flashmla_rel_err_bf16']:13.1e}", flush=True)
+    print("kernels, device us per call (op | FlashMLA):")
+    for text, row, graph in zip(F.cases, rows, graphs):
+        row["flashmla_kernels_us"] = graph_kernels_us(torch, graph, F.reps)
+        print(f"{text:16s} " + " ".join(f"{k} {v:.2f}" for k, v in (row["op_kernels_us"] or {}).items()) + " | "
+              + " ".join(f"{k} {v:.2f}" for k, v in row["flashmla_kernels_us"].items()), flush=True)
     meta = dict(jax=jax.__version__, torch=torch.__version__, device=jax.devices()[0].device_kind,
                 ceilings={k: v for k, v in ceil.items() if k != "timings"}, reps=F.reps, back_to_back=BACK_TO_BACK,
                 code=open("REV").read().strip() if os.path.exists("REV") else None)
