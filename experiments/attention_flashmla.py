@@ -18,7 +18,6 @@ Writes the JSON (--out) and a bar plot of both per-call times beside it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -32,6 +31,7 @@ from absl import flags, logging  # noqa: E402
 
 from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs,  # noqa: E402
                                            cache_rows, parse_case)
+from experiments.run_record import code_version, write_json  # noqa: E402
 from experiments.timing import (BACK_TO_BACK, ROTATE_BYTES, back_to_back_job, measure_ceilings, rel_err,  # noqa: E402
                                 roofline, time_jobs)
 from kdtree_jax import cli, plots  # noqa: E402
@@ -178,10 +178,8 @@ def main(_):
               + " ".join(f"{k} {v:.2f}" for k, v in row["flashmla_kernels_us"].items()), flush=True)
     meta = dict(jax=jax.__version__, torch=torch.__version__, device=jax.devices()[0].device_kind,
                 ceilings={k: v for k, v in ceil.items() if k != "timings"}, reps=F.reps, back_to_back=BACK_TO_BACK,
-                code=open("REV").read().strip() if os.path.exists("REV") else None)
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    with open(F.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                code=code_version())
+    write_json(F.out, dict(meta=meta, rows=rows))
     plot(rows, os.path.splitext(F.out)[0] + ".png", meta)
 
 

@@ -11,7 +11,6 @@ Writes the JSON (--out) and a bar plot of the kernels' times beside it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -21,6 +20,7 @@ from absl import flags, logging
 
 from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs, cache_rows,
                                            parse_case)
+from experiments.run_record import code_version, write_json
 from experiments.timing import ROTATE_BYTES, back_to_back_job, rel_err, time_jobs
 from kdtree_jax import cli, plots
 from pallas_kernels import tree_verify_attention as attn
@@ -84,10 +84,8 @@ def main(_):
                   f"{row['op_us']:8.2f} {row['kernel_us'] or float('nan'):10.2f} "
                   f"{ratio if ratio is not None else float('nan'):7.3f} {row['rel_err_bf16']:8.1e}", flush=True)
     meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, sizes=sizes, reps=F.reps,
-                code=open("REV").read().strip() if os.path.exists("REV") else None)
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    with open(F.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                code=code_version())
+    write_json(F.out, dict(meta=meta, rows=rows))
     plot(rows, os.path.splitext(F.out)[0] + ".png", meta)
 
 

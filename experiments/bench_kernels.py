@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 
 import numpy as np
@@ -29,6 +28,7 @@ from experiments.kernels_attention_mgpu import run_attention_mgpu
 from experiments.kernels_combine import run_combine
 from experiments.kernels_moe import run_moe
 from experiments.kernels_tree import run_tree
+from experiments.run_record import code_version, write_json
 from experiments.timing import measure_ceilings
 from kdtree_jax import cli, plots
 from pallas_kernels import tree_verify_attention_triton as attn_triton
@@ -66,9 +66,7 @@ RESULTS: dict = {}
 
 
 def _dump():
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    with open(F.out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    write_json(F.out, RESULTS)
 
 
 def main(_):
@@ -157,24 +155,6 @@ def merge_earlier_run(path: str) -> None:
         kept_cases = [case_name(row) for row in RESULTS["attention"]]
     RESULTS["meta"]["merged"] = dict(sections=kept, attention_cases=kept_cases, meta=earlier.get("meta"),
                                      ceilings=earlier.get("ceilings"))
-
-
-def code_version() -> str:
-    """The code's revision: a REV file at the root (a copy of the tree made for a device run, without git), else git's
-    short HEAD (with '+changes' when the tree differs from it), else 'unknown'."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rev = os.path.join(root, "REV")
-    if os.path.exists(rev):
-        with open(rev) as f:
-            return f.read().strip()
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def plot_results(results: dict, path: str) -> None:
