@@ -2,7 +2,8 @@
 shapes of #14: the anchor the issue names, measured on the same H200 at the same shapes.
 
 At one stream FlashMLA schedules as the op does: the stream's T x H query rows in 64-row tiles, each tile's cache
-split over about 132 / tiles multiprocessors, then a combine kernel (its partials f32, the op's Mosaic GPU ones bf16).
+split over about 132 / tiles multiprocessors, then a combine kernel (its partials f32, the op's Mosaic GPU ones bf16);
+streams are its batch.
 Both attend the same keys: the prefix and a chain of T nodes (FlashMLA's causal mask over the nodes is the chain's
 ancestor mask), so their outputs agree to bf16 rounding. Each is timed per call of `timing.BACK_TO_BACK` calls over
 input sets rotated past the L2: the op in one jitted function (`timing.back_to_back_job`), FlashMLA in one CUDA graph
@@ -39,8 +40,8 @@ from pallas_kernels import ops  # noqa: E402
 from pallas_kernels import tree_verify_attention as attn  # noqa: E402
 
 flags.DEFINE_list("cases", ["1/8/32768/1", "1/8/32768/16", "1/64/32768/1", "1/64/32768/16", "1/8/4096/1",
-                            "1/64/4096/1", "1/64/4096/16", "1/8/32768/64", "1/64/32768/64"],
-                  "S/H/N/T: streams (1), heads, prefix, nodes")
+                            "1/64/4096/1", "1/64/4096/16", "1/8/32768/64", "1/64/32768/64", "8/8/32768/64",
+                            "8/8/32768/16", "8/64/32768/1"], "S/H/N/T: streams (FlashMLA's batch), heads, prefix, nodes")
 flags.DEFINE_string("flashmla", None, "directory holding the flashmla_decode extension (build_flashmla.sh's OUT_DIR)")
 flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
 flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
@@ -49,22 +50,22 @@ F = flags.FLAGS
 PAGE = 64          # FlashMLA's page block size (its only one), the op's cache block
 
 
-def chain_visible(nodes: int) -> np.ndarray:
-    """visible [1, T, T]: node i sees nodes 0..i, the tree FlashMLA's causal mask describes."""
-    return np.tril(np.ones((1, nodes, nodes), bool))
+def chain_visible(streams: int, nodes: int) -> np.ndarray:
+    """visible [S, T, T]: node i sees nodes 0..i, the tree FlashMLA's causal mask describes."""
+    return np.broadcast_to(np.tril(np.ones((nodes, nodes), bool)), (streams, nodes, nodes))
 
 
 def flashmla_inputs(torch, args):
-    """The op's inputs (q_lat [1, T, H, 512], q_rope [1, T, H, 64], c_kv [1, N', 512], k_rope [1, N', 64], prefix_len
-    [1]) as FlashMLA's: q [1, T, H, 576], a paged cache [N' / 64, 64, 1, 576] with its block table [1, N' / 64] and
-    seqlens [1] = prefix + T."""
+    """The op's inputs (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv [S, N', 512], k_rope [S, N', 64],
+    prefix_len [S]) as FlashMLA's: q [S, T, H, 576], a paged cache [S N' / 64, 64, 1, 576] (stream s in blocks
+    s N' / 64 onwards) with its block table [S, N' / 64] and seqlens [S] = prefix_len + T."""
     q_lat, q_rope, c_kv, k_rope, prefix_len = args[:5]
+    streams, rows = c_kv.shape[:2]
     q = jnp.concatenate([q_lat, q_rope], axis=-1)
-    cache = jnp.concatenate([c_kv, k_rope], axis=-1)[0]
-    cache = cache.reshape(cache.shape[0] // PAGE, PAGE, 1, cache.shape[-1])
+    cache = jnp.concatenate([c_kv, k_rope], axis=-1).reshape(streams * rows // PAGE, PAGE, 1, -1)
     q, cache = (torch.from_numpy(np.asarray(x).view(np.uint16)).view(torch.bfloat16).cuda() for x in (q, cache))
-    blocks = torch.arange(cache.shape[0], dtype=torch.int32, device="cuda")[None]
-    seqlens = torch.tensor([int(prefix_len[0]) + q.shape[1]], dtype=torch.int32, device="cuda")
+    blocks = torch.arange(cache.shape[0], dtype=torch.int32, device="cuda").reshape(streams, rows // PAGE)
+    seqlens = torch.tensor(np.asarray(prefix_len) + q.shape[1], dtype=torch.int32, device="cuda")
     return q, cache, seqlens, blocks
 
 
@@ -120,11 +121,11 @@ def graph_kernels_us(torch, graph, reps: int) -> dict:
 def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
     """One row (the op's and FlashMLA's per-call times, their errors against the op's XLA reference) and FlashMLA's
     graph, whose kernels `graph_kernels_us` times once every case has run."""
-    one = 2.0 * cache_rows(case) * (K26_LAT + K26_ROPE)
+    one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
     for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
         args = attention_inputs(jax.random.fold_in(key, i), case, np.random.default_rng(i))
-        args = (*args[:5], jnp.asarray(chain_visible(case["nodes"])))
+        args = (*args[:5], jnp.asarray(chain_visible(case["streams"], case["nodes"])))
         sets.append((*args, ops.tree_verify_plan(args[4], args[5], num_heads=case["heads"])))
     ref = attn.tree_verify_attention_reference(*sets[0][:6], scale=K26_SCALE).astype(jnp.float32)
     op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
@@ -147,8 +148,6 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
 
 def main(_):
     cases = [parse_case(text) for text in F.cases]
-    if any(case["streams"] != 1 for case in cases):
-        cli.fail(f"--cases {F.cases}: each must have one stream (the comparison runs FlashMLA at batch 1)")
     if jax.default_backend() != "gpu":
         cli.fail("attention_flashmla.py times CUDA kernels: run it on a Hopper GPU")
     import torch

@@ -128,17 +128,18 @@ def test_parse_case_names_a_malformed_case(text):
         parse_case(text)
 
 
-def test_attention_flashmla_refuses_a_cpu_a_malformed_case_and_several_streams():
-    """The FlashMLA comparison runs on a GPU at one stream; elsewhere it says so (exit 2) before anything is built."""
+def test_attention_flashmla_refuses_a_cpu_and_a_malformed_case():
+    """The FlashMLA comparison runs on a GPU; elsewhere, or given a malformed case, it says so (exit 2) before
+    anything is built."""
     from experiments import attention_flashmla
     from experiments.kernels_attention import parse_case
     assert parse_case("1/64/32768/16") == dict(streams=1, heads=64, prefix=32768, nodes=16)
-    assert attention_flashmla.chain_visible(3)[0].tolist() == [[True, False, False], [True, True, False],
-                                                              [True, True, True]]
+    chain = attention_flashmla.chain_visible(2, 3)
+    assert chain.shape == (2, 3, 3) and chain[1].tolist() == [[True, False, False], [True, True, False],
+                                                             [True, True, True]]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for args, why in ((["--flashmla=/nonexistent"], "run it on a Hopper GPU"),
-                      (["--flashmla=/nonexistent", "--cases=1/8/4096"], "is not S/H/N/T"),
-                      (["--flashmla=/nonexistent", "--cases=2/8/4096/1"], "each must have one stream")):
+                      (["--flashmla=/nonexistent", "--cases=1/8/4096"], "is not S/H/N/T")):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "attention_flashmla.py"), *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
