@@ -118,9 +118,9 @@ def graph_kernels_us(torch, graph, reps: int) -> dict:
             for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
+def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
     """One row (the op's and FlashMLA's per-call times, their errors against the op's XLA reference) and FlashMLA's
-    graph, whose kernels `graph_kernels_us` times once every case has run."""
+    graph with the input sets it replays on, whose kernels `graph_kernels_us` times once every case has run."""
     one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
     for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
@@ -130,7 +130,8 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
     ref = attn.tree_verify_attention_reference(*sets[0][:6], scale=K26_SCALE).astype(jnp.float32)
     op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
     ours = time_jobs([back_to_back_job("op", op, sets)], F.reps)["op"]
-    graph, first, splits = flashmla_graph(torch, fm, [flashmla_inputs(torch, a) for a in sets])
+    peer_sets = [flashmla_inputs(torch, a) for a in sets]
+    graph, first, splits = flashmla_graph(torch, fm, peer_sets)
     peer = time_graph(torch, graph, F.reps)
     theirs = jnp.asarray(first.float().cpu().numpy())
     flops, bytes_ = attention_cost(case)
@@ -143,7 +144,7 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, object]:
                op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref), flashmla_rel_err_bf16=rel_err(theirs, ref),
                input_sets=len(sets))
     logging.info("%s: op %.2f us, FlashMLA %.2f us", case, row["op_us"], row["flashmla_us"])
-    return row, graph
+    return row, (graph, peer_sets)      # the graph replays on these tensors: kept alive with it
 
 
 def main(_):
@@ -172,7 +173,7 @@ def main(_):
               f"{row['flashmla_rel_err_bf16']:13.1e}", flush=True)
     print("kernels, device us per call (op | FlashMLA):")
     for text, row, graph in zip(F.cases, rows, graphs):
-        row["flashmla_kernels_us"] = graph_kernels_us(torch, graph, F.reps)
+        row["flashmla_kernels_us"] = graph_kernels_us(torch, graph[0], F.reps)
         print(f"{text:16s} " + " ".join(f"{k} {v:.2f}" for k, v in (row["op_kernels_us"] or {}).items()) + " | "
               + " ".join(f"{k} {v:.2f}" for k, v in row["flashmla_kernels_us"].items()), flush=True)
     meta = dict(jax=jax.__version__, torch=torch.__version__, device=jax.devices()[0].device_kind,
