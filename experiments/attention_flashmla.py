@@ -71,7 +71,8 @@ def flashmla_inputs(torch, args):
 
 def flashmla_graph(torch, fm, sets):
     """A CUDA graph of BACK_TO_BACK FlashMLA calls rotated over sets (its scheduler's metadata made once, as a decode
-    step reuses it), the first set's output, and the scheduler's split offsets per stream."""
+    step reuses it), the first call's (out, lse, metadata, split offsets) (the graph reads the last two: keep them
+    with it), and the split offsets per stream as a list."""
     first = fm.dense_decode_fwd(*sets[0][:2], 512, *sets[0][2:], K26_SCALE, True, None, None)
     meta, splits = first[2], first[3]
 
@@ -88,7 +89,7 @@ def flashmla_graph(torch, fm, sets):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    return graph, first[0], splits.tolist()
+    return graph, first, splits.tolist()
 
 
 def time_graph(torch, graph, reps: int) -> dict:
@@ -133,7 +134,7 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
     peer_sets = [flashmla_inputs(torch, a) for a in sets]
     graph, first, splits = flashmla_graph(torch, fm, peer_sets)
     peer = time_graph(torch, graph, F.reps)
-    theirs = jnp.asarray(first.float().cpu().numpy())
+    theirs = jnp.asarray(first[0].float().cpu().numpy())
     flops, bytes_ = attention_cost(case)
     floor = roofline(flops, bytes_, ceil)
     row = dict(case, cache_rows=cache_rows(case), backend=ops.attention_backend(*sets[0][:4]),
@@ -144,7 +145,7 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
                op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref), flashmla_rel_err_bf16=rel_err(theirs, ref),
                input_sets=len(sets))
     logging.info("%s: op %.2f us, FlashMLA %.2f us", case, row["op_us"], row["flashmla_us"])
-    return row, (graph, peer_sets)      # the graph replays on these tensors: kept alive with it
+    return row, (graph, peer_sets, first)      # the graph replays on these tensors: kept alive with it
 
 
 def main(_):
