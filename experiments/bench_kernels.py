@@ -63,6 +63,7 @@ F = flags.FLAGS
 
 
 RESULTS: dict = {}
+EARLIER_ROWS: dict = {}     # --merge: the earlier run's attention rows by case, for the cases this run skips
 
 
 def _dump():
@@ -106,6 +107,8 @@ def main(_):
         run_attention(ceil, RESULTS["attention"], time.time() + F.attention_budget_s, F.reps, F.quick,
                       "attention" in F.sweep, [int(s) for s in F.attention_splits], _dump, F.attention_cases,
                       F.attention_sweep_launcher, F.attention_launch_peers)
+        if F.merge:
+            keep_earlier_rows()
         order = {case_name(case): i for i, case in enumerate(attention_cases(F.quick))}
         RESULTS["attention"].sort(key=lambda row: order.get(case_name(row), len(order)))   # merged rows: table order
     if "mgpu" in F.sections:
@@ -136,8 +139,9 @@ SECTION_KEYS = {"attention": ("attention",), "mgpu": ("attention_mgpu",), "combi
 def merge_earlier_run(path: str) -> None:
     """--merge: copy into RESULTS the sections of the JSON at `path` that this run does not measure, with their
     checks, and, where this run measures only some attention cases (--attention_cases), the earlier run's other
-    attention cases (this run's rows are added after them); record that run's meta and ceilings under meta.merged
-    (each row's fractions stay those of the ceilings measured in its own run)."""
+    attention cases (this run's rows are added after them), and keep its rows for `keep_earlier_rows` (the cases this
+    run skips on its time budget); record that run's meta and ceilings under meta.merged (each row's fractions stay
+    those of the ceilings measured in its own run)."""
     if not os.path.exists(path):
         raise ValueError(f"--merge: {path} does not exist; run without --merge first")
     with open(path) as f:
@@ -149,12 +153,23 @@ def merge_earlier_run(path: str) -> None:
             RESULTS[key] = earlier[key]
     RESULTS["checks"].update(earlier.get("checks", {}))
     kept_cases = []
+    EARLIER_ROWS.update({case_name(row): row for row in earlier.get("attention", []) if "skipped" not in row})
     if "attention" in F.sections and F.attention_cases:
         RESULTS["attention"] = [row for row in earlier.get("attention", [])
                                 if case_name(row) not in F.attention_cases]
         kept_cases = [case_name(row) for row in RESULTS["attention"]]
     RESULTS["meta"]["merged"] = dict(sections=kept, attention_cases=kept_cases, meta=earlier.get("meta"),
                                      ceilings=earlier.get("ceilings"))
+
+
+def keep_earlier_rows() -> None:
+    """--merge: each attention case this run skipped on its time budget keeps the earlier run's row, if it had one
+    (named in meta.merged.attention_cases), rather than a row saying it was skipped."""
+    for i, row in enumerate(RESULTS["attention"]):
+        name = case_name(row)
+        if "skipped" in row and name in EARLIER_ROWS:
+            RESULTS["attention"][i] = EARLIER_ROWS[name]
+            RESULTS["meta"]["merged"]["attention_cases"].append(name)
 
 
 def plot_results(results: dict, path: str) -> None:
