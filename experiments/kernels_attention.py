@@ -156,8 +156,8 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
                   sweep_launcher: str = attn_triton.LAUNCHER, launch_peers: bool = False) -> None:
     """Time every case (the op, the Triton kernel at the configs of attention_sweep through `sweep_launcher`, each
     kernel alone, the XLA reference) against the ceilings `ceil`; one row per case appended to `results`, printed,
-    then `save()`; no new case past `deadline` (time.time()). launch_peers: as `attention_peers`. only_cases: the cases to run as 'S/H/N/T' (empty:
-    all); a ValueError names those that are not cases."""
+    then `save()`; no new case past `deadline` (time.time()). launch_peers: as `attention_peers`. only_cases: the
+    cases to run as 'S/H/N/T' (empty: all); a ValueError names those that are not cases."""
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     cases = attention_cases(quick)

@@ -33,8 +33,8 @@ done
 wait
 for obj in "${objects[@]}"; do [ -s "$obj" ] || { echo "build_flashmla.sh: $obj was not built" >&2; exit 1; }; done
 python3 - "$here/flashmla_binding.cpp" "$out" "$src" "${objects[@]}" <<'PY'
-import sys
 import os
+import sys
 from torch.utils import cpp_extension
 binding, out, src, *objects = sys.argv[1:]
 cpp_extension.load(name="flashmla_decode", sources=[binding], build_directory=out, verbose=False,
