@@ -41,7 +41,8 @@ from pallas_kernels import tree_verify_attention as attn  # noqa: E402
 
 flags.DEFINE_list("cases", ["1/8/32768/1", "1/8/32768/16", "1/64/32768/1", "1/64/32768/16", "1/8/4096/1",
                             "1/64/4096/1", "1/64/4096/16", "1/8/32768/64", "1/64/32768/64", "8/8/32768/64",
-                            "8/8/32768/16", "8/64/32768/1"], "S/H/N/T: streams (FlashMLA's batch), heads, prefix, nodes")
+                            "8/8/32768/16", "8/64/32768/1"],
+                  "S/H/N/T: streams (FlashMLA's batch), heads, prefix, nodes")
 flags.DEFINE_string("flashmla", None, "directory holding the flashmla_decode extension (build_flashmla.sh's OUT_DIR)")
 flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
 flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
@@ -142,7 +143,8 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
                flashmla_us=peer["us"], flashmla_us_spread=peer["us_spread"], flashmla_split_offsets=splits,
                op_vs_flashmla=peer["us"] / ours["us"], roofline_us=floor, op_roofline_fraction=floor / ours["us"],
                flashmla_roofline_fraction=floor / peer["us"],
-               op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref), flashmla_rel_err_bf16=rel_err(theirs, ref),
+               op_rel_err_bf16=rel_err(op(*sets[0]).astype(jnp.float32), ref),
+               flashmla_rel_err_bf16=rel_err(theirs, ref),
                input_sets=len(sets))
     logging.info("%s: op %.2f us, FlashMLA %.2f us", case, row["op_us"], row["flashmla_us"])
     return row, (graph, peer_sets, first)      # the graph replays on these tensors: kept alive with it
