@@ -19,7 +19,6 @@ Writes the JSON (--out) and a bar plot of both per-call times beside it.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -30,11 +29,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
-from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs,  # noqa: E402
+from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes,  # noqa: E402
                                            cache_rows, parse_case)
 from experiments.run_record import code_version, write_json  # noqa: E402
-from experiments.timing import (BACK_TO_BACK, ROTATE_BYTES, back_to_back_job, measure_ceilings, rel_err,  # noqa: E402
-                                roofline, time_jobs)
+from experiments.timing import (BACK_TO_BACK, back_to_back_job, measure_ceilings, rel_err, roofline,  # noqa: E402
+                                rotation_sets, time_jobs)
 from kdtree_jax import cli, plots  # noqa: E402
 from pallas_kernels import ops  # noqa: E402
 from pallas_kernels import tree_verify_attention as attn  # noqa: E402
@@ -123,9 +122,8 @@ def graph_kernels_us(torch, graph, reps: int) -> dict:
 def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
     """One row (the op's and FlashMLA's per-call times, their errors against the op's XLA reference) and FlashMLA's
     graph with the input sets it replays on, whose kernels `graph_kernels_us` times once every case has run."""
-    one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
-    for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
+    for i in range(rotation_sets(cache_bytes(case), 16)):
         args = attention_inputs(jax.random.fold_in(key, i), case, np.random.default_rng(i))
         args = (*args[:5], jnp.asarray(chain_visible(case["streams"], case["nodes"])))
         sets.append((*args, ops.tree_verify_plan(args[4], args[5], num_heads=case["heads"])))

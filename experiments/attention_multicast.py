@@ -11,17 +11,16 @@ Writes the JSON (--out) and a bar plot of the kernels' times beside it.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.kernels_attention import (K26_LAT, K26_ROPE, K26_SCALE, attention_cost, attention_inputs, cache_rows,
+from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes, cache_rows,
                                            parse_case)
 from experiments.run_record import code_version, write_json
-from experiments.timing import ROTATE_BYTES, back_to_back_job, rel_err, time_jobs
+from experiments.timing import back_to_back_job, rel_err, rotation_sets, time_jobs
 from kdtree_jax import cli, plots
 from pallas_kernels import tree_verify_attention as attn
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
@@ -39,9 +38,8 @@ def run_case(case: dict, sizes: list[int], key) -> list[dict]:
     """One row per multicast size that divides the case's tiles: times, error against the reference."""
     s, h, t = case["streams"], case["heads"], case["nodes"]
     tiles = attn_mgpu.query_tiles(t * h)
-    one = 2.0 * s * cache_rows(case) * (K26_LAT + K26_ROPE)
     sets = []
-    for i in range(int(min(16, max(2, math.ceil(ROTATE_BYTES / one))))):
+    for i in range(rotation_sets(cache_bytes(case), 16)):
         args = attention_inputs(jax.random.fold_in(key, i), case, np.random.default_rng(i))
         bias = attn_mgpu.frame_bias(args[4], args[5], h, attn_mgpu.padded_rows(t * h))
         sets.append((*args, bias))

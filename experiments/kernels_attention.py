@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import (BF16, ROTATE_BYTES, Job, back_to_back_job, gb_per_s, rel_err, roofline, tflop_per_s,
+from experiments.timing import (BF16, Job, back_to_back_job, gb_per_s, rel_err, roofline, rotation_sets, tflop_per_s,
                                 time_jobs, try_candidates)
 from pallas_kernels import ops
 from pallas_kernels import tree_verify_attention as attn
@@ -96,6 +95,11 @@ def attention_sweep(case: dict, quick: bool, tilings: bool, splits: list[int]) -
 def cache_rows(case) -> int:
     """N': the case's cache rows, prefix + tree block rounded up to whole CACHE_BLOCK blocks."""
     return -(-(case["prefix"] + case["nodes"]) // CACHE_BLOCK) * CACHE_BLOCK
+
+
+def cache_bytes(case) -> float:
+    """Bytes of a case's cache (c_kv and k_rope of every stream, bf16): one input set's bulk."""
+    return 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
 
 
 def attention_inputs(key, case, rng):
@@ -171,8 +175,7 @@ def run_attention(ceil: dict, results: list, deadline: float, reps: int, quick: 
             results.append(dict(case, skipped="time budget"))
             continue
         try:
-            one = 2.0 * case["streams"] * cache_rows(case) * (K26_LAT + K26_ROPE)
-            n_sets = int(min(32, max(2, math.ceil(ROTATE_BYTES / one))))
+            n_sets = rotation_sets(cache_bytes(case), 32)
             sets = [attention_inputs(jax.random.key(1000 * ci + i), case, rng) for i in range(n_sets)]
             planned = [(*a, ops.tree_verify_plan(a[4], a[5], num_heads=case["heads"])) for a in sets]
             op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))

@@ -12,14 +12,13 @@ bit-identical to the heapq specification and every accept walk to the python loo
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import ROTATE_BYTES, Job, time_jobs, wall_us
+from experiments.timing import Job, rotation_sets, time_jobs, wall_us
 from pallas_kernels import ops
 from pallas_kernels import tree_triton
 from pallas_kernels.triton_call import jax_triton_missing
@@ -159,7 +158,7 @@ def run_tree(results: list, checks: dict, deadline: float, reps: int, quick: boo
     interpret = jax.default_backend() != "gpu"
     shape, budgets = tree_shapes(quick)
     s, d, v = shape["streams"], shape["depth"], shape["vocab"]
-    n_sets = int(min(8, max(2, math.ceil(ROTATE_BYTES / (4.0 * s * d * v)))))
+    n_sets = rotation_sets(4.0 * s * d * v, 8)
     rng = np.random.default_rng(5)
     logit_sets = [(jax.random.normal(jax.random.key(500 + i), (s, d, v)) * DRAFT_LOGIT_SCALE,
                    jnp.asarray(rng.integers(0, v, s), jnp.int32)) for i in range(n_sets)]

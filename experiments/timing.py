@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import tempfile
 import time
@@ -23,6 +24,12 @@ GAP_S = 0.002            # host pause between timed calls, so calls never overla
 BACK_TO_BACK = 8         # calls of the op in one jitted function where a section also times a steady state
                          # (`back_to_back_job`: one dispatch, the kernels enqueued one after another, as in a step)
 BF16 = jnp.bfloat16
+
+
+def rotation_sets(set_bytes: float, most: int) -> int:
+    """How many input sets of set_bytes each to rotate over so that they pass ROTATE_BYTES (the L2 cannot hold
+    them): at least 2, at most `most`."""
+    return int(min(most, max(2, math.ceil(ROTATE_BYTES / set_bytes))))
 
 
 @dataclasses.dataclass
