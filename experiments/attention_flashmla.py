@@ -20,7 +20,6 @@ Writes the JSON (--out) and a bar plot of both per-call times beside it.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # PyTorch shares the GPU in this process
 
@@ -31,6 +30,7 @@ from absl import flags, logging  # noqa: E402
 
 from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes,  # noqa: E402
                                            cache_rows, parse_case)
+from experiments.peers import flashmla  # noqa: E402
 from experiments.run_record import code_version, write_json  # noqa: E402
 from experiments.timing import (BACK_TO_BACK, back_to_back_job, measure_ceilings, rel_err, roofline,  # noqa: E402
                                 rotation_sets, time_jobs)
@@ -47,39 +47,18 @@ flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
 flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
 flags.mark_flag_as_required("flashmla")
 F = flags.FLAGS
-PAGE = 64          # FlashMLA's page block size (its only one), the op's cache block
-
-
-def chain_visible(streams: int, nodes: int) -> np.ndarray:
-    """visible [S, T, T]: node i sees nodes 0..i, the tree FlashMLA's causal mask describes."""
-    return np.broadcast_to(np.tril(np.ones((nodes, nodes), bool)), (streams, nodes, nodes))
-
-
-def flashmla_inputs(torch, args):
-    """The op's inputs (q_lat [S, T, H, 512], q_rope [S, T, H, 64], c_kv [S, N', 512], k_rope [S, N', 64],
-    prefix_len [S]) as FlashMLA's: q [S, T, H, 576], a paged cache [S N' / 64, 64, 1, 576] (stream s in blocks
-    s N' / 64 onwards) with its block table [S, N' / 64] and seqlens [S] = prefix_len + T."""
-    q_lat, q_rope, c_kv, k_rope, prefix_len = args[:5]
-    streams, rows = c_kv.shape[:2]
-    q = jnp.concatenate([q_lat, q_rope], axis=-1)
-    cache = jnp.concatenate([c_kv, k_rope], axis=-1).reshape(streams * rows // PAGE, PAGE, 1, -1)
-    q, cache = (torch.from_numpy(np.asarray(x).view(np.uint16)).view(torch.bfloat16).cuda() for x in (q, cache))
-    blocks = torch.arange(cache.shape[0], dtype=torch.int32, device="cuda").reshape(streams, rows // PAGE)
-    seqlens = torch.tensor(np.asarray(prefix_len) + q.shape[1], dtype=torch.int32, device="cuda")
-    return q, cache, seqlens, blocks
 
 
 def flashmla_graph(torch, fm, sets):
     """A CUDA graph of BACK_TO_BACK FlashMLA calls rotated over sets (its scheduler's metadata made once, as a decode
     step reuses it), the first call's (out, lse, metadata, split offsets) (the graph reads the last two: keep them
     with it), and the split offsets per stream as a list."""
-    first = fm.dense_decode_fwd(*sets[0][:2], 512, *sets[0][2:], K26_SCALE, True, None, None)
+    first = flashmla.decode(fm, sets[0], K26_SCALE)
     meta, splits = first[2], first[3]
 
     def calls():
         for c in range(BACK_TO_BACK):
-            q, cache, seqlens, blocks = sets[c % len(sets)]
-            fm.dense_decode_fwd(q, cache, 512, seqlens, blocks, K26_SCALE, True, meta, splits)
+            flashmla.decode(fm, sets[c % len(sets)], K26_SCALE, meta, splits)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -125,12 +104,12 @@ def run_case(torch, fm, case: dict, ceil: dict, key) -> tuple[dict, tuple]:
     sets = []
     for i in range(rotation_sets(cache_bytes(case), 16)):
         args = attention_inputs(jax.random.fold_in(key, i), case, np.random.default_rng(i))
-        args = (*args[:5], jnp.asarray(chain_visible(case["streams"], case["nodes"])))
+        args = (*args[:5], jnp.asarray(flashmla.chain_visible(case["streams"], case["nodes"])))
         sets.append((*args, ops.tree_verify_plan(args[4], args[5], num_heads=case["heads"])))
     ref = attn.tree_verify_attention_reference(*sets[0][:6], scale=K26_SCALE).astype(jnp.float32)
     op = jax.jit(lambda *a: ops.tree_verify_attention(*a, scale=K26_SCALE))
     ours = time_jobs([back_to_back_job("op", op, sets)], F.reps)["op"]
-    peer_sets = [flashmla_inputs(torch, a) for a in sets]
+    peer_sets = [flashmla.inputs(torch, a) for a in sets]
     graph, first, splits = flashmla_graph(torch, fm, peer_sets)
     peer = time_graph(torch, graph, F.reps)
     theirs = jnp.asarray(first[0].float().cpu().numpy())
@@ -153,12 +132,10 @@ def main(_):
     if jax.default_backend() != "gpu":
         cli.fail("attention_flashmla.py times CUDA kernels: run it on a Hopper GPU")
     import torch
-    sys.path.insert(0, os.path.abspath(F.flashmla))
     try:
-        import flashmla_decode as fm
+        fm = flashmla.load(F.flashmla)
     except ImportError as e:
-        cli.fail(f"--flashmla={F.flashmla}: no flashmla_decode extension there ({e}); build it with "
-                 "experiments/peers/build_flashmla.sh")
+        cli.fail(f"--flashmla={F.flashmla}: {e}")
     ceil = measure_ceilings(F.reps, quick=False)
     print(f"ceilings: {ceil['bandwidth_GBps']:.0f} GB/s, {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'case S/H/N/T':16s} {'backend':>10s} {'op us':>8s} {'FlashMLA us':>12s} {'FlashMLA / op':>14s} "

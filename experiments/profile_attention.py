@@ -8,6 +8,10 @@
 The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py). Without
 `XLA_PYTHON_CLIENT_PREALLOCATE=false` ncu saves and restores JAX's whole memory pool (~105 GiB on an H200) around every
 replay pass, over a minute per profiled kernel. Stall samples per SASS line: `experiments/ncu_stalls.py`.
+
+`--kernel=flashmla --flashmla=DIR` runs FlashMLA's dense decode (`experiments/peers/flashmla.py`, built by
+`build_flashmla.sh`) on the same inputs instead, its scheduler's metadata made by the first call and reused, so that
+one ncu run can profile both kernels at one shape (`--kernel-name regex:splitkv` for FlashMLA's).
 """
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ from absl import flags
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from experiments.kernels_attention import K26_SCALE, attention_inputs
+from experiments.peers import flashmla
 from kdtree_jax import cli
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
 from pallas_kernels import tree_verify_attention_triton as attn_triton
 
 KERNELS = {"mosaic_gpu": attn_mgpu.tree_verify_attention, "triton": attn_triton.tree_verify_attention}
-flags.DEFINE_enum("kernel", "mosaic_gpu", sorted(KERNELS), "which attention kernel (its whole op)")
+flags.DEFINE_enum("kernel", "mosaic_gpu", [*sorted(KERNELS), "flashmla"],
+                  "which attention kernel (its whole op), or FlashMLA's dense decode (the peer)")
 flags.DEFINE_integer("streams", 1, "streams S")
 flags.DEFINE_integer("heads", 8, "heads H")
 flags.DEFINE_integer("prefix", 32768, "committed cache rows N per stream")
@@ -34,6 +40,8 @@ flags.DEFINE_list("skip", [], "diagnostic, with --combine_in_kernel (its results
                   "semaphore wait)")
 flags.DEFINE_list("registers", [], "mosaic_gpu only: registers per consumer and per producer thread (e.g. 240,24; "
                   "default the kernel's REGISTERS)")
+flags.DEFINE_string("flashmla", None, "--kernel=flashmla: directory holding the flashmla_decode extension "
+                    "(build_flashmla.sh's OUT_DIR)")
 F = flags.FLAGS
 
 
@@ -49,9 +57,32 @@ def skip_parts(parts: list[str]) -> None:
         plgpu.semaphore_wait = lambda *args, **kwargs: None
 
 
+def run_flashmla(args) -> None:
+    """F.calls FlashMLA calls on the op's inputs args (the first also makes the scheduler's metadata)."""
+    try:
+        import torch   # noqa: PLC0415 (the peer's framework, only on the GPU machine)
+        fm = flashmla.load(F.flashmla)
+    except ImportError as e:
+        cli.fail(f"--kernel=flashmla needs PyTorch and FlashMLA's extension (--flashmla={F.flashmla}): {e}")
+    peer_inputs = flashmla.inputs(torch, args)
+    _, _, meta, splits = flashmla.decode(fm, peer_inputs, K26_SCALE)
+    for _ in range(F.calls - 1):
+        flashmla.decode(fm, peer_inputs, K26_SCALE, meta, splits)
+    torch.cuda.synchronize()
+
+
 def main(_):
     case = dict(streams=F.streams, heads=F.heads, prefix=F.prefix, nodes=F.nodes)
+    if (F.kernel == "flashmla") != (F.flashmla is not None):
+        raise ValueError(f"--kernel={F.kernel} --flashmla={F.flashmla}: --flashmla=DIR goes with --kernel=flashmla "
+                         "and only with it")
+    if F.kernel == "flashmla" and (F.registers or F.combine_in_kernel or F.skip):
+        raise ValueError("--registers, --combine_in_kernel and --skip are options of --kernel=mosaic_gpu")
     args = attention_inputs(jax.random.key(0), case, np.random.default_rng(0))
+    if F.kernel == "flashmla":
+        run_flashmla(args)
+        print(f"ran FlashMLA's dense decode on {case} {F.calls} times")
+        return
     options = {}
     if F.registers:
         if F.kernel != "mosaic_gpu" or len(F.registers) != 2:
