@@ -422,18 +422,7 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                                                                                    lambda a: a, acc)
                     return acc, m_new, total
 
-                # Barriers used inside `_accumulate_two`'s scope, indexed by traced ints outside it (a Python int
-                # index does not lower there, nor does index arithmetic): p_a's index 2 as wg + 2 - own (wg == own).
-                p_a_bar = exchange_bars.at[wg + 2 - own]
-                their_half_bar, own_free = kv_bars.at[2 * theirs + own], free_bars.at[2 * mine]
-
-                def theirs_ready():
-                    plgpu.barrier_wait(p_a_bar)
-                    plgpu.barrier_wait(their_half_bar)
-
                 def with_block(acc, total):
-                    """Both products of the pair issued back to back: the other's (its p waited for while this
-                    warpgroup's own runs) needs no rescale between them, as both are at the pair's max."""
                     qk = own_scores(j, mine, framed)
                     plgpu.barrier_wait(max_a)
                     m_new = block_max(qk, plgpu.load(stat_smem.at[0, 0], layout=ROW_LAYOUT))
@@ -441,23 +430,20 @@ def attention_partials(q_lat, q_rope, c_kv, k_rope, prefix_len, bias, *, scale: 
                     kr_smem.at[mine][...] = p.astype(jnp.bfloat16)
                     publish(stat_smem.at[1, 0], m_new, max_b)
                     total = rescale(total, m, m_new) + p.sum(axis=1)
-                    acc = _accumulate_two(rescale(acc, m, m_new), (p.astype(jnp.bfloat16), kv_smem.at[mine, wg]),
-                                          (kr_smem.at[theirs], kv_smem.at[theirs, wg]), between=theirs_ready,
-                                          after_first=lambda: plgpu.barrier_arrive(own_free),
-                                          in_place=not interpret)
-                    plgpu.barrier_arrive(free_bars.at[2 * theirs + 1])
+                    acc = product(rescale(acc, m, m_new), p.astype(jnp.bfloat16), mine)
+                    plgpu.barrier_arrive(free_bars.at[2 * mine])
                     return acc, total, m_new
 
                 def without_block(acc, total):            # an odd last block: pass the first's max on
                     plgpu.barrier_wait(max_a)
                     m_new = plgpu.load(stat_smem.at[0, 0], layout=ROW_LAYOUT)
                     publish(stat_smem.at[1, 0], m_new, max_b)
-                    plgpu.barrier_wait(p_a)
-                    return add_theirs(rescale(acc, m, m_new)), rescale(total, m, m_new), m_new
+                    return rescale(acc, m, m_new), rescale(total, m, m_new), m_new
 
                 acc, total, m_new = (with_block(acc, total) if second_exists is True
                                      else lax.cond(second_exists, with_block, without_block, acc, total))
-                return acc, m_new, total
+                plgpu.barrier_wait(p_a)
+                return add_theirs(acc), m_new, total
 
             slot_smem[own] = jnp.int32(own)   # each thread stores the same value and reads back its own
             # Pairs wholly before the frame, then the rest (bias where a block is in the frame, maybe one block).
@@ -620,27 +606,6 @@ def _accumulate(acc, a, b_smem, *, in_place: bool):
         return acc_ref[...]
 
     return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
-
-
-def _accumulate_two(acc, first, second, *, between, after_first, in_place: bool):
-    """acc + a1 @ b1 + a2 @ b2 for first = (a1, b1), second = (a2, b2) (as `_accumulate`'s a and b_smem): on the GPU
-    both wgmma in one accumulator scope, the second issued once `between()` has returned (its waits overlap the first
-    product), and `after_first()` run as soon as the first has completed (the second still in flight). In interpret
-    mode the two in turn, `after_first()` and `between()` between them."""
-    if not in_place:
-        acc = _accumulate(acc, *first, in_place=False)
-        after_first()
-        between()
-        return _accumulate(acc, *second, in_place=False)
-
-    def products(acc_ref):
-        plgpu.wgmma(acc_ref, *first)
-        between()
-        plgpu.wgmma(acc_ref, *second)
-        plgpu.wgmma_wait(1)
-        after_first()
-
-    return pl.run_state(products)(plgpu.ACC.init(acc))
 
 
 def supports(q_lat, q_rope, c_kv, k_rope) -> bool:
