@@ -155,6 +155,15 @@ def test_attention_flashmla_refuses_a_cpu_and_a_malformed_case():
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
 
+def test_attention_alone_wall_refuses_a_cpu_and_a_malformed_case():
+    """The profiler-free alone timing runs on a GPU; elsewhere, or given a malformed case, it says so (exit 2)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    for args, why in (([], "run it on the GPU"), (["--cases=1/8/4096"], "is not S/H/N/T")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "attention_alone_wall.py"), *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
+
+
 def test_bench_round_tiny(tmp_path):
     out = tmp_path / "round.json"
     stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8",
