@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags, logging
 from tqdm import tqdm
 
-from experiments.kernels_attention import K26_SCALE, attention_inputs, cache_bytes, parse_case
+from experiments.kernels_attention import K26_SCALE, attention_inputs, cache_bytes, case_name, parse_case
 from experiments.run_record import code_version, write_json
 from experiments.timing import rotation_sets
 from kdtree_jax import cli, plots
@@ -92,17 +92,11 @@ def main(_):
 
 
 def plot(rows, path: str, meta: dict) -> None:
-    plt = plots.pyplot()
-    cases = [f"{r['streams']}/{r['heads']}/{r['prefix']}/{r['nodes']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
-    x = np.arange(len(cases))
-    ax.bar(x - 0.2, [r["op_us"] for r in rows], 0.4, label="tree_verify_attention (ops), plan made before")
-    ax.bar(x + 0.2, [r["reference_us"] for r in rows], 0.4, label="XLA reference")
-    ax.set_xticks(x, cases, rotation=30, fontsize=8)
-    ax.set_ylabel("wall us per isolated call, less the floor")
-    ax.set_title(f"alone, no profiler ({meta['device']}, code {meta['code']})")
-    ax.legend()
-    plots.save(fig, path)
+    plots.paired_bars(path, [case_name(r) for r in rows],
+                      {"tree_verify_attention (ops), plan made before": [r["op_us"] for r in rows],
+                       "XLA reference": [r["reference_us"] for r in rows]},
+                      ylabel="wall us per isolated call, less the floor", log=True,
+                      title=f"alone, no profiler ({meta['device']}, code {meta['code']})")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes,  # noqa: E402
-                                           cache_rows, parse_case)
+                                           case_name, cache_rows, parse_case)
 from experiments.peers import flashmla  # noqa: E402
 from experiments.run_record import code_version, write_json  # noqa: E402
 from experiments.timing import (BACK_TO_BACK, back_to_back_job, measure_ceilings, rel_err, roofline,  # noqa: E402
@@ -162,18 +162,11 @@ def main(_):
 
 
 def plot(rows, path: str, meta: dict) -> None:
-    plt = plots.pyplot()
-    cases = [f"{r['streams']}/{r['heads']}/{r['prefix']}/{r['nodes']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
-    x = np.arange(len(cases))
-    ax.bar(x - 0.2, [r["op_us"] for r in rows], 0.4, label="tree_verify_attention (ops)")
-    ax.bar(x + 0.2, [r["flashmla_us"] for r in rows], 0.4, label="FlashMLA dense decode")
-    ax.set_xticks(x, cases, rotation=30, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("us per call (back to back)")
-    ax.set_title(f"the op against FlashMLA ({meta['device']}, code {meta['code']})")
-    ax.legend()
-    plots.save(fig, path)
+    plots.paired_bars(path, [case_name(r) for r in rows],
+                      {"tree_verify_attention (ops)": [r["op_us"] for r in rows],
+                       "FlashMLA dense decode": [r["flashmla_us"] for r in rows]},
+                      ylabel="us per call (back to back)", log=True,
+                      title=f"the op against FlashMLA ({meta['device']}, code {meta['code']})")
 
 
 if __name__ == "__main__":

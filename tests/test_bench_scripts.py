@@ -256,3 +256,14 @@ def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installe
     missing = kernels_moe.tokamax_path_missing("triton")
     assert missing is None if why is None else "needs jax-triton >= 0.4" in missing and why in missing
     assert kernels_moe.tokamax_path_missing("mosaic") is None and kernels_moe.tokamax_path_missing("xla") is None
+
+
+def test_paired_bars_writes_a_png_and_refuses_other_than_two_series(tmp_path):
+    """The scripts' side-by-side bar plot: a PNG for two series; one or three series are refused by name."""
+    from kdtree_jax import plots
+    path = tmp_path / "pair.png"
+    plots.paired_bars(str(path), ["1/8/4096/1", "1/64/4096/1"], {"op": [1.0, 2.0], "reference": [2.0, 3.0]},
+                      ylabel="us", title="t", log=True)
+    assert path.stat().st_size > 0
+    with pytest.raises(ValueError, match="two series"):
+        plots.paired_bars(str(path), ["a"], {"op": [1.0]}, ylabel="us", title="t")
