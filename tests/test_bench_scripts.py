@@ -258,6 +258,30 @@ def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installe
     assert kernels_moe.tokamax_path_missing("mosaic") is None and kernels_moe.tokamax_path_missing("xla") is None
 
 
+def test_wgmma_pieces_refuses_a_cpu():
+    """The wgmma layout comparison needs a Hopper GPU; elsewhere it says so (exit 2)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "wgmma_pieces.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 2 and "run it on a Hopper GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_wgmma_pieces_lowers_for_the_h200():
+    """Both layouts of the p @ V product, p from registers and from shared memory, lower for an H200 (no GPU; in a
+    process of its own: the script's absl flags would clash with other scripts' imported here)."""
+    code = ("import jax.numpy as jnp\n"
+            "from triton_h200 import lower_for_h200, spec\n"
+            "from experiments import wgmma_pieces as w\n"
+            "for v in w.VARIANTS:\n"
+            "    text = lower_for_h200(w.product_kernel(v, 4, 2), spec((64, 64), jnp.bfloat16), "
+            "spec((64, 256), jnp.bfloat16))\n"
+            "    assert text.count('custom_call @mosaic_gpu_v2') == 1, v\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_paired_bars_writes_a_png_and_refuses_other_than_two_series(tmp_path):
     """The scripts' side-by-side bar plot: a PNG for two series; one or three series are refused by name."""
     from kdtree_jax import plots
