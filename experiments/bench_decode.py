@@ -44,8 +44,8 @@ flags.DEFINE_integer("topk", None, "ddtree candidates per depth (default min(B, 
 flags.DEFINE_integer("rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
                      "(DecodeSpec.rounds_per_check)")
 flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
-flags.DEFINE_string("out", "experiments/results/decode.json", "JSON output")
-flags.DEFINE_string("plot", "experiments/results/decode.png", "PNG of tau and speedup vs B ('' to skip)")
+flags.DEFINE_string("out", "experiments/results/decode/decode.json", "JSON output")
+flags.DEFINE_string("plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
 flags.DEFINE_float("time_budget_s", None, "start no (temperature, batch) group after this many seconds; the JSON "
                    "and plot are rewritten after every group, so a run cut short keeps the groups it finished")
 

@@ -1,7 +1,7 @@
 """Routed experts of one K2.6 MoE layer on one GPU against expert parallelism over tp GPUs, side by side in one run.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/bench_expert_parallel.py \
-        --out=experiments/results/expert_parallel_x2.json       # on 2 x H200
+        --out=experiments/results/sharding/archive/expert_parallel_x2_before_v4.json       # on 2 x H200
     PYTHONPATH=. python3 experiments/bench_expert_parallel.py --quick  # CPU smoke run (fake devices, small shapes)
 
 For each token count M and each INT4 kernel (--kernels): the same random INT4 experts (E = 384, D = 7168, I = 2048,
@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags, logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
+from experiments.kernels.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
 from experiments.timing import BF16, Job, rel_err, time_jobs
 from kdtree_jax import cli, plots, sharding
 from kdtree_jax.model import parallel
@@ -37,7 +37,8 @@ flags.DEFINE_integer("tp", 0, "expert-parallel devices (0: every local device)")
 flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
 flags.DEFINE_float("time_budget_s", 400.0, "start no new M after this many seconds")
 flags.DEFINE_bool("quick", False, "small shapes, reference kernel, CPU smoke run")
-flags.DEFINE_string("out", "experiments/results/expert_parallel.json", "JSON results (rewritten after every M)")
+flags.DEFINE_string("out", "experiments/results/sharding/expert_parallel.json",
+                    "JSON results (rewritten after every M)")
 F = flags.FLAGS
 
 TARGET_RATIO = 0.6     # the issue's bound on tp=2 / one GPU at M >= 64

@@ -2,10 +2,10 @@
 
     # 8 x H200 (the full model: 61 layers, INT4 routed experts, tp=8 with expert parallelism)
     NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 experiments/bench_k26.py \
-        --layers=61 --mesh=tp=8 --time_budget_s=420 --append --out=experiments/results/k26_x8.json
+        --layers=61 --mesh=tp=8 --time_budget_s=420 --append --out=experiments/results/k26/k26_x8.json
     # one H200: K2.6 shapes, fewer layers
     PYTHONPATH=. python3 experiments/bench_k26.py --layers=4 --mesh=tp=1 \
-        --out=experiments/results/k26_h200_4layers.json
+        --out=experiments/results/k26/archive/k26_h200_4layers_session11.json
     # CPU smoke run on 8 fake devices (a shrunken config; the times mean nothing)
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_k26.py --scale=tiny \
         --prefix=64 --budgets=4,8 --reps=2 --fast_compile --out=/tmp/k26_tiny.json
@@ -587,7 +587,7 @@ def define_flags() -> None:
                       "CPU devices)")
     flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)")
     flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees")
-    flags.DEFINE_string("out", "experiments/results/k26.json", "JSON results path (rewritten after every case)")
+    flags.DEFINE_string("out", "experiments/results/k26/k26.json", "JSON results path (rewritten after every case)")
     flags.DEFINE_bool("append", False, "keep the cases already measured in --out (same config, mesh and prefix) and "
                       "run only the others: resumes a run cut short, or splits one over several commands")
 

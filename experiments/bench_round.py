@@ -21,7 +21,8 @@ Times are device spans from profiler traces (experiments/timing.time_jobs; wall 
 trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
 On the GPU the loops also report device busy time, device events and device-to-host copies per round.
 
---out defaults to experiments/results/round_<backend>.json, and the plot of the stage times goes beside it (.png).
+--out defaults to experiments/results/decode/round_<backend>.json, and the plot of the stage times goes beside it
+(.png).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop st
 flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
 flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
 flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
-flags.DEFINE_string("out", "", "where the JSON results go ('' for experiments/results/round_<backend>.json)")
+flags.DEFINE_string("out", "", "where the JSON results go ('' for experiments/results/decode/round_<backend>.json)")
 flags.DEFINE_integer("reps", 10, "timed calls per measurement (median reported)")
 flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
 
@@ -242,7 +243,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the table
     start = time.time()
-    out = F.out or f"experiments/results/round_{jax.default_backend()}.json"
+    out = F.out or f"experiments/results/decode/round_{jax.default_backend()}.json"
     block_size = F.block_size if F["block_size"].present or F.drafter == "random" else None  # a checkpoint's own
     target, drafter = load_models(F.init, F.config, F.drafter, block_size, F.seed)
     decoder = Decoder(target, drafter)

@@ -3,7 +3,7 @@ case by case (policy x budget x batch x dtype), and every output is compared tok
 
 One process, two GPUs (the one-device run uses the first GPU):
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/compare_meshes.py --mesh=tp=2 \
-      --out=experiments/results/sharded_x2.json --tokens_out=/tmp/one_device_tokens.json
+      --out=experiments/results/sharding/sharded_x2.json --tokens_out=/tmp/one_device_tokens.json
 Two processes with one GPU each, joined by jax.distributed (the path of an 8-GPU node or several hosts), compared
 with the one-device tokens of an earlier run (--reference):
   for i in 0 1; do CUDA_VISIBLE_DEVICES=$i NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/compare_meshes.py \
@@ -50,7 +50,7 @@ flags.DEFINE_string("coordinator", "", "host:port of process 0 for jax.distribut
 flags.DEFINE_integer("num_processes", 1, "processes joined by jax.distributed")
 flags.DEFINE_integer("process_id", 0, "this process's index")
 flags.DEFINE_integer("seed", 0, "prompt choice")
-flags.DEFINE_string("out", "experiments/results/sharded.json", "JSON output (written by process 0)")
+flags.DEFINE_string("out", "experiments/results/sharding/sharded.json", "JSON output (written by process 0)")
 
 
 def parse_case(text: str) -> tuple[str, int]:

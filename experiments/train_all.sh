@@ -6,7 +6,7 @@
 # 1. environment + tokenizer check (the shipped checkpoints/tokenizer.json, byte for byte)
 # 2. experiments/train_target.py   --minutes=$TARGET_MINUTES  (default 5.5; wall clock from its start, compilation in)
 # 3. experiments/train_drafter.py  --minutes=$DRAFTER_MINUTES (default 2.5)
-# 4. with $OUT set: the log, experiments/results/train_{target,drafter}{.json,_loss.png}, and checkpoints/target +
+# 4. with $OUT set: the log, experiments/results/training/train_{target,drafter}{.json,_loss.png}, and checkpoints/target +
 #    checkpoints/drafter as one tar split into 15 MiB parts (8 files). Unpack in the repo root with
 #      cat checkpoints.tar.part* | tar -xf -
 # The train states (tmp/train_state/) and the token cache (checkpoints/tokens-*.npy) stay on the machine.
@@ -73,8 +73,8 @@ if [ -z "${OUT:-}" ]; then
   train_all
 else
   train_all 2>&1 | tee "$OUT/train_all.log"
-  cp experiments/results/train_target.json experiments/results/train_target_loss.png \
-     experiments/results/train_drafter.json experiments/results/train_drafter_loss.png "$OUT"/
+  cp experiments/results/training/train_target.json experiments/results/training/train_target_loss.png \
+     experiments/results/training/train_drafter.json experiments/results/training/train_drafter_loss.png "$OUT"/
   tar -cf - checkpoints/target checkpoints/drafter | split -b 15M -d -a 1 - "$OUT/checkpoints.tar.part"
   ls -l "$OUT"
 fi

@@ -7,8 +7,8 @@ exp(-(k-1)/gamma) by block position k (kdtree_jax.training.drafter_objective). H
 anchors: the weighted loss, per-position accuracy, the chain acceptance P(first k drafts right) and the expected tokens
 per round of chain decoding, tau = 1 + sum_k P(first k right), every --eval_every of the budget and at the end. The
 bf16 checkpoint (--out) holds the params of the lowest held-out loss (--nokeep_best: the last ones). Also writes the
-resumable train state, results/train_drafter.json (with the epochs of the corpus seen: beyond 2 a warning) and
-results/train_drafter_loss.png.
+resumable train state, results/training/train_drafter.json (with the epochs of the corpus seen: beyond 2 a warning) and
+results/training/train_drafter_loss.png.
 
   H200, inside one call:  PYTHONPATH=. python3 experiments/train_drafter.py --minutes=2.5
   CPU smoke run:          .venv/bin/python experiments/train_drafter.py --steps=5 --batch=2 --seq_len=64 \\

@@ -5,9 +5,9 @@ the held-out loss and perplexity are measured on fixed windows of the held-out f
 the run's progress) on float32 master weights, bf16 compute; the router's correction bias follows the aux-free
 balancing rule (--router_bias_rate, 0 leaves it at zero). The held-out set is evaluated every --eval_every of the
 budget and at the end; the bf16 checkpoint (--out, kdtree_jax.checkpoint) holds the params of the lowest held-out loss
-(--nokeep_best: the last ones). Also writes the resumable train state (--state_dir), results/train_target.json (with
+(--nokeep_best: the last ones). Also writes the resumable train state (--state_dir), results/training/train_target.json (with
 the epochs of the corpus seen: beyond 2 a warning, the fix being the default --roots) and
-results/train_target_loss.png.
+results/training/train_target_loss.png.
 
   H200, inside one call:  PYTHONPATH=. python3 experiments/train_target.py --minutes=5.5
   CPU smoke run:          .venv/bin/python experiments/train_target.py --steps=5 --batch=2 --seq_len=64 \\

@@ -120,7 +120,7 @@ def topk_chunk_size(vocab_size: int, k: int) -> int:
 def chunked_top_k(x, k: int, chunk: int | None = None):
     """Exactly `lax.top_k(x, k)` over the last axis (values by decreasing value, ties to the smaller index) without
     sorting whole rows: XLA:GPU runs `top_k` with k > 16 as a segmented sort of the full row (2.6 ms for 240 rows of
-    163840 on the H200, experiments/results/kernels_tree.json).
+    163840 on the H200, experiments/results/kernels/kernels_tree.json).
 
     x [..., V] -> (values [..., k], indices [..., k] int32). The row is cut into chunks of `chunk` (default
     `topk_chunk_size`; the row is padded with -inf at the end); the top k chunks by their maximum are taken (ties to

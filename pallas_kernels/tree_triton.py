@@ -6,7 +6,7 @@ power of two), each step is a few masked reductions, and a dynamic index into a 
 
 On the CPU they compile for sm_90 (tests/test_tree_triton.py), lower through XLA's Triton custom call
 (tests/test_triton_call.py) and run in Triton's interpreter against the specifications
-(tests/test_tree_triton_interpreter.py); on the H200: tests/test_kernels_gpu.py and experiments/kernels_tree.py.
+(tests/test_tree_triton_interpreter.py); on the H200: tests/test_kernels_gpu.py and experiments/kernels/kernels_tree.py.
 Measurements: experiments/notes/kernels.md, "Launching Triton kernels".
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`triton_call`: a Triton kernel (`@triton.jit`, pointers and constexprs only) called from JAX on the GPU.
 
-Three launchers, timed side by side in `experiments/bench_kernels.py` (kernels.md, "Launching Triton kernels"); each
+Three launchers, timed side by side in `experiments/kernels/bench_kernels.py` (kernels.md, "Launching Triton kernels"); each
 kernel module picks its default by that measurement:
 - "xla": Triton 3.6 turns the kernel into Triton IR (TTIR) at lowering time; the IR goes into the
   program as XLA's own Triton custom call (`__gpu$xla.gpu.triton`), which XLA compiles into its executable and

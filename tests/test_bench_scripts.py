@@ -1,4 +1,4 @@
-"""The benchmark scripts' CPU smoke runs: experiments/bench_kernels.py --quick --sections=tree and
+"""The benchmark scripts' CPU smoke runs: experiments/kernels/bench_kernels.py --quick --sections=tree and
 experiments/bench_round.py on the tiny preset run to the end and write the JSON the H200 runs will be read from.
 
 CPU timings mean nothing here (interpret-mode kernels, wall clock under the profiler), so the child processes compile
@@ -32,7 +32,7 @@ def run_script(name: str, *args: str) -> str:
 
 def test_bench_kernels_tree_section(tmp_path):
     out = tmp_path / "kernels.json"
-    stdout = run_script("bench_kernels.py", "--quick", "--sections=tree", "--reps=2", f"--out={out}")
+    stdout = run_script("kernels/bench_kernels.py", "--quick", "--sections=tree", "--reps=2", f"--out={out}")
     result = json.loads(out.read_text())
     assert result["checks"]["tree_identical"] is True
     assert result["meta"]["xla_flags"] == FAST_COMPILE       # XLA's flags change what is timed (command buffers)
@@ -57,7 +57,7 @@ def test_bench_kernels_tree_section(tmp_path):
         assert {"kernel_from_topk", "kernel_from_logits", "accept_kernel", "topk"} <= set(r["timings"])
     assert "peer/kernel" in stdout
 
-    run_script("bench_kernels.py", "--quick", "--sections=ceilings", "--reps=2", "--merge", "--noplot", f"--out={out}")
+    run_script("kernels/bench_kernels.py", "--quick", "--sections=ceilings", "--reps=2", "--merge", "--noplot", f"--out={out}")
     merged = json.loads(out.read_text())
     assert merged["tree"] == rows and merged["checks"]["tree_identical"] is True
     assert merged["meta"]["merged"]["sections"] == ["tree"]
@@ -72,7 +72,7 @@ def test_bench_kernels_merge_keeps_the_attention_cases_not_rerun(tmp_path):
              dict(streams=2, heads=4, prefix=128, nodes=5)]
     earlier = dict(meta=dict(date="earlier"), ceilings={}, checks={}, attention=[dict(c, kernel_us=-1.0) for c in cases])
     out.write_text(json.dumps(earlier))
-    run_script("bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
+    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
                "--attention_cases=1/8/256/16", f"--out={out}")
     merged = json.loads(out.read_text())
     assert [(r["heads"], r["nodes"]) for r in merged["attention"]] == [(8, 1), (8, 16), (4, 5)]
@@ -87,7 +87,7 @@ def test_bench_kernels_merge_keeps_the_earlier_row_of_a_case_skipped_on_the_budg
     case = dict(streams=1, heads=8, prefix=256, nodes=16)
     out.write_text(json.dumps(dict(meta=dict(date="earlier"), ceilings={}, checks={},
                                    attention=[dict(case, kernel_us=-1.0)])))
-    run_script("bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
+    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
                "--attention_cases=1/8/256/16,1/8/256/1", "--attention_budget_s=0", f"--out={out}")
     merged = json.loads(out.read_text())
     assert merged["attention"][0] == dict(streams=1, heads=8, prefix=256, nodes=1, skipped="time budget")
@@ -97,7 +97,7 @@ def test_bench_kernels_merge_keeps_the_earlier_row_of_a_case_skipped_on_the_budg
 
 def test_bench_kernels_merge_needs_an_earlier_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_kernels.py"), "--quick",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "bench_kernels.py"), "--quick",
                            "--sections=ceilings", "--merge", f"--out={tmp_path / 'none.json'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "run without --merge first" in proc.stderr
@@ -118,7 +118,7 @@ def test_attention_peers_time_the_mosaic_gpu_op_at_the_split_counts_asked():
     """--attention_splits gives the Mosaic GPU op a peer per split count other than its default, up to one cache block
     a split (built, not run: jitted functions compile when first called)."""
     import jax
-    from experiments.kernels_attention import attention_inputs, attention_peers
+    from experiments.kernels.kernels_attention import attention_inputs, attention_peers
     from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu
 
     case = dict(streams=1, heads=64, prefix=4096, nodes=1)
@@ -137,7 +137,7 @@ def test_attention_peers_time_the_mosaic_gpu_op_at_the_split_counts_asked():
 
 @pytest.mark.parametrize("text", ["1/8/4096", "0/8/4096/1", "1/8/4096/-1", "a/8/4096/1"])
 def test_parse_case_names_a_malformed_case(text):
-    from experiments.kernels_attention import parse_case
+    from experiments.kernels.kernels_attention import parse_case
     with pytest.raises(ValueError, match="is not S/H/N/T"):
         parse_case(text)
 
@@ -145,12 +145,12 @@ def test_parse_case_names_a_malformed_case(text):
 def test_attention_flashmla_refuses_a_cpu_and_a_malformed_case():
     """The FlashMLA comparison runs on a GPU; elsewhere, or given a malformed case, it says so (exit 2) before
     anything is built (run as a script: its absl flags would clash with other scripts' imported here)."""
-    from experiments.kernels_attention import parse_case
+    from experiments.kernels.kernels_attention import parse_case
     assert parse_case("1/64/32768/16") == dict(streams=1, heads=64, prefix=32768, nodes=16)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for args, why in ((["--flashmla=/nonexistent"], "run it on a Hopper GPU"),
                       (["--flashmla=/nonexistent", "--cases=1/8/4096"], "is not S/H/N/T")):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "attention_flashmla.py"), *args],
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "attention_flashmla.py"), *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
@@ -159,7 +159,7 @@ def test_attention_alone_wall_refuses_a_cpu_and_a_malformed_case():
     """The profiler-free alone timing runs on a GPU; elsewhere, or given a malformed case, it says so (exit 2)."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for args, why in (([], "run it on the GPU"), (["--cases=1/8/4096"], "is not S/H/N/T")):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "attention_alone_wall.py"), *args],
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "attention_alone_wall.py"), *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
@@ -222,7 +222,7 @@ def test_bench_decode_small_table(tmp_path):
 def test_profile_moe_tiling_flag(capsys):
     """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones, of the Triton or the Mosaic GPU config;
     anything else, or a value the config refuses, exits with a named error."""
-    from experiments.profile_moe import parse_tiling
+    from experiments.kernels.profile_moe import parse_tiling
 
     config = parse_tiling(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
     assert (config.block_n, config.gate_up_splits, config.group_by_block) == (128, 2, True)
@@ -245,7 +245,7 @@ def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installe
     the TypeError that calling it with jax-triton 0.3.1 raises; its other paths are tried."""
     import importlib.metadata
 
-    from experiments import kernels_moe
+    from experiments.kernels import kernels_moe
 
     def version(name):
         if installed is None:
@@ -256,30 +256,6 @@ def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installe
     missing = kernels_moe.tokamax_path_missing("triton")
     assert missing is None if why is None else "needs jax-triton >= 0.4" in missing and why in missing
     assert kernels_moe.tokamax_path_missing("mosaic") is None and kernels_moe.tokamax_path_missing("xla") is None
-
-
-def test_wgmma_pieces_refuses_a_cpu():
-    """The wgmma layout comparison needs a Hopper GPU; elsewhere it says so (exit 2)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "wgmma_pieces.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=HANG_S)
-    assert proc.returncode == 2 and "run it on a Hopper GPU" in proc.stderr, proc.stderr[-2000:]
-
-
-def test_wgmma_pieces_lowers_for_the_h200():
-    """Both layouts of the p @ V product, p from registers and from shared memory, lower for an H200 (no GPU; in a
-    process of its own: the script's absl flags would clash with other scripts' imported here)."""
-    code = ("import jax.numpy as jnp\n"
-            "from triton_h200 import lower_for_h200, spec\n"
-            "from experiments import wgmma_pieces as w\n"
-            "for v in w.VARIANTS:\n"
-            "    text = lower_for_h200(w.product_kernel(v, 4, 2), spec((64, 64), jnp.bfloat16), "
-            "spec((64, 256), jnp.bfloat16))\n"
-            "    assert text.count('custom_call @mosaic_gpu_v2') == 1, v\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=HANG_S)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_paired_bars_writes_a_png_and_refuses_other_than_two_series(tmp_path):

@@ -1,4 +1,4 @@
-"""DFlash drafters in the published format: the fixture made by the reference code (experiments/make_dflash_fixture.py)
+"""DFlash drafters in the published format: the fixture made by the reference code (tests/fixtures/make_dflash_fixture.py)
 computes the reference's block logits here, our drafters export to that format and back, and configs this engine
 cannot run are refused by name."""
 import json

@@ -1,5 +1,5 @@
 """Our model against HF transformers' DeepseekV3ForCausalLM on every run, without torch: committed checkpoints of a
-tiny Kimi-like model with HF's own float32 logits (tests/fixtures/hf_*, written by experiments/make_hf_fixtures.py),
+tiny Kimi-like model with HF's own float32 logits (tests/fixtures/hf_*, written by tests/fixtures/make_hf_fixtures.py),
 loaded through hf_import, both MLA paths, in float32 at full matmul precision.
 
   hf_deepseek_v3_bf16  DeepSeek-V3 layout written by HF's save_pretrained (bf16 tensors, per-expert names)

@@ -1,4 +1,6 @@
 """The import graph runs one way: experiments -> kdtree_jax (the engine) -> pallas_kernels (the kernels) -> jax.
+Inside experiments/, the kernel benchmark package (experiments.kernels) and the scripts share the benchmark helpers
+(experiments.timing, experiments.run_record); the helpers import no script.
 
 Read from the source (every import statement, also those inside functions), so a lazy import cannot hide a circle.
 """
@@ -8,7 +10,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kdtree_jax", "pallas_kernels")
+PACKAGES = ("kdtree_jax", "pallas_kernels", "experiments")
+HELPERS = ("experiments.timing", "experiments.run_record")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -44,6 +47,18 @@ def test_kernels_do_not_import_the_engine(module):
                         f"to the pallas_kernels side")
 
 
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith(("kdtree_jax", "pallas_kernels"))))
+def test_the_engine_does_not_import_experiments(module):
+    scripts = sorted(m for m in GRAPH[module] if m.startswith("experiments"))
+    assert not scripts, f"{module} imports {scripts}: the engine and the kernels never import experiments/"
+
+
+@pytest.mark.parametrize("module", HELPERS)
+def test_benchmark_helpers_import_no_script(module):
+    scripts = sorted(m for m in GRAPH[module] if m.startswith("experiments"))
+    assert not scripts, f"{module} imports {scripts}: the shared benchmark helpers import no script or study"
+
+
 def test_no_import_cycles():
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     stack: list[str] = []
@@ -70,3 +85,5 @@ def test_the_graph_is_read():
     assert "pallas_kernels.ops" in GRAPH["kdtree_jax.decode"]
     assert "kdtree_jax.model.parallel" in GRAPH["kdtree_jax.model.moe"]
     assert "pallas_kernels.tree" in GRAPH["pallas_kernels.tree_build"]
+    assert "experiments.kernels.kernels_attention" in GRAPH["experiments.kernels.bench_kernels"]
+    assert "experiments.kernels.kernels_moe" in GRAPH["experiments.bench_expert_parallel"]

@@ -1,5 +1,5 @@
 """The INT4 layout (pallas_kernels/int4_layout.py) against words computed by hand and against the compressed-tensors
-library's own packer (tests/fixtures/int4_pack_quantized.safetensors, written by experiments/make_int4_fixture.py):
+library's own packer (tests/fixtures/int4_pack_quantized.safetensors, written by tests/fixtures/make_int4_fixture.py):
 round trips through our own inverse cannot tell a wrong nibble order from the right one, these can."""
 import os
 

@@ -1,6 +1,6 @@
 """int4_moe_triton on the CPU: its configurations, its refusal of interpret mode, and a compile of every kernel
 variant to PTX and SASS for the H200 (sm_90) with Triton's own compiler, as jax-triton would on the GPU (pointers
-16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels_moe.py."""
+16-byte aligned). The numbers are checked on the GPU: tests/test_kernels_gpu.py and experiments/kernels/kernels_moe.py."""
 import dataclasses
 import functools
 import os

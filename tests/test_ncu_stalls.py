@@ -1,10 +1,10 @@
-"""experiments/ncu_stalls.py on a small source page written here in ncu's CSV shape: every class of wait lands where
+"""experiments/kernels/ncu_stalls.py on a small source page written here in ncu's CSV shape: every class of wait lands where
 the module docstring says, and a file that is not such a page is refused by name."""
 import csv
 
 import pytest
 
-from experiments import ncu_stalls
+from experiments.kernels import ncu_stalls
 
 HEADER = ["Address", "Source", ncu_stalls.SAMPLES, "Instructions Executed", "stall_long_sb", "stall_barrier"]
 # (SASS, samples): a prologue, the producer (arms the q tile's barrier at 0x100, waits for a free slot at 0x200),

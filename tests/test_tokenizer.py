@@ -1,4 +1,4 @@
-"""A model's own tokenizer from its directory: the tiny Kimi-style tiktoken fixture (experiments/make_kimi_fixture.py),
+"""A model's own tokenizer from its directory: the tiny Kimi-style tiktoken fixture (tests/fixtures/make_kimi_fixture.py),
 a `tokenizers` JSON directory, chat templates, and the project's own tokenizer file as before."""
 import json
 import os

@@ -1,7 +1,7 @@
 """The Triton tree kernels (pallas_kernels/tree_triton.py) on the CPU: compiled for the H200 (sm_90) by Triton itself
 at the decode loop's shapes, their launch limits and their refusal of interpret mode. Bit-identity with the
 specifications: in Triton's interpreter (tests/test_tree_triton_interpreter.py) and on the GPU
-(tests/test_kernels_gpu.py, experiments/kernels_tree.py)."""
+(tests/test_kernels_gpu.py, experiments/kernels/kernels_tree.py)."""
 import jax.numpy as jnp
 import pytest
 

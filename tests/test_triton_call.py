@@ -4,7 +4,7 @@ int4_moe kernels also to the "ffi" launcher's custom calls (Triton's cubins); ba
 name the fix.
 
 The lowering is what the GPU compiles (XLA turns the custom call's Triton IR into its executable); the GPU runs are in
-tests/test_kernels_gpu.py and experiments/kernels_moe.py / kernels_tree.py.
+tests/test_kernels_gpu.py and experiments/kernels/kernels_moe.py / kernels_tree.py.
 """
 import functools
 

@@ -3,7 +3,7 @@ against jaxlib's FFI headers, and the attributes the lowering writes (a Triton c
 warps and shared memory) decode in the handler's binding after XLA has parsed the program: the call is run on the
 CPU backend, where the only operand the handler cannot decode is the CUDA stream.
 
-What is left for the GPU (tests/test_kernels_gpu.py, experiments/kernels_moe.py): the module load, the launch and the
+What is left for the GPU (tests/test_kernels_gpu.py, experiments/kernels/kernels_moe.py): the module load, the launch and the
 command buffers.
 """
 import os

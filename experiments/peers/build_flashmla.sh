@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds FlashMLA's sm90 dense decode (bf16) into a Python extension, `flashmla_decode`, the peer of
-# experiments/attention_flashmla.py. FlashMLA is not a dependency of the project and nothing here downloads it:
+# experiments/kernels/attention_flashmla.py. FlashMLA is not a dependency of the project and nothing here downloads it:
 # bring its sources as a tarball of FlashMLA's csrc/ with CUTLASS's include/ and tools/util/include/ under
 # csrc/cutlass/ (FlashMLA 9241ae3 and its CUTLASS submodule, 147f567, were measured), e.g. from local clones:
 #

@@ -1,6 +1,6 @@
 """FlashMLA's sm90 dense decode (bf16) as a peer of the tree-verify attention op: its extension loaded from
 `build_flashmla.sh`'s output, the op's inputs in FlashMLA's layout, and one call. Used by
-experiments/attention_flashmla.py (timing) and experiments/profile_attention.py (Nsight Compute).
+experiments/kernels/attention_flashmla.py (timing) and experiments/kernels/profile_attention.py (Nsight Compute).
 
 FlashMLA attends the prefix and the T nodes under its causal mask, which is the ancestor mask of a chain of T nodes
 (`chain_visible`); its page block is the op's cache block (PAGE rows).

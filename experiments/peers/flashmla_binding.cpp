@@ -1,4 +1,4 @@
-// The one entry of FlashMLA's extension that experiments/attention_flashmla.py times: its sm90 dense decode
+// The one entry of FlashMLA's extension that experiments/kernels/attention_flashmla.py times: its sm90 dense decode
 // (bf16), declared by FlashMLA's own api/dense_decode.h. Built by build_flashmla.sh.
 #include <pybind11/pybind11.h>
 

@@ -36,7 +36,7 @@ class RunConfig:
 
     out: str  # the final bf16 checkpoint (kdtree_jax.checkpoint)
     state_dir: str  # the resumable train state (orbax)
-    results_dir: str = "experiments/results"
+    results_dir: str = "experiments/results/training"
     steps: int | None = None
     minutes: float | None = None  # wall clock from process start, start-up and compilation included
     batch: int = 32
@@ -56,7 +56,7 @@ def define_run_flags(*, out: str, state_dir: str, minutes: float, batch: int, se
     """Define the absl flags of RunConfig with a script's defaults."""
     flags.DEFINE_string("out", out, "directory of the final bf16 checkpoint (replaced when it holds one)")
     flags.DEFINE_string("state_dir", state_dir, "directory of the resumable train state")
-    flags.DEFINE_string("results_dir", "experiments/results", "where the results JSON and loss plot go")
+    flags.DEFINE_string("results_dir", "experiments/results/training", "where the results JSON and loss plot go")
     flags.DEFINE_integer("steps", None, "stop after this many optimizer steps (with --minutes: whichever first)")
     flags.DEFINE_float("minutes", minutes, "wall-clock budget from process start, start-up and compilation "
                        "included (the final evaluation and save come after); 0: steps only")

@@ -13,7 +13,8 @@ profiler cannot take CUPTI once PyTorch's has).
 FlashMLA is not a dependency: build its extension first (`experiments/peers/build_flashmla.sh`, which says where its
 sources come from), then on the GPU:
 
-    python3 experiments/attention_flashmla.py --flashmla=/tmp/flashmla --out=experiments/results/attention_flashmla.json
+    python3 experiments/kernels/attention_flashmla.py --flashmla=/tmp/flashmla \
+        --out=experiments/results/kernels/attention_flashmla.json
 
 Writes the JSON (--out) and a bar plot of both per-call times beside it.
 """
@@ -28,8 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
-from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes,  # noqa: E402
-                                           case_name, cache_rows, parse_case)
+from experiments.kernels.kernels_attention import (K26_SCALE, attention_cost, attention_inputs,  # noqa: E402
+                                                   cache_bytes, case_name, cache_rows, parse_case)
 from experiments.peers import flashmla  # noqa: E402
 from experiments.run_record import code_version, write_json  # noqa: E402
 from experiments.timing import (BACK_TO_BACK, back_to_back_job, measure_ceilings, rel_err, roofline,  # noqa: E402
@@ -44,7 +45,7 @@ flags.DEFINE_list("cases", ["1/8/32768/1", "1/8/32768/16", "1/64/32768/1", "1/64
                   "S/H/N/T: streams (FlashMLA's batch), heads, prefix, nodes")
 flags.DEFINE_string("flashmla", None, "directory holding the flashmla_decode extension (build_flashmla.sh's OUT_DIR)")
 flags.DEFINE_integer("reps", 15, "timed windows per peer (median reported)")
-flags.DEFINE_string("out", "experiments/results/attention_flashmla.json", "JSON results (a PNG beside it)")
+flags.DEFINE_string("out", "experiments/results/kernels/attention_flashmla.json", "JSON results (a PNG beside it)")
 flags.mark_flag_as_required("flashmla")
 F = flags.FLAGS
 

@@ -3,7 +3,7 @@ Triton kernels (pallas_kernels/tree_triton.py, launched through XLA's Triton cus
 reference, and the CPU heap per request that the paper's code uses (timed by wall clock since it crosses the host);
 on the GPU also the same kernels launched by jax-triton (`jax_triton_*`). On the CPU (--quick) the references stand
 in for the kernels: a smoke run of the script. The Pallas-Triton kernels were timed beside them up to
-results/kernels.json of the seventh session, then removed. Every tree is checked
+results/kernels/kernels.json of the seventh session, then removed. Every tree is checked
 bit-identical to the heapq specification and every accept walk to the python loop (`identical_detail`,
 `accept_identical_detail` name each candidate).
 

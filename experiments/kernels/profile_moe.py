@@ -2,7 +2,7 @@
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:'gate_up|down' \
         --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats python3 experiments/profile_moe.py --kernel=triton --tokens=8
+        --section WarpStateStats python3 experiments/kernels/profile_moe.py --kernel=triton --tokens=8
 
 JAX's pool is not preallocated because ncu saves and restores every allocation around each replay pass: otherwise
 the whole pool (kernels.md, "Twenty-fourth session").
@@ -25,7 +25,7 @@ from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig
 from pallas_kernels.int4_moe_triton import TritonMoeConfig
 from pallas_kernels.triton_call import LAUNCHERS
 
-from experiments.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
+from experiments.kernels.kernels_moe import INT4_KERNELS, moe_routing, moe_shapes, random_experts
 from kdtree_jax import cli
 
 MOSAIC = "mosaic"

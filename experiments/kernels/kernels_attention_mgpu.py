@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.kernels_attention import K26_SCALE, attention_cases, attention_cost, attention_inputs
+from experiments.kernels.kernels_attention import K26_SCALE, attention_cases, attention_cost, attention_inputs
 from experiments.timing import Job, rel_err, roofline, time_jobs
 from pallas_kernels import tree_verify_attention_mgpu as mgpu_attn
 from pallas_kernels import tree_verify_attention as attn

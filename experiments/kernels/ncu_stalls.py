@@ -4,10 +4,10 @@ On the GPU (the report's source page as CSV; `profile_attention.py`'s docstring 
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu \
         --launch-skip 1 --launch-count 1 --section WarpStateStats --section SourceCounters -o REP \
-        python3 experiments/profile_attention.py ...
+        python3 experiments/kernels/profile_attention.py ...
     ncu --import REP.ncu-rep --page source --print-source sass --csv > REP.csv
 
-then anywhere: `python3 experiments/ncu_stalls.py --csv=REP.csv --out=experiments/results/NAME.csv` writes the
+then anywhere: `python3 experiments/kernels/ncu_stalls.py --csv=REP.csv --out=experiments/results/NAME.csv` writes the
 per-instruction table (offset, SASS, samples, executions, stall reasons) and prints the breakdown (with `--json`
 also writes it): each warpgroup's share of the samples (the producer and the two consumers, told apart by their
 `setmaxnreg`), and within it what the warps wait for. A `SYNCS...TRYWAIT` (an mbarrier try-wait) and the branch that

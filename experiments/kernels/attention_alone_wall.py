@@ -9,7 +9,7 @@ input sets rotated past the L2, and `floor` (a jitted one-kernel call on a small
 itself, so that `wall - floor` is the part of the call that is the op's or the reference's. The op runs with its plan
 made beforehand, as the model makes it once per forward (`ops.tree_verify_plan`).
 
-    python3 experiments/attention_alone_wall.py --out=experiments/results/attention_alone_wall.json
+    python3 experiments/kernels/attention_alone_wall.py --out=experiments/results/kernels/attention_alone_wall.json
 
 Writes the JSON (--out) and a bar plot of wall - floor beside it. GPU only.
 """
@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags, logging
 from tqdm import tqdm
 
-from experiments.kernels_attention import K26_SCALE, attention_inputs, cache_bytes, case_name, parse_case
+from experiments.kernels.kernels_attention import K26_SCALE, attention_inputs, cache_bytes, case_name, parse_case
 from experiments.run_record import code_version, write_json
 from experiments.timing import rotation_sets
 from kdtree_jax import cli, plots
@@ -34,7 +34,7 @@ from pallas_kernels import tree_verify_attention as attn
 flags.DEFINE_list("cases", ["1/8/4096/1", "1/64/4096/1", "1/8/4096/16", "1/64/4096/16", "1/64/32768/1"],
                   "S/H/N/T: streams, heads, prefix, nodes")
 flags.DEFINE_integer("reps", 400, "isolated calls per peer and case (median reported)")
-flags.DEFINE_string("out", "experiments/results/attention_alone_wall.json", "JSON results (a PNG beside it)")
+flags.DEFINE_string("out", "experiments/results/kernels/attention_alone_wall.json", "JSON results (a PNG beside it)")
 F = flags.FLAGS
 
 

@@ -1,7 +1,7 @@
 """Check and time the GPU kernels against their XLA references and baselines at K2.6 shapes.
 
-    PYTHONPATH=. python3 experiments/bench_kernels.py --out=experiments/results/kernels.json
-    PYTHONPATH=. python3 experiments/bench_kernels.py --quick      # small shapes, interpret mode: a CPU smoke run
+    PYTHONPATH=. python3 experiments/kernels/bench_kernels.py --out=experiments/results/kernels/kernels.json
+    PYTHONPATH=. python3 experiments/kernels/bench_kernels.py --quick   # small shapes, interpret mode: a CPU smoke run
 
 Timings are device times from profiler traces and ceilings are measured in the same run (experiments/timing.py).
 
@@ -23,18 +23,18 @@ from absl import flags
 
 import jax
 
-from experiments.kernels_attention import attention_cases, attention_f32_check, case_name, run_attention
-from experiments.kernels_attention_mgpu import run_attention_mgpu
-from experiments.kernels_combine import run_combine
-from experiments.kernels_moe import run_moe
-from experiments.kernels_tree import run_tree
+from experiments.kernels.kernels_attention import attention_cases, attention_f32_check, case_name, run_attention
+from experiments.kernels.kernels_attention_mgpu import run_attention_mgpu
+from experiments.kernels.kernels_combine import run_combine
+from experiments.kernels.kernels_moe import run_moe
+from experiments.kernels.kernels_tree import run_tree
 from experiments.run_record import code_version, write_json
 from experiments.timing import measure_ceilings
 from kdtree_jax import cli, plots
 from pallas_kernels import tree_verify_attention_triton as attn_triton
 from pallas_kernels.triton_call import LAUNCHERS
 
-flags.DEFINE_string("out", "experiments/results/kernels.json", "where the JSON results go")
+flags.DEFINE_string("out", "experiments/results/kernels/kernels.json", "where the JSON results go")
 flags.DEFINE_list("sections", ["ceilings", "attention", "moe", "tree"], "which parts to run")
 flags.DEFINE_integer("reps", 15, "timed calls per measurement (median reported)")
 flags.DEFINE_list("sweep", ["attention", "moe"], "sections (attention, moe) whose representative cases also time "

@@ -6,7 +6,7 @@ paths over bf16 weights (ragged_dot, gather + einsum), tokamax's ragged_dot over
 implementation that runs; the reason for each that does not) and its jnp reference, at K2.6 expert shapes, with f32
 checks and optional tilings. On the CPU (--quick) the reference stands in for the kernel (a Triton kernel has
 no interpret mode): a smoke run of the script, not of the kernel. The previous Pallas-Triton kernel was timed beside
-the Triton one up to results/kernels.json of the sixth session, then removed.
+the Triton one up to results/kernels/kernels.json of the sixth session, then removed.
 
     cases      M tokens (moe_shapes): x [M,D] bf16, random INT4 experts [E] of D x I, top-k ids / weights [M,k]
     cost       FLOPs of the M x k pairs, bytes of the touched experts + x + out (moe_cost) -> roofline fraction

@@ -3,11 +3,11 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:tree_verify_attention_mgpu \
         --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        python3 experiments/profile_attention.py --kernel=mosaic_gpu --heads=8 --prefix=32768 --nodes=16
+        python3 experiments/kernels/profile_attention.py --kernel=mosaic_gpu --heads=8 --prefix=32768 --nodes=16
 
-The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels_attention.py). Without
+The inputs are those of `bench_kernels.py`'s attention section (experiments/kernels/kernels_attention.py). Without
 `XLA_PYTHON_CLIENT_PREALLOCATE=false` ncu saves and restores JAX's whole memory pool (~105 GiB on an H200) around every
-replay pass, over a minute per profiled kernel. Stall samples per SASS line: `experiments/ncu_stalls.py`.
+replay pass, over a minute per profiled kernel. Stall samples per SASS line: `experiments/kernels/ncu_stalls.py`.
 
 `--kernel=flashmla --flashmla=DIR` runs FlashMLA's dense decode (`experiments/peers/flashmla.py`, built by
 `build_flashmla.sh`) on the same inputs instead, its scheduler's metadata made by the first call and reused, so that
@@ -20,7 +20,7 @@ import numpy as np
 from absl import flags
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from experiments.kernels_attention import K26_SCALE, attention_inputs
+from experiments.kernels.kernels_attention import K26_SCALE, attention_inputs
 from experiments.peers import flashmla
 from kdtree_jax import cli
 from pallas_kernels import tree_verify_attention_mgpu as attn_mgpu

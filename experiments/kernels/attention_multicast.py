@@ -5,7 +5,7 @@ combine) with its frame bias made beforehand, timed per call of `timing.BACK_TO_
 over input sets rotated past the L2; the table gives the op's and the attention kernel's device times and the kernel's
 ratio to C = 1. GPU only:
 
-    python3 experiments/attention_multicast.py --out=experiments/results/attention_multicast.json
+    python3 experiments/kernels/attention_multicast.py --out=experiments/results/kernels/attention_multicast.json
 
 Writes the JSON (--out) and a bar plot of the kernels' times beside it.
 """
@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes, cache_rows,
-                                           parse_case)
+from experiments.kernels.kernels_attention import (K26_SCALE, attention_cost, attention_inputs, cache_bytes,
+                                                   cache_rows, parse_case)
 from experiments.run_record import code_version, write_json
 from experiments.timing import back_to_back_job, rel_err, rotation_sets, time_jobs
 from kdtree_jax import cli, plots
@@ -29,7 +29,7 @@ flags.DEFINE_list("cases", ["1/8/8192/16", "1/8/16384/16", "1/8/32768/16", "1/8/
                             "1/16/32768/8", "1/8/32768/32", "1/8/32768/64"], "S/H/N/T: streams, heads, prefix, nodes")
 flags.DEFINE_list("sizes", ["1", "2", "4"], "multicast_tiles values (each where it divides a stream's tiles)")
 flags.DEFINE_integer("reps", 15, "timed windows per variant (median reported)")
-flags.DEFINE_string("out", "experiments/results/attention_multicast.json", "JSON results (a PNG beside it)")
+flags.DEFINE_string("out", "experiments/results/kernels/attention_multicast.json", "JSON results (a PNG beside it)")
 F = flags.FLAGS
 KERNEL = "tree_verify_attention_mgpu_mosaic_gpu_kernel"   # the kernel's event name in the device trace
 
