@@ -1,7 +1,7 @@
 """Routed experts of one K2.6 MoE layer on one GPU against expert parallelism over tp GPUs, side by side in one run.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/bench_expert_parallel.py \
-        --out=experiments/results/sharding/archive/expert_parallel_x2_before_v4.json       # on 2 x H200
+        --out=experiments/results/sharding/expert_parallel_x2.json       # on 2 x H200
     PYTHONPATH=. python3 experiments/bench_expert_parallel.py --quick  # CPU smoke run (fake devices, small shapes)
 
 For each token count M and each INT4 kernel (--kernels): the same random INT4 experts (E = 384, D = 7168, I = 2048,

@@ -5,7 +5,7 @@
         --layers=61 --mesh=tp=8 --time_budget_s=420 --append --out=experiments/results/k26/k26_x8.json
     # one H200: K2.6 shapes, fewer layers
     PYTHONPATH=. python3 experiments/bench_k26.py --layers=4 --mesh=tp=1 \
-        --out=experiments/results/k26/archive/k26_h200_4layers_session11.json
+        --out=experiments/results/k26/k26_h200_4layers.json
     # CPU smoke run on 8 fake devices (a shrunken config; the times mean nothing)
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_k26.py --scale=tiny \
         --prefix=64 --budgets=4,8 --reps=2 --fast_compile --out=/tmp/k26_tiny.json

@@ -76,8 +76,8 @@ class TreeVerifyPlan:
 
 # Split-K heuristic (the Triton kernel's; the Mosaic GPU one applies `split_count` to its own tiles): the count that
 # minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS).
-# A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels/archive/kernels_sweep.json: 128 or 256 programs
-# of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS: multiprocessors of an
+# A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels/archive/kernels_sweep.json: 128
+# or 256 programs of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS: multiprocessors of an
 # H200. PROGRAMS_PER_SM: resident programs per multiprocessor by tile: the 8-warp 64-row tile holds ~200 KB of shared
 # memory (one per SM), the 4-warp 16-row tile's four stages of 32-row blocks ~130 KB (one), the 4-warp 32-row tile fits
 # two. PROGRAM_OVERHEAD_BLOCKS: a program's fixed cost (q tile, tree block, partial write) in cache blocks; fitted on
