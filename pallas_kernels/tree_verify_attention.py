@@ -75,13 +75,13 @@ class TreeVerifyPlan:
 
 
 # Split-K heuristic (the Triton kernel's; the Mosaic GPU one applies `split_count` to its own tiles): the count that
-# minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS).
-# A wave only partly filled costs a whole one (H200 sweep, experiments/results/kernels/archive/kernels_sweep.json: 128
-# or 256 programs of the 64-row tile run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS: multiprocessors of an
-# H200. PROGRAMS_PER_SM: resident programs per multiprocessor by tile: the 8-warp 64-row tile holds ~200 KB of shared
-# memory (one per SM), the 4-warp 16-row tile's four stages of 32-row blocks ~130 KB (one), the 4-warp 32-row tile fits
-# two. PROGRAM_OVERHEAD_BLOCKS: a program's fixed cost (q tile, tree block, partial write) in cache blocks; fitted on
-# the sweep (0 picks many waves of tiny programs, 1-12 fit equally). RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM
+# minimises (waves of programs) x (blocks per program + PROGRAM_OVERHEAD_BLOCKS). A wave only partly filled costs a
+# whole one (H200 sweep, experiments/results/kernels/archive/kernels_sweep.json: 128 or 256 programs of the 64-row tile
+# run about as fast as each other, 144 or 160 up to 1.7x slower). NUM_SMS: multiprocessors of an H200. PROGRAMS_PER_SM:
+# resident programs per multiprocessor by tile: the 8-warp 64-row tile holds ~200 KB of shared memory (one per SM), the
+# 4-warp 16-row tile's four stages of 32-row blocks ~130 KB (one), the 4-warp 32-row tile fits two.
+# PROGRAM_OVERHEAD_BLOCKS: a program's fixed cost (q tile, tree block, partial write) in cache blocks; fitted on the
+# sweep (0 picks many waves of tiny programs, 1-12 fit equally). RIDGE_FLOP_PER_BYTE: bf16 matmul rate over HBM
 # bandwidth on the H200 (about 780 TFLOP/s / 4.3 TB/s), to express a call's floor in bytes. PARTIAL_BUDGET: the partials
 # (f32, written and read back) may move at most this fraction of those bytes.
 NUM_SMS = 132
