@@ -78,9 +78,11 @@ from kdtree_jax.cache import KVCache
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.decode import pick_tokens
 from kdtree_jax.model.layers import dtype_of
+from kdtree_jax.model.moe import random_int4_experts
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.training.target_objective import expert_loads
 from pallas_kernels import int4_moe_triton
+from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 from pallas_kernels.tree import random_tree_visible
 from pallas_kernels.triton_call import LAUNCHERS
 
@@ -186,8 +188,10 @@ class StepCost:
 
 
 def step_cost(cfg: ModelConfig, weights: WeightBytes, axis_sizes: dict, streams: int, nodes: int,
-              prefix: int, experts_hit: float | None = None) -> StepCost:
-    """experts_hit: distinct routed experts per MoE layer as measured (default: the uniform expectation)."""
+              prefix: int, experts_hit: float | None = None, device_experts: float | None = None) -> StepCost:
+    """experts_hit: distinct routed experts per MoE layer as measured (default: the uniform expectation).
+    device_experts: the distinct experts per MoE layer of the device the floor is for (default: the mean device's,
+    experts_hit / tp); one device's share (--shard_of) gives the most loaded device's."""
     tp, data = axis_sizes[sharding.TP], axis_sizes[sharding.DATA]
     m = streams * nodes
     moe_layers = cfg.num_layers - cfg.first_k_dense
@@ -198,6 +202,8 @@ def step_cost(cfg: ModelConfig, weights: WeightBytes, axis_sizes: dict, streams:
         touched, local_touched = expected_experts(e, k, m), expected_experts(e, k, m / data) / tp
     else:
         touched, local_touched = experts_hit, experts_hit / tp
+    if device_experts is not None and moe_layers:
+        local_touched = device_experts
     per_expert = weights.experts / max(moe_layers * e, 1)  # bytes of one expert of one layer
     row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * np.dtype(dtype_of(cfg.dtype)).itemsize * cfg.num_layers
     kv = streams * (prefix + nodes) * row
@@ -274,6 +280,119 @@ def collective_summary(counts: dict, seconds_each: dict | None = None) -> dict:
     if seconds_each is not None:
         summary["ms"] = sum(o["count"] * o["us_each"] for o in ops) / 1e3
     return summary
+
+
+# ------------------------------------------------------------------------------------ one device's share of tp
+def parse_shard_of(text: str) -> int:
+    """--shard_of: 'tp=N' -> N; '' -> 0 (no share: the whole model on --mesh)."""
+    if not text:
+        return 0
+    name, _, value = text.partition("=")
+    if name.strip() != sharding.TP or not value.strip().isdigit() or int(value) < 2:
+        raise ValueError(f"--shard_of={text!r} is not 'tp=N' with N >= 2; write e.g. --shard_of=tp=8")
+    return int(value)
+
+
+def share_view(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one device's share runs its code with: its heads and its vocabulary slice. Every other split size
+    (MLP and shared-expert columns, experts held) the code reads from its params' shapes; the router still scores
+    all cfg.num_experts experts."""
+    return cfg.replace(num_heads=cfg.num_heads // tp, vocab_size=cfg.vocab_size // tp)
+
+
+def _share_init(name: str, full_shape: tuple, shape: tuple, dtype):
+    """A jitted key -> random param of the share's `shape`, drawn as the model draws the whole param `full_shape`:
+    norms ones, the router's correction bias zeros, the embedding N(0, 0.02), every other weight a truncated
+    normal over the whole param's fan-in (o_proj: heads x head dim; everything else its first axis)."""
+    if name == "weight":
+        return jax.jit(lambda key: jnp.ones(shape, dtype))
+    if name == "e_score_correction_bias":
+        return jax.jit(lambda key: jnp.zeros(shape, dtype))
+    scale = 0.02 if name == "embed_tokens" else (full_shape[0] * (full_shape[1] if name == "o_proj" else 1)) ** -0.5
+    return jax.jit(lambda key: (jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) * scale).astype(dtype))
+
+
+def make_share_params(cfg: ModelConfig, tp: int, seed: int):
+    """(graphdef, params, info): one device's params of a tp deployment of cfg, random, on this process's first device:
+    every param split over tp by the engine's rules (sharding.PARAM_AXES) at its shard's shape, the replicated ones
+    whole; the INT4 routed experts made in packed form as `sharding.init_in_shards` makes each device's E / tp.
+    The graphdef is `share_view`'s."""
+    start = time.perf_counter()
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(share_view(cfg, tp), nnx.Rngs(seed))))[0]
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed))))
+    axis_sizes = {sharding.DATA: 1, sharding.TP: tp}
+    inits, int4_makers, int4_modules = {}, {}, {}
+    key = jax.random.key(seed)
+    for number, (path, variable) in enumerate(nnx.to_flat_state(state)):
+        full = variable.get_value()
+        if path[-1] in Int4Experts._fields:
+            int4_modules.setdefault(path[:-1], {})[path[-1]] = variable
+            continue
+        spec = sharding.param_spec(path, full.shape, axis_sizes)
+        shape = tuple(d // (tp if axis == sharding.TP else 1) for d, axis in zip(full.shape, spec))
+        init = (path[-1], full.shape, shape, full.dtype)
+        if init not in inits:
+            inits[init] = _share_init(*init)
+        variable.set_value(inits[init](jax.random.fold_in(key, number)))
+    for number, (module, variables) in enumerate(int4_modules.items()):
+        shapes = Int4Experts(*(variables[name].get_value().shape for name in Int4Experts._fields))
+        if shapes not in int4_makers:
+            int4_makers[shapes] = jax.jit(lambda key, s=shapes: random_int4_experts(
+                nnx.Rngs(key), s.gate_packed[0] // tp, s.down_packed[1], s.gate_packed[1], INT4_GROUP))
+        made = int4_makers[shapes](jax.random.fold_in(key, 10_000 + number))
+        for name, value in made._asdict().items():
+            variables[name].set_value(value)
+    jax.block_until_ready(state)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    return graphdef, state, dict(share_of_tp=tp, params=len(jax.tree.leaves(state)), total_bytes=nbytes,
+                                 per_device_bytes=[nbytes], init_s=time.perf_counter() - start)
+
+
+def share_collectives(cfg: ModelConfig, tp: int, streams: int, nodes: int, table: dict | None) -> dict:
+    """The collectives one device of a tp deployment takes part in per step, which the share leaves out:
+    an all-reduce of the hidden state [M, D] after attention and after the MLP / MoE of every layer
+    (`model.parallel`), one for the vocab-parallel embedding lookup, and the two all-gathers of the argmax over the
+    vocabulary slices (each device's best value and index per token, tp of each gathered). tests/test_bench_k26.py checks this count against the compiled tp
+    step. table: {(op, dtype, elements): seconds} measured elsewhere (`collective_table`); each op takes the time
+    of the measured op of its kind nearest in bytes."""
+    m, dtype = streams * nodes, {"bfloat16": "bf16", "float32": "f32"}[cfg.dtype]
+    counts = {("all-reduce", dtype, m * cfg.hidden_size): 2 * cfg.num_layers + 1,
+              ("all-gather", "f32", m * tp): 1, ("all-gather", "s32", m * tp): 1}
+    if not table:
+        return dict(collective_summary(counts), modeled=True, tp=tp)
+    nearest = {}
+    for op, dt, elements in counts:
+        size = elements * np.dtype(HLO_DTYPES[dt]).itemsize
+        same = [(abs(math.log(max(e * np.dtype(HLO_DTYPES.get(d, jnp.float32)).itemsize, 1) / max(size, 1))), s)
+                for (o, d, e), s in table.items() if o == op]
+        nearest[(op, dt, elements)] = min(same)[1] if same else float("nan")
+    return dict(collective_summary(counts, nearest), modeled=True, tp=tp)
+
+
+def collective_table(path: str) -> dict:
+    """{(op, dtype, elements): seconds} of every collective a bench_k26 JSON timed (its cases' `collectives.ops`,
+    each op's median over the cases that timed it); {} for no path."""
+    if not path:
+        return {}
+    with open(path) as fh:
+        cases = json.load(fh)["cases"]
+    times: dict = {}
+    for case in cases:
+        for o in case.get("collectives", {}).get("ops", []):
+            if "us_each" in o:
+                times.setdefault((o["op"], o["dtype"], o["elements"]), []).append(o["us_each"] * 1e-6)
+    return {key: float(np.median(v)) for key, v in times.items()}
+
+
+def most_loaded_experts(tokens: int, num_experts: int, top_k: int, tp: int, trials: int = 256, seed: int = 0) -> float:
+    """The distinct experts of the most loaded of tp devices (num_experts / tp consecutive experts each) when
+    `tokens` tokens each choose top_k distinct experts uniformly at random: mean over `trials` draws (the device a tp
+    step waits for at each layer, and the experts the share computes)."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((trials, tokens, num_experts)), axis=-1)[..., :top_k].reshape(trials, -1)
+    hit = np.zeros((trials, num_experts), bool)
+    np.put_along_axis(hit, picks, True, axis=1)
+    return float(hit.reshape(trials, tp, -1).sum(-1).max(-1).mean())
 
 
 # --------------------------------------------------------------------------------------------- model and cache
@@ -404,11 +523,19 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
     Returns (result row, the cache handed back by the last call: the donated one is gone)."""
     inputs = tuple(jax.device_put(a, sharding.stream_sharding(mesh))
                    for a in block_inputs(rng, cfg, case.kind, case.streams, case.nodes, case.prefix))
+    loop_only = run.get("loop_only", False) and step_loop is not None
     start = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
-    cost = step_cost(cfg, weights, dict(mesh.shape), case.streams, case.nodes, case.prefix)
-    floors = cost.floors_s(mesh.size, run["bandwidth"], run["matmul"])
+        compiled = (step_loop.fn if loop_only else step).lower(params, cache, *inputs).compile(
+            compiler_options=run["compiler_options"])
+    share_tp, full_cfg = run.get("share_tp", 0), run.get("full_cfg", cfg)
+    axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)
+    devices = math.prod(axis_sizes.values())
+    device_experts = (most_loaded_experts(case.streams * case.nodes, full_cfg.num_experts,
+                                          full_cfg.num_experts_per_tok, share_tp) if share_tp else None)
+    cost = step_cost(full_cfg, weights, axis_sizes, case.streams, case.nodes, case.prefix,
+                     device_experts=device_experts)
+    floors = cost.floors_s(devices, run["bandwidth"], run["matmul"])
     counts = hlo_collectives(compiled.as_text())
     row = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes, prefix=case.prefix,
                tokens=cost.tokens, compile_s=time.perf_counter() - start,
@@ -416,6 +543,8 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
                weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
                flops=cost.flops, floor_ms={k: v * 1e3 for k, v in floors.items()},
                memory_per_device=_memory(compiled.memory_analysis()))
+    if share_tp:
+        row["device_experts_per_layer"] = device_experts
     if run["compile_only"]:
         return dict(row, collectives=collective_summary(counts)), cache
 
@@ -425,6 +554,10 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
         tokens, state["cache"], state["hit"] = compiled(params, state["cache"], *inputs)
         return tokens, state["cache"]
 
+    if loop_only:       # the compiled function is the loop: its wall clock per step is the one time
+        us = wall_us(call, [()], run["reps"], warmup=run["warmup"])
+        return _timed_row(row, case, cfg, weights, state, mesh, run, counts, timed_collectives, floors,
+                          [us / 1e6 / step_loop.steps], float("nan"), dict(step_ms_in_loop=us / 1e3 / step_loop.steps))
     times = []
     for r in range(run["warmup"] + run["reps"]):
         with jax.profiler.TraceAnnotation(f"k26|{case.name}|{r}"):
@@ -433,29 +566,51 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
             elapsed = time.perf_counter() - start
         if r >= run["warmup"]:
             times.append(elapsed)
-    step_s = float(np.median(times))
     start = time.perf_counter()
     for _ in range(run["reps"]):       # issued without waiting between calls: the host may run ahead of the device
         call()
     jax.block_until_ready(state["cache"])
     pipelined_s = (time.perf_counter() - start) / run["reps"]
+    loop_row = {}
     if step_loop is not None:
         try:
             state["cache"], loop_row = time_loop(step_loop, params, state["cache"], inputs, mesh, run)
-            row.update(loop_row)
         except Exception as e:  # noqa: BLE001 - the loop's failure (e.g. out of memory) is a result; the step's stands
-            row["loop_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            loop_row = dict(loop_error=f"{type(e).__name__}: {str(e)[:2000]}")
             state["cache"] = None  # it may have been donated: the caller makes a new one
-    for key in counts.keys() - timed_collectives.keys():
-        timed_collectives[key] = time_collective(mesh, *key, run["reps"])
-    collectives = collective_summary(counts, timed_collectives)
-    collectives["fraction_of_step"] = collectives["ms"] / 1e3 / step_s
-    hit = np.asarray(state["hit"]).sum(axis=1)  # distinct experts per MoE layer
-    routed = {k: v * 1e3 for k, v in step_cost(cfg, weights, dict(mesh.shape), case.streams, case.nodes, case.prefix,
-                                               float(hit.mean()) if hit.size else None)
-              .floors_s(mesh.size, run["bandwidth"], run["matmul"]).items()}
+    return _timed_row(row, case, cfg, weights, state, mesh, run, counts, timed_collectives, floors, times,
+                      pipelined_s, loop_row)
+
+
+def _timed_row(row, case, cfg, weights, state, mesh, run, counts, timed_collectives, floors, times, pipelined_s,
+               loop_row):
+    """run_case's row completed with its times (seconds of the timed calls; the loop's fields), collectives,
+    floors' fractions and the routing the last call recorded; and the cache handed back."""
+    row.update(loop_row)
+    step_s = float(np.median(times))
+    share_tp, full_cfg = run.get("share_tp", 0), run.get("full_cfg", cfg)
+    axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)
+    devices = math.prod(axis_sizes.values())
+    if share_tp:   # the share runs on one device: its deployment's collectives are modeled and timed apart
+        collectives = share_collectives(full_cfg, share_tp, case.streams, case.nodes, run.get("collective_table"))
+    else:
+        for key in counts.keys() - timed_collectives.keys():
+            timed_collectives[key] = time_collective(mesh, *key, run["reps"])
+        collectives = collective_summary(counts, timed_collectives)
+    if "ms" in collectives:
+        collectives["fraction_of_step"] = collectives["ms"] / 1e3 / step_s
+    hits = np.asarray(state["hit"])  # [num MoE layers, E] bool: the experts each MoE layer's tokens chose
+    hit = hits.sum(axis=1)  # distinct experts per MoE layer
+    local = hits.reshape(len(hits), share_tp, -1).sum(-1).max(-1) if share_tp and len(hits) else None
+    routed = {k: v * 1e3 for k, v in step_cost(full_cfg, weights, axis_sizes, case.streams, case.nodes, case.prefix,
+                                               float(hit.mean()) if hit.size else None,
+                                               float(local.mean()) if local is not None else None)
+              .floors_s(devices, run["bandwidth"], run["matmul"]).items()}
+    if local is not None:
+        row["device_experts_hit_per_layer"] = local.tolist()
+    if not math.isnan(pipelined_s):
+        row["step_ms_pipelined"] = pipelined_s * 1e3
     row.update(step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3, step_ms_std=float(np.std(times)) * 1e3,
-               step_ms_pipelined=pipelined_s * 1e3,
                reps=len(times), fraction_of_floor={k: v / step_s for k, v in floors.items()},
                experts_hit_per_layer=hit.tolist(), floor_ms_routed=routed,
                fraction_of_floor_routed={k: v / 1e3 / step_s for k, v in routed.items()},
@@ -590,6 +745,15 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "experiments/results/k26/k26.json", "JSON results path (rewritten after every case)")
     flags.DEFINE_bool("append", False, "keep the cases already measured in --out (same config, mesh and prefix) and "
                       "run only the others: resumes a run cut short, or splits one over several commands")
+    flags.DEFINE_string("shard_of", "", "'tp=N': build and time on this one device what one device of a tp=N "
+                        "deployment runs (its heads, MLP and shared-expert columns, vocabulary slice and E / N experts "
+                        "under the full router, computing the pairs of the most loaded device; the replicated params "
+                        "whole); the deployment's collectives are left out and reported apart, costed from "
+                        "--collective_table")
+    flags.DEFINE_string("collective_table", "experiments/results/k26/k26_x2_tp2_20layers.json",
+                        "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)")
+    flags.DEFINE_bool("loop_only", False, "time each case only inside the while loop (`step_ms_in_loop`; one "
+                      "compile a case instead of two: the waited and pipelined calls are left out)")
 
 
 def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
@@ -648,18 +812,29 @@ def main(argv):
     f = flags.FLAGS
     start = time.time()
     cfg = bench_config(f.config, f.scale, f.layers)
-    mesh = bench_mesh(f.mesh)
+    share_tp = parse_shard_of(f.shard_of)
+    mesh = bench_mesh("tp=1" if share_tp else f.mesh)
+    if share_tp and f.mesh not in ("", "tp=1"):
+        raise ValueError(f"--shard_of={f.shard_of} runs one device's share on one device; drop --mesh={f.mesh}")
+    if share_tp:  # the share's shapes follow the engine's rules: refuse a tp that does not divide them, before any
+        _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))      # param is made
+        for path, variable in nnx.to_flat_state(abstract):
+            sharding.param_spec(path, variable.get_value().shape, {sharding.DATA: 1, sharding.TP: share_tp})
     cases = cases_from_flags(f, cfg.max_position_embeddings, mesh.shape[sharding.DATA])
     int4_moe_triton.set_default_launcher(f.moe_launcher)
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only)
-    axis_sizes = dict(mesh.shape)
+               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
+               loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
+               collective_table=collective_table(f.collective_table) if share_tp else {})
+    axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
+                shard_of=f.shard_of, loop_only=f.loop_only,
+                collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
                 env={k: os.environ.get(k) for k in ("XLA_FLAGS", "NCCL_NVLS_ENABLE", "XLA_PYTHON_CLIENT_MEM_FRACTION")})
@@ -676,7 +851,8 @@ def main(argv):
         with open(f.out, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
 
-    print(f"{cfg.name}: {cfg.num_layers} layers, {cfg.expert_quant} experts, {cfg.dtype}; mesh {axis_sizes} on "
+    where = (f"one device's share of tp={share_tp}" if share_tp else f"mesh {axis_sizes}")
+    print(f"{cfg.name}: {cfg.num_layers} layers, {cfg.expert_quant} experts, {cfg.dtype}; {where} on "
           f"{mesh.size} x {mesh.devices.flat[0].device_kind}", flush=True)
     results["floors"]["this_config"] = print_floor(cfg, axis_sizes, f.prefix, run, "this config")
     full = config_lib.preset(f.config)
@@ -685,13 +861,19 @@ def main(argv):
     weights = weight_bytes(cfg, axis_sizes)
     results["weights"] = dataclasses.asdict(weights)
 
-    graphdef, params, results["params"] = make_params(cfg, mesh, f.seed, f.compile_only)
+    if share_tp and f.compile_only:
+        raise ValueError("--shard_of runs the share on this device; --compile_only is for a whole model on a mesh")
+    if share_tp:
+        graphdef, params, results["params"] = make_share_params(cfg, share_tp, f.seed)
+    else:
+        graphdef, params, results["params"] = make_params(cfg, mesh, f.seed, f.compile_only)
     if not f.compile_only:
-        print(f"params made in shards in {results['params']['init_s']:.1f} s: "
+        print(f"params made in {'the share' if share_tp else 'shards'} in {results['params']['init_s']:.1f} s: "
               f"{results['params']['total_bytes'] / GB:.2f} GB in total, per device "
               f"{[round(b / GB, 3) for b in results['params']['per_device_bytes']]} GB", flush=True)
     dump()
 
+    view = share_view(cfg, share_tp) if share_tp else cfg  # the config the step's code runs with
     step = make_step(graphdef, params, mesh)
     step_loop = make_step_loop(graphdef, params, mesh, f.loop_steps) if f.loop_steps else None
     rng = np.random.default_rng(f.seed)
@@ -713,10 +895,10 @@ def main(argv):
                         cache = None  # the previous cache's buffers go before the next is made
                         rows = case.nodes if case.kind == "prefill" else case.prefix + max(
                             c.nodes for c in cases if c.kind != "prefill")
-                        cache = random_cache(cfg, mesh, case.streams, -(-rows // 128) * 128, case.prefix,
+                        cache = random_cache(view, mesh, case.streams, -(-rows // 128) * 128, case.prefix,
                                              f.seed + case.streams, abstract=f.compile_only)
                         cache_key = (case.streams, case.prefix)
-                    row, cache = run_case(case, step, params, cache, mesh, cfg, weights, rng, timed_collectives,
+                    row, cache = run_case(case, step, params, cache, mesh, view, weights, rng, timed_collectives,
                                           run, step_loop if case.kind != "prefill" else None)
                 except Exception as e:  # noqa: BLE001 - a failed case (compile error, out of memory) is a result
                     row = dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")

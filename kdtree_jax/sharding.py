@@ -4,15 +4,17 @@ One mesh, axes ("data", "tp"), both of type Auto (XLA's SPMD partitioner carries
 through the unchanged model code):
   tp    tensor and expert parallelism inside a host: attention heads (q_b_proj / q_proj, kv_b_proj, o_proj), the
         intermediate dim of the dense and shared MLPs, the routed experts (expert parallelism over the leading E axis,
-        bf16 stacks and INT4 packed/scale arrays alike, router columns with them), the vocabulary of embed_tokens and
-        lm_head.
+        bf16 stacks and INT4 packed/scale arrays alike), the vocabulary of embed_tokens and lm_head.
   data  streams: the leading S axis of the caches, the tokens and every per-stream array of the decode loop.
 Everything else is replicated over tp: the MLA latent cache (each device attends over it with its own heads), the
-norms, q_a_proj and kv_a_proj, and the whole drafter.
+norms, q_a_proj and kv_a_proj, the router (every device routes the replicated hidden state itself) and the whole
+drafter. A decoder layer then needs two collectives: one all-reduce after attention (o_proj's heads) and one after
+the MoE (routed experts and the shared expert's slice summed before it), `model.parallel`.
 
 A param's PartitionSpec follows from its own name: PARAM_AXES gives its logical axes (one per dim), RULES maps a logical
-axis to a mesh axis. The routed experts run under `jax.shard_map` (`model.parallel.expert_parallel`): every device applies its local
-experts to all tokens and one psum over tp adds the partial outputs; no expert weight ever leaves its device.
+axis to a mesh axis. The routed experts run under `jax.shard_map` (`model.parallel.expert_parallel`): every device
+applies its local experts to all tokens and one psum over tp adds the partial outputs; no expert weight ever leaves its
+device.
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ PARAM_AXES: dict[str, tuple] = {
     "gate_proj": ("embed", "mlp"),  # dense MLP and shared expert(s)
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),
-    "gate": ("embed", "experts"),  # the router
-    "e_score_correction_bias": ("experts",),
+    "gate": ("embed", "router"),  # the router: replicated, so that every device routes its tokens with no collective
+    "e_score_correction_bias": ("router",),
     "w_gate": ("experts", "embed", "expert_mlp"),
     "w_up": ("experts", "embed", "expert_mlp"),
     "w_down": ("experts", "expert_mlp", "embed"),

@@ -94,6 +94,44 @@ def test_tiny_run_on_8_cpu_devices(tmp_path):
     assert sum(v for k, v in results["weights"].items() if k.endswith("_per_device")) == per_device
 
 
+def test_the_tp8_step_takes_two_collectives_a_layer(tmp_path):
+    """The tp = 8 step compiled on 8 fake CPU devices: one all-reduce of the hidden state after attention and one
+    after the MLP / MoE of every layer, one for the embedding lookup and the argmax's two all-gathers per step; none
+    for routing (the router is replicated). These are the collectives `share_collectives` reports for one device's
+    share (--shard_of), op for op."""
+    results = _run_on_8_devices(tmp_path / "compiled.json", "--compile_only", "--streams=1,8", "--prefill_tokens=0")
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    for case in results["cases"]:
+        got = {(o["op"], o["elements"]): o["count"] for o in case["collectives"]["ops"]}
+        modeled = bench.share_collectives(cfg, DEVICES, case["streams"], case["nodes"], None)
+        assert got == {(o["op"], o["elements"]): o["count"] for o in modeled["ops"]}, case["collectives"]
+        reduces = sum(n for (op, _), n in got.items() if op == "all-reduce")
+        assert reduces <= 2 * cfg.num_layers + 1, f"{reduces} all-reduces for {cfg.num_layers} layers"
+
+
+def test_one_devices_share_of_tp8_holds_its_shards(tmp_path):
+    """--shard_of=tp=8 on one device: it holds exactly one device's bytes of the tp = 8 layout (every param at its
+    shard's shape), computes the most loaded device's experts each layer (never more than a device holds), and
+    reports the deployment's collectives apart."""
+    out = tmp_path / "share.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, SCRIPT, "--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4",
+                           "--fast_compile", "--streams=1", "--prefill_tokens=0", "--shard_of=tp=8", "--loop_only",
+                           "--loop_steps=2", "--reps=1", "--warmup=0", f"--out={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
+    assert results["params"]["per_device_bytes"] == [_param_bytes(cfg)[1]]
+    per_device = cfg.num_experts // DEVICES
+    for case in results["cases"]:
+        assert case["step_ms_in_loop"] > 0 and case["collectives"]["modeled"], case
+        assert case["collectives"]["count"] == 2 * cfg.num_layers + 3
+        hit = case["device_experts_hit_per_layer"]
+        assert all(-(-cfg.num_experts_per_tok // DEVICES) <= h <= per_device for h in hit), case
+        assert case["floor_ms"]["device"] > 0 and case["fraction_of_floor"]["device"] > 0
+
+
 def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
     """make_step_loop's while loop runs the step 3 times (counted), its outputs (argmax tokens, cache, experts hit)
     equal to the step called 3 times on the same tokens, and XLA cannot count its trips (the host reads the predicate

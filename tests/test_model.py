@@ -169,3 +169,30 @@ def test_a_forward_makes_one_attention_plan_for_all_its_layers(monkeypatch):
     plans.clear()
     jax.eval_shape(lambda: model(toks, pos, init_cache(cfg, 2, 8), causal(2, 3), absorbed=False))
     assert not plans
+
+
+def test_a_share_of_the_experts_computes_the_most_loaded_devices_pairs():
+    """`parallel.expert_parallel` without a mesh, holding E / tp of the routed experts (one device's share, as
+    bench_k26 --shard_of builds it): it computes exactly the pairs of the device that holds the most distinct
+    experts of the step (ties: most pairs), as that device would (ids shifted by its first expert; the others'
+    pairs zero), plus the shared expert's slice."""
+    from kdtree_jax.model.layers import gated_mlp
+    from kdtree_jax.model.moe import routed_experts
+    from kdtree_jax.model.parallel import expert_parallel, most_loaded_first
+
+    # device 2 of 4 (experts 4, 5) holds 2 distinct experts; device 0 one (twice); device 3 one
+    ids = jnp.array([[4, 0], [5, 0], [7, 4]], jnp.int32)
+    assert int(most_loaded_first(ids, 2, 8)) == 4
+    assert int(most_loaded_first(jnp.array([[0, 6], [0, 7]], jnp.int32), 2, 8)) == 6  # 2 distinct beat 2 pairs of 1
+    keys = jax.random.split(jax.random.key(0), 6)
+    d, i, held, routed = 16, 8, 2, 8
+    x = jax.random.normal(keys[0], (3, d))
+    experts = tuple(jax.random.normal(k, shape) for k, shape in zip(keys[1:4], ((held, d, i), (held, d, i),
+                                                                                 (held, i, d))))
+    shared = tuple(jax.random.normal(k, s) for k, s in zip(keys[4:], ((d, 4), (d, 4))))
+    shared = (*shared, jax.random.normal(keys[5], (4, d)))
+    weights = jax.random.uniform(keys[5], ids.shape)
+    got = expert_parallel(lambda x, e, i, w: routed_experts(x, *e, i, w), x, experts, ids, weights,
+                          (gated_mlp, shared), routed_experts=routed)
+    want = routed_experts(x, *experts, ids - 4, weights) + gated_mlp(x, *shared)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

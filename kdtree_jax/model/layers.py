@@ -37,6 +37,14 @@ class GatedMLP(nnx.Module):
         self.up_proj = init_weight(rngs, (hidden, intermediate), hidden, dtype)
         self.down_proj = init_weight(rngs, (intermediate, hidden), intermediate, dtype)
 
+    def weights(self) -> tuple:
+        """(gate [D, I], up [D, I], down [I, D]): `gated_mlp`'s weights."""
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
     def __call__(self, x):
-        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
-        return h @ self.down_proj[...]
+        return gated_mlp(x, *self.weights())
+
+
+def gated_mlp(x, gate, up, down):
+    """x [..., D], gate / up [D, I], down [I, D] -> down(silu(x @ gate) * (x @ up)) [..., D]."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import GatedMLP, dtype_of, init_weight
+from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
 from kdtree_jax.model.parallel import expert_parallel
 from pallas_kernels import ops
@@ -73,10 +73,12 @@ class MoE(nnx.Module):
     def int4_experts(self) -> Int4Experts:
         return Int4Experts(*(getattr(self, name)[...] for name in Int4Experts._fields))
 
-    def routed(self, x, ids, weights):
-        """The routed experts alone: x [M, D], ids/weights [M, k] -> [M, D] (INT4 through `ops.int4_moe`).
+    def experts(self, x, ids, weights, *, with_shared: bool = True):
+        """The routed experts (INT4 through `ops.int4_moe`) plus, with_shared, the shared expert(s): x [M, D],
+        ids / weights [M, k] -> [M, D].
 
-        Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel: `parallel.expert_parallel`.
+        Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel, the shared expert's columns split, with one
+        psum for both: `parallel.expert_parallel`.
         """
         if self.cfg.expert_quant == "int4":
             experts = self.int4_experts()
@@ -85,7 +87,8 @@ class MoE(nnx.Module):
         else:
             experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
             local = lambda x, e, i, w: routed_experts(x, *e, i, w)  # noqa: E731
-        return expert_parallel(local, x, experts, ids, weights)
+        shared = (gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
+        return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)
 
     def route(self, flat):
         """flat [M, D] -> (ids [M, k] int32, weights [M, k] f32). A method, so that `nnx.capture(...,
@@ -96,10 +99,7 @@ class MoE(nnx.Module):
         """x [S, T, D] -> [S, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.route(flat)
-        out = self.routed(flat, ids, weights)
-        if self.shared is not None:
-            out = out + self.shared(flat)
-        return out.reshape(x.shape)
+        return self.experts(flat, ids, weights).reshape(x.shape)
 
 
 def random_int4_experts(rngs: nnx.Rngs, num_experts: int, hidden: int, inter: int, group: int) -> Int4Experts:

@@ -31,28 +31,60 @@ def tp_size(mesh) -> int:
     return 1 if mesh is None or mesh.empty else dict(mesh.shape).get(TP, 1)
 
 
-def expert_parallel(local_moe: Callable, x, experts, ids, weights):
-    """The routed experts, expert-parallel over tp when the current mesh (jax.set_mesh) has tp > 1.
+def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, routed_experts: int | None = None):
+    """The MoE's expert work in one collective: the routed experts, expert-parallel over tp when the current mesh
+    (jax.set_mesh) has tp > 1, plus the shared expert(s).
 
-    local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E) zero weight.
-    experts: a pytree of arrays whose leading axis is the expert E. Inside the shard_map each device holds E / tp
-    experts (the shards the params already have), sees every token (tokens are replicated over tp; split over data
-    when M divides), shifts the ids by its first expert and psums the partial outputs over tp. Without such a mesh:
-    local_moe(x, experts, ids, weights).
+    local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E_held) zero
+    weight. experts: a pytree of arrays whose leading axis is the expert (E_held of them). shared: None, or
+    (mlp, (gate [D, I], up [D, I], down [I, D])) with mlp(x, gate, up, down) -> [M, D]: the shared expert(s), whose I
+    axis is split over tp like the dense MLP's. routed_experts: the experts the ids are drawn from (default E_held).
+
+    Under a mesh with tp > 1 each device holds E / tp experts and I / tp shared columns (the shards the params
+    already have), sees every token (replicated over tp; split over data when M divides), shifts the ids by its first
+    expert, adds its routed and shared partial outputs in f32 and takes ONE psum over tp. Without such a mesh:
+    local_moe + mlp, summed in f32.
+
+    One device's share of a tp deployment without a mesh (`experts` holds fewer than routed_experts, as bench_k26's
+    --shard_of builds it): the share computes the pairs of the device that holds the most of the step's distinct
+    experts (`most_loaded_first`), the device a tp deployment waits for at this layer; its psum is left out (the
+    caller reports the collectives apart).
     """
     mesh = jax.sharding.get_abstract_mesh()
     tp = tp_size(mesh)
+    held = jax.tree.leaves(experts)[0].shape[0]
+
+    def local(x, experts, ids, weights, shared_params, first):
+        out = local_moe(x, experts, ids - first, weights).astype(jnp.float32)
+        if shared is not None:
+            out = out + shared[0](x, *shared_params).astype(jnp.float32)
+        return out
+
+    shared_params = () if shared is None else tuple(shared[1])
     if tp == 1:
-        return local_moe(x, experts, ids, weights)
-    per_device = _per_device(jax.tree.leaves(experts)[0].shape[0], tp, "experts", "routed experts")
+        routed = routed_experts or held
+        first = most_loaded_first(ids, held, routed) if routed > held else 0
+        return local(x, experts, ids, weights, shared_params, first).astype(x.dtype)
+    per_device = _per_device(held, tp, "experts", "routed experts")
     tokens = P(_stream_axis(mesh, x.shape[0]))
+    shared_specs = () if shared is None else (P(None, TP), P(None, TP), P(TP, None))
 
-    def local(x, experts, ids, weights):
+    def on_device(x, experts, ids, weights, shared_params):
         first = jax.lax.axis_index(TP) * per_device
-        return jax.lax.psum(local_moe(x, experts, ids - first, weights), TP)
+        return jax.lax.psum(local(x, experts, ids, weights, shared_params, first), TP).astype(x.dtype)
 
-    return jax.shard_map(local, in_specs=(tokens, P(TP), tokens, tokens), out_specs=tokens,
-                         check_vma=_check_vma())(x, experts, ids, weights)
+    return jax.shard_map(on_device, in_specs=(tokens, P(TP), tokens, tokens, shared_specs), out_specs=tokens,
+                         check_vma=_check_vma())(x, experts, ids, weights, shared_params)
+
+
+def most_loaded_first(ids, held: int, routed: int):
+    """The first expert id of the device, among routed / held devices of `held` consecutive experts each, that holds
+    the most distinct experts of ids [M, k] (ties: the most pairs, then the lowest device). Scalar int32."""
+    devices = routed // held
+    flat = ids.reshape(-1)
+    distinct = jnp.zeros((routed,), jnp.int32).at[flat].set(1).reshape(devices, held).sum(axis=1)
+    pairs = jnp.zeros((devices,), jnp.int32).at[flat // held].add(1)
+    return (jnp.argmax(distinct * (flat.size + 1) + pairs) * held).astype(jnp.int32)
 
 
 def attention_plan(prefix_len, visible, num_heads: int):
