@@ -81,7 +81,7 @@ from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.moe import random_int4_experts
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.training.target_objective import expert_loads
-from pallas_kernels import int4_moe_triton
+from pallas_kernels import int4_moe_triton, ops
 from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 from pallas_kernels.tree import random_tree_visible
 from pallas_kernels.triton_call import LAUNCHERS
@@ -422,19 +422,20 @@ def random_cache(cfg: ModelConfig, mesh, streams: int, capacity: int, filled: in
     abstract: only its shapes, dtypes and shardings (jax.ShapeDtypeStruct), nothing allocated."""
     dt = dtype_of(cfg.dtype)
 
-    def make(key):
-        keys = jax.random.split(key, 2 * cfg.num_layers)
-        rows = (jnp.arange(capacity) < filled)[None, :, None]
+    out = sharding.stream_sharding(mesh)
+    rows = (jnp.arange(capacity) < filled)[None, :, None]
 
-        def layer(key, width):
-            return jnp.where(rows, jax.random.normal(key, (streams, capacity, width), dt), jnp.zeros((), dt))
+    def layer(key, width):   # one jit per width, called once per layer (one call for all 61 compiles for minutes)
+        return jnp.where(rows, jax.random.normal(key, (streams, capacity, width), dt), jnp.zeros((), dt))
 
-        return KVCache(tuple(layer(keys[2 * i], cfg.kv_lora_rank) for i in range(cfg.num_layers)),
-                       tuple(layer(keys[2 * i + 1], cfg.qk_rope_head_dim) for i in range(cfg.num_layers)),
-                       jnp.full((streams,), filled, jnp.int32))
-
-    make = jax.jit(make, out_shardings=sharding.stream_sharding(mesh))
-    return make.eval_shape(jax.random.key(seed)) if abstract else make(jax.random.key(seed))
+    makers = {w: jax.jit(functools.partial(layer, width=w), out_shardings=out)
+              for w in (cfg.kv_lora_rank, cfg.qk_rope_head_dim)}
+    make = (lambda w, key: makers[w].eval_shape(key)) if abstract else (lambda w, key: makers[w](key))
+    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
+    length = jax.ShapeDtypeStruct((streams,), jnp.int32, sharding=out) if abstract else \
+        jax.device_put(jnp.full((streams,), filled, jnp.int32), out)
+    return KVCache(tuple(make(cfg.kv_lora_rank, keys[2 * i]) for i in range(cfg.num_layers)),
+                   tuple(make(cfg.qk_rope_head_dim, keys[2 * i + 1]) for i in range(cfg.num_layers)), length)
 
 
 def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams: int, nodes: int, prefix: int):
@@ -682,7 +683,7 @@ def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, labe
                 floor_ms={k: v * 1e3 for k, v in floors.items()})
 
 
-def device_profile(trace_dir: str, top: int = 24) -> dict:
+def device_profile(trace_dir: str, top: int = 100) -> dict:
     """Per case of the trace in trace_dir (--profile_dir), medians over its waited steps: the host's window (ms),
     the device span and busy time inside it, how long the window ran before the first device event
     (`before_device_ms`: the host's work before its first launch reached the GPU) and after the last
@@ -752,6 +753,8 @@ def define_flags() -> None:
                         "--collective_table")
     flags.DEFINE_string("collective_table", "experiments/results/k26/k26_x2_tp2_20layers.json",
                         "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)")
+    flags.DEFINE_integer("moe_gate_up_splits", 0, "the Triton int4_moe's gate_up split-K for every call (0: its "
+                         "default tiling; `ops.set_int4_moe_gate_up_splits`)")
     flags.DEFINE_bool("loop_only", False, "time each case only inside the while loop (`step_ms_in_loop`; one "
                       "compile a case instead of two: the waited and pipelined calls are left out)")
 
@@ -822,6 +825,7 @@ def main(argv):
             sharding.param_spec(path, variable.get_value().shape, {sharding.DATA: 1, sharding.TP: share_tp})
     cases = cases_from_flags(f, cfg.max_position_embeddings, mesh.shape[sharding.DATA])
     int4_moe_triton.set_default_launcher(f.moe_launcher)
+    ops.set_int4_moe_gate_up_splits(f.moe_gate_up_splits or None)
     for case in cases:
         sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
@@ -833,7 +837,7 @@ def main(argv):
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
-                shard_of=f.shard_of, loop_only=f.loop_only,
+                shard_of=f.shard_of, loop_only=f.loop_only, moe_gate_up_splits=f.moe_gate_up_splits,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",

@@ -16,6 +16,7 @@ A kernel is added with one `_register` line and a thin public function calling `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable
 
 import jax
@@ -34,6 +35,7 @@ from pallas_kernels.tree_verify_attention import TreeVerifyPlan
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 _settings = {"implementation": "auto", "interpret": None}
+_tiling = {"int4_moe_gate_up_splits": None}  # a benchmark's override of the Triton int4_moe's split-K (None: default)
 _registry: dict[str, tuple[Callable, Callable, bool]] = {}
 
 
@@ -93,7 +95,17 @@ def int4_moe_config(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts:
     pairs, routed = topk_ids.size, _routed(experts, routed_experts)
     if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
         return _int4_moe_mgpu.default_config(pairs, routed)
-    return _int4_moe_triton.default_config(pairs, routed)
+    config = _int4_moe_triton.default_config(pairs, routed)
+    splits = _tiling["int4_moe_gate_up_splits"]
+    return config if splits is None else dataclasses.replace(config, gate_up_splits=splits)
+
+
+def set_int4_moe_gate_up_splits(splits: int | None = None) -> None:
+    """Override the Triton int4_moe's gate_up split-K (`TritonMoeConfig.gate_up_splits`) for calls traced from now
+    on, to measure it in a whole step (bench_k26 --moe_gate_up_splits); None restores the default tiling."""
+    if splits is not None:
+        _int4_moe_triton.TritonMoeConfig(gate_up_splits=splits)  # refuses a value the kernel does not take
+    _tiling["int4_moe_gate_up_splits"] = splits
 
 
 def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
