@@ -256,7 +256,7 @@ def _expect_int4_nibbles(meta: dict, cfg: ModelConfig, directory: str) -> None:
 
 def _expect_kind(meta: dict, kind: str, directory: str) -> None:
     if meta.get("kind") != kind:
-        raise ValueError(f"checkpoint {os.path.abspath(directory)} holds a {meta.get('kind')} model, not a {kind}; "
+        raise ValueError(f"checkpoint {os.path.abspath(directory)} holds a {meta.get('kind')!r} model, not a {kind!r}; "
                          f"pass it where a {meta.get('kind')} goes")
 
 

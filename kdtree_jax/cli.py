@@ -192,12 +192,12 @@ def float_list(f, name: str, minimum: float) -> list[float]:
 @contextlib.contextmanager
 def about(f, name: str):
     """A ValueError / OSError raised inside (reading the file or directory a flag names) is reported with the flag
-    in front: `--init=DIR: <what is wrong>`."""
+    in front: `--init=DIR: <what is wrong>` (unless its message starts with the flag at fault already)."""
     try:
         yield
     except INPUT_ERRORS as e:
         text = message(e)
-        if text.startswith(f"--{name}="):
+        if text.startswith("--"):  # it names the flag at fault already
             raise
         raise ValueError(f"{shown(f, name)}: {text}") from None
 
