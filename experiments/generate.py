@@ -114,6 +114,7 @@ def check(f) -> Inputs:
     """Every input, before any weight is read or anything compiled: the flags, the files of --init, --drafter and
     --tokenizer and how they agree (drafter fit, tokenizer vocabulary and EOS, generation_config.json), the prompts,
     the mesh, the decode spec. Raises ValueError naming the flag and the fix."""
+    check_flags(f)
     with cli.about(f, "init"):
         target = model_dir.target_config(f.init, preset=f.config, dtype=f.dtype)
         eos_ids = model_dir.eos_token_ids(f.init, target)

@@ -14,6 +14,7 @@ largest phase. XLA fuses and reuses buffers, so read it as a budget, not a measu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -218,6 +219,7 @@ def check(f) -> tuple[config_lib.ModelConfig, config_lib.DrafterConfig | None]:
     return cfg, drafter
 
 
+@functools.lru_cache(maxsize=4)
 def _param_shapes(cfg: config_lib.ModelConfig) -> dict:
     _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
     return {path: leaf.shape for path, leaf in nnx.to_flat_state(state)}

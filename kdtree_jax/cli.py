@@ -245,13 +245,13 @@ def define_process_flags(fv: flags.FlagValues) -> None:
 
 
 def check_process_flags(f) -> None:
-    at_least(f, "num_processes", 1)
-    if not 0 <= f.process_id < max(f.num_processes, 1):
-        refuse(f, "process_id", f"must lie in [0, --num_processes={f.num_processes})")
-    if not f.coordinator and (f.num_processes > 1 or f.process_id):
-        refuse(f, "num_processes" if f.num_processes > 1 else "process_id",
+    if not f.coordinator and (f.num_processes != 1 or f.process_id):
+        refuse(f, "num_processes" if f.num_processes != 1 else "process_id",
                "needs --coordinator=host:port (process 0's address, the same for every process); without it this "
                "would run as one process alone")
+    at_least(f, "num_processes", 1)
+    if not 0 <= f.process_id < f.num_processes:
+        refuse(f, "process_id", f"must lie in [0, --num_processes={f.num_processes})")
     if f.coordinator:
         host, _, port = f.coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -49,7 +49,13 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self):
-        _check(self.num_layers > 0, "num_layers", self.num_layers, "must be positive")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
+                      "num_experts_per_tok", "max_position_embeddings", "quant_group_size"):
+            _check(getattr(self, field) > 0, field, getattr(self, field), "must be positive")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", self.q_lora_rank,
+               "must be positive (or None)")
+        _check(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "must be >= 0")
         _check(0 <= self.first_k_dense <= self.num_layers, "first_k_dense", self.first_k_dense,
                f"must lie in [0, num_layers={self.num_layers}]")
         _check(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,

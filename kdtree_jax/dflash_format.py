@@ -43,7 +43,8 @@ WEIGHTS_FILE = "model.safetensors"
 def is_dflash_dir(directory: str) -> bool:
     """Whether `directory/config.json` names the published DFlash drafter architecture."""
     config = _read_json(os.path.join(directory, "config.json"))
-    return config is not None and ARCHITECTURE in (config.get("architectures") or [])
+    architectures = (config or {}).get("architectures")
+    return isinstance(architectures, list) and ARCHITECTURE in architectures
 
 
 def read_dflash_config(directory: str, target: ModelConfig) -> DrafterConfig:
@@ -109,7 +110,10 @@ def drafter_config_from_hf(hf: dict, target: ModelConfig, where: str = "config.j
     layer_types = hf.get("layer_types") or []
     check(all(t == "full_attention" for t in layer_types), "layer_types",
           "is not supported: only 'full_attention' layers (no sliding window) are implemented")
-    rope_theta, rope = _rope(hf)
+    try:
+        rope_theta, rope = _rope(hf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     check(rope in (None, "default"), "rope_scaling", "is not supported: only plain RoPE (rope_type 'default')")
     for key in ("conv_kernel_size", "selector_rank", "projector_type", "attention_sink_bias"):
         check(not dflash.get(key), key, "names a DFlash variant that is not implemented (plain DFlash only)")
@@ -288,7 +292,10 @@ def _rope(hf: dict) -> tuple[float, str | None]:
     """(rope_theta, rope type or None) from rope_theta + rope_scaling or transformers 5's rope_parameters."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"field 'rope_theta' = {theta!r} must be a number")
+    theta = float(theta)
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", params.get("type"))
     return theta, kind
 
