@@ -8,6 +8,10 @@ An HF model directory with a DFlash drafter directory, tokenized by the model's 
 Prompts come from held-out stdlib files only. Every policy runs the same prompts in the same process, one after the
 other (ar first, as the peer); compile time is excluded (each spec is warmed up on the first batch). At T = 0 every
 output is checked identical to ar. Writes a JSON (--out) and a plot of tau and speedup against B (--plot).
+--check_finite=on,off runs every case with the loop's NaN / inf check of the logits on and then off, and prints what
+the check costs (meta.finite_check_cost in the JSON):
+  python experiments/bench_decode.py --check_finite=on,off --temperatures=0 --budgets=8,32,128 --batch_sizes=1,8 \
+      --out=/tmp/decode_finite.json --plot=
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import json
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -23,92 +28,189 @@ from absl import flags, logging
 from kdtree_jax import cli, model_dir, plots, sharding
 from kdtree_jax.data import eval_prompts
 from kdtree_jax.tokenizer import load_tokenizer
-from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, decode_in_batches
+from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model directory")
-flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash drafter "
-                    "directory in the published format")
-flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model directory "
-                    "(tiktoken.model or tokenizer.json)")
-flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "run the models in this dtype (default: the checkpoint's)")
-flags.DEFINE_string("mesh", "", "device mesh, e.g. 'tp=8' (empty: one device); the target is read into its shards")
-flags.DEFINE_integer("num_prompts", 32, "held-out prompts")
-flags.DEFINE_integer("prompt_tokens", 64, "tokens per prompt")
-flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
-flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
-flags.DEFINE_list("batch_sizes", ["1", "8"], "streams decoded together")
-flags.DEFINE_list("temperatures", ["0", "1"], "sampling temperatures")
-flags.DEFINE_integer("topk", None, "ddtree candidates per depth (default min(B, V)); <= 16 keeps XLA:GPU's top-k "
-                     "off the whole-row sort")
-flags.DEFINE_integer("rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
-                     "(DecodeSpec.rounds_per_check)")
-flags.DEFINE_integer("seed", 0, "prompt choice and sampling seed")
-flags.DEFINE_string("out", "experiments/results/decode/decode.json", "JSON output")
-flags.DEFINE_string("plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
-flags.DEFINE_float("time_budget_s", None, "start no (temperature, batch) group after this many seconds; the JSON "
-                   "and plot are rewritten after every group, so a run cut short keeps the groups it finished")
+FINITE_MODES = {"on": True, "off": False}
 
 
-def main(argv):
-    del argv
-    tokenizer = load_tokenizer(FLAGS.tokenizer)
-    mesh = sharding.parse_mesh(FLAGS.mesh)
-    target = model_dir.load_target(FLAGS.target, dtype=FLAGS.dtype, mesh=mesh)
-    drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg, mesh=mesh)
-    eos = model_dir.eos_token_id(FLAGS.target, target.cfg)
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    def d(define, name, default, help_text, **kw):
+        define(name, default, help=help_text, flag_values=fv, **kw)
+    d(flags.DEFINE_string, "target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model "
+      "directory")
+    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash "
+      "drafter directory in the published format")
+    d(flags.DEFINE_string, "tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model "
+      "directory (tiktoken.model or tokenizer.json)")
+    d(flags.DEFINE_enum, "dtype", None, "run the models in this dtype (default: the checkpoint's)",
+      enum_values=["bfloat16", "float32"])
+    d(flags.DEFINE_string, "mesh", "", "device mesh, e.g. 'tp=8' (empty: one device); the target is read into its "
+      "shards")
+    d(flags.DEFINE_integer, "num_prompts", 32, "held-out prompts")
+    d(flags.DEFINE_integer, "prompt_tokens", 64, "tokens per prompt")
+    d(flags.DEFINE_integer, "max_new_tokens", 128, "tokens generated per prompt")
+    d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
+    d(flags.DEFINE_list, "batch_sizes", ["1", "8"], "streams decoded together")
+    d(flags.DEFINE_list, "temperatures", ["0", "1"], "sampling temperatures")
+    d(flags.DEFINE_integer, "topk", None, "ddtree candidates per depth (default min(B, V)); <= 16 keeps XLA:GPU's "
+      "top-k off the whole-row sort")
+    d(flags.DEFINE_integer, "rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
+      "(DecodeSpec.rounds_per_check)")
+    d(flags.DEFINE_list, "check_finite", ["on"], "the loop's check of the logits for NaN / inf "
+      "(DecodeSpec.check_finite): 'on', 'off', or 'on,off' to time every case both ways, one after the other")
+    d(flags.DEFINE_integer, "seed", 0, "prompt choice and sampling seed")
+    d(flags.DEFINE_string, "out", "experiments/results/decode/decode.json", "JSON output")
+    d(flags.DEFINE_string, "plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
+    d(flags.DEFINE_float, "time_budget_s", None, "start no (temperature, batch) group after this many seconds; the "
+      "JSON and plot are rewritten after every group, so a run cut short keeps the groups it finished")
+    cli.define_overwrite(fv)
+
+
+class Inputs(NamedTuple):
+    target: object  # ModelConfig
+    drafter: object  # DrafterConfig
+    tokenizer: object
+    mesh: object
+    eos: int | None
+    budgets: list
+    batch_sizes: list
+    temperatures: list
+    finite_modes: list
+
+
+def check(f) -> Inputs:
+    """Every input before any weight is read: the flags, the target, drafter and tokenizer files and how they agree,
+    the mesh, and each decode spec the run will compile (at the prompts' length)."""
+    for name, minimum in (("num_prompts", 1), ("prompt_tokens", 1), ("max_new_tokens", 1), ("topk", 1),
+                          ("rounds_per_check", 1), ("time_budget_s", 0)):
+        cli.at_least(f, name, minimum)
+    cli.seed(f)
+    budgets, batches = cli.int_list(f, "budgets", 1), cli.int_list(f, "batch_sizes", 1)
+    temperatures = cli.float_list(f, "temperatures", 0)
+    modes = [m.strip() for m in f.check_finite]
+    if not modes or any(m not in FINITE_MODES for m in modes) or len(set(modes)) != len(modes):
+        cli.refuse(f, "check_finite", "must be 'on', 'off' or 'on,off'")
+    if not f.out:
+        cli.refuse(f, "out", "is empty; name the JSON file to write")
+    cli.output_path(f, "out")
+    cli.output_path(f, "plot")
+    with cli.about(f, "target"):
+        target = model_dir.target_config(f.target, dtype=f.dtype)
+        eos_ids = model_dir.eos_token_ids(f.target, target)
+    with cli.about(f, "drafter"):
+        drafter = model_dir.drafter_config(f.drafter, target)
+    with cli.about(f, "tokenizer"):
+        tokenizer = load_tokenizer(f.tokenizer)
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos_ids)
+    with cli.about(f, "mesh"):
+        mesh = sharding.parse_mesh(f.mesh)
+        model_dir.check_mesh(target, mesh)
+    eos = eos_ids[0] if eos_ids else None
+    for batch in batches:
+        prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
+        for temperature in temperatures:
+            for policy, budget in [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in budgets]:
+                spec = DecodeSpec(policy=policy, budget=budget, topk=f.topk, block_size=drafter.block_size,
+                                  temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
+                                  rounds_per_check=f.rounds_per_check)
+                check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
+    with cli.about(f, "target"):
+        model_dir.check_tensors(f.target, target)
+    with cli.about(f, "drafter"):
+        model_dir.check_tensors(f.drafter, target, drafter)
+    return Inputs(target, drafter, tokenizer, mesh, eos, budgets, batches, temperatures,
+                  [FINITE_MODES[m] for m in modes])
+
+
+def run(f) -> None:
+    inputs = check(f)
+    mesh = inputs.mesh
+    prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
+    target = model_dir.load_target(f.target, dtype=f.dtype, mesh=mesh)
+    drafter = model_dir.load_drafter(f.drafter, target.cfg, mesh=mesh)
     decoder = Decoder(target, drafter, mesh=mesh)
-    prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
     block = drafter.cfg.block_size
     meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
-            "dtype": target.cfg.dtype, "target": FLAGS.target, "drafter": FLAGS.drafter, "mesh": FLAGS.mesh,
-            "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": FLAGS.prompt_tokens,
-            "max_new_tokens": FLAGS.max_new_tokens, "block_size": block,
-            "rounds_per_check": FLAGS.rounds_per_check, "topk": FLAGS.topk, "skipped_groups": []}
+            "dtype": target.cfg.dtype, "target": f.target, "drafter": f.drafter, "mesh": f.mesh,
+            "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
+            "max_new_tokens": f.max_new_tokens, "block_size": block,
+            "rounds_per_check": f.rounds_per_check, "topk": f.topk, "check_finite": inputs.finite_modes,
+            "skipped_groups": []}
     rows, start = [], time.monotonic()
-    for temperature in map(float, FLAGS.temperatures):
-        for batch in map(int, FLAGS.batch_sizes):
-            if FLAGS.time_budget_s is not None and time.monotonic() - start > FLAGS.time_budget_s:
+    cases = [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in inputs.budgets]
+    for temperature in inputs.temperatures:
+        for batch in inputs.batch_sizes:
+            if f.time_budget_s is not None and time.monotonic() - start > f.time_budget_s:
                 logging.warning("time budget spent: skipping T=%g batch=%d", temperature, batch)
                 meta["skipped_groups"].append({"temperature": temperature, "batch": batch})
                 continue
-            def spec(policy, budget=0):
-                return DecodeSpec(policy=policy, budget=budget, topk=FLAGS.topk, block_size=block,
-                                  temperature=temperature,
-                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=eos,
-                                  rounds_per_check=FLAGS.rounds_per_check)
-            ar = decode_in_batches(decoder, prompts, spec("ar"), batch, FLAGS.seed)
-            runs = [ar, decode_in_batches(decoder, prompts, spec("chain"), batch, FLAGS.seed)]
-            runs += [decode_in_batches(decoder, prompts, spec("ddtree", int(b)), batch, FLAGS.seed)
-                     for b in FLAGS.budgets]
+            runs = []
+            for policy, budget in cases:  # each case with every --check_finite mode, one after the other
+                for check_finite in inputs.finite_modes:
+                    spec = DecodeSpec(policy=policy, budget=budget, topk=f.topk, block_size=block,
+                                      temperature=temperature, max_new_tokens=f.max_new_tokens,
+                                      eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check,
+                                      check_finite=check_finite)
+                    r = decode_in_batches(decoder, prompts, spec, batch, f.seed)
+                    r.update(temperature=temperature, batch=batch, check_finite=check_finite)
+                    runs.append(r)
             for r in runs:
-                r.update(temperature=temperature, batch=batch, speedup=r["tokens_per_s"] / ar["tokens_per_s"],
+                ar = next(a for a in runs if a["policy"] == "ar" and a["check_finite"] == r["check_finite"])
+                r.update(speedup=r["tokens_per_s"] / ar["tokens_per_s"],
                          identical_to_ar=(r["tokens"] == ar["tokens"]) if temperature == 0 else None)
                 logging.info("T=%g batch=%d %s B=%d: tau %.2f, %.1f tok/s, %.2fx", temperature, batch, r["policy"],
                              r["budget"], r["tau"], r["tokens_per_s"], r["speedup"])
                 if temperature == 0:
                     r["agree_prefix"] = agreeing_prefix(r["tokens"], ar["tokens"])
             rows += runs
-            write(rows, meta)
+            meta["finite_check_cost"] = finite_check_cost(rows)
+            write(f, rows, meta)
     print_table(rows)
-    write(rows, meta)
+    print_finite_check_cost(meta.get("finite_check_cost", []))
+    write(f, rows, meta)
 
 
-def write(rows, meta: dict) -> None:
+def finite_check_cost(rows) -> list[dict]:
+    """Per case timed both ways: tok/s with the finite check on and off, and the fraction it costs."""
+    out = []
+    for on in (r for r in rows if r["check_finite"]):
+        off = next((r for r in rows if not r["check_finite"] and all(
+            r[k] == on[k] for k in ("temperature", "batch", "policy", "budget"))), None)
+        if off is not None:
+            out.append({k: on[k] for k in ("temperature", "batch", "policy", "budget")} | {
+                "tokens_per_s_on": on["tokens_per_s"], "tokens_per_s_off": off["tokens_per_s"],
+                "cost": 1.0 - on["tokens_per_s"] / off["tokens_per_s"]})
+    return out
+
+
+def print_finite_check_cost(costs: list[dict]) -> None:
+    if not costs:
+        return
+    print(f"\nfinite check (DecodeSpec.check_finite) cost, same run:\n{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} "
+          f"{'tok/s on':>9} {'tok/s off':>9} {'cost':>7}")
+    for c in costs:
+        print(f"{c['temperature']:>4g} {c['batch']:>5} {c['policy']:>7} {c['budget']:>5} {c['tokens_per_s_on']:>9.1f} "
+              f"{c['tokens_per_s_off']:>9.1f} {100 * c['cost']:>6.2f}%")
+
+
+def write(f, rows, meta: dict) -> None:
     """The JSON (--out) and plot (--plot) of the rows so far."""
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, f, indent=1)
-    if FLAGS.plot and rows:
-        plot(rows, FLAGS.plot, meta)
+    os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
+    with open(f.out, "w") as fh:
+        json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, fh, indent=1)
+    if f.plot and rows:
+        plot([r for r in rows if r["check_finite"] == rows[0]["check_finite"]], f.plot, meta)
 
 
 def print_table(rows) -> None:
-    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'tau':>6} {'tok/s':>9} {'speedup':>8} {'same as ar':>10}")
+    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'tau':>6} {'tok/s':>9} {'speedup':>8} "
+          f"{'same as ar':>10}")
     for r in rows:
         same = "-" if r["identical_to_ar"] is None else str(r["identical_to_ar"])
-        print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} {r['tau']:>6.2f} "
-              f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {same:>10}")
+        print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} "
+              f"{'on' if r['check_finite'] else 'off':>6} {r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} "
+              f"{r['speedup']:>7.2f}x {same:>10}")
 
 
 def plot(rows, path: str, meta: dict) -> None:
@@ -134,4 +236,4 @@ def plot(rows, path: str, meta: dict) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.script(define_flags, run)

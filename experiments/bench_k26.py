@@ -73,7 +73,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from experiments.timing import annotation_calls, wall_us
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
-from kdtree_jax import sharding
+from kdtree_jax import model_dir, sharding
 from kdtree_jax.cache import KVCache
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.decode import pick_tokens
@@ -716,47 +716,54 @@ def device_profile(trace_dir: str, top: int = 100) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-def define_flags() -> None:
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     """The script's flags (defined only when run as a script, so tests can import its functions)."""
-    flags.DEFINE_string("config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}")
-    flags.DEFINE_integer("layers", 0, "override num_layers (0: the config's; e.g. 61 on 8 GPUs, 4-8 on one H200)")
-    flags.DEFINE_string("mesh", "", "'tp=8' | 'data=2,tp=4' (empty: every local device on tp)")
-    flags.DEFINE_list("streams", ["1", "8"], "stream counts S")
-    flags.DEFINE_integer("prefix", 4096, "committed cache rows per stream (random latents)")
-    flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets B (verify T = B + 1)")
+    flags.DEFINE_string("config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}", flag_values=fv)
+    flags.DEFINE_integer("layers", 0, "override num_layers (0: the config's; e.g. 61 on 8 GPUs, 4-8 on one H200)",
+                         flag_values=fv)
+    flags.DEFINE_string("mesh", "", "'tp=8' | 'data=2,tp=4' (empty: every local device on tp)", flag_values=fv)
+    flags.DEFINE_list("streams", ["1", "8"], "stream counts S", flag_values=fv)
+    flags.DEFINE_integer("prefix", 4096, "committed cache rows per stream (random latents)", flag_values=fv)
+    flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets B (verify T = B + 1)", flag_values=fv)
     flags.DEFINE_integer("prefill_tokens", 512, "tokens of the one timed prefill (one stream per data group, empty "
-                         "cache; 0: none)")
-    flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)")
+                         "cache; 0: none)", flag_values=fv)
+    flags.DEFINE_integer("reps", 10, "timed calls per case (median reported)", flag_values=fv)
     flags.DEFINE_integer("loop_steps", 8, "also time the step inside a while loop of this many steps, as the decode "
-                         "loop runs it (`step_ms_in_loop`; 0: not)")
-    flags.DEFINE_integer("warmup", 2, "untimed calls per case after compiling")
-    flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: a shrunken config for a CPU smoke run")
-    flags.DEFINE_float("bandwidth_GBps", 4300.0, "HBM bandwidth of one device for the floors (H200: ~4.3 TB/s copy)")
-    flags.DEFINE_float("matmul_TFLOPs", 780.0, "bf16 matmul rate of one device for the compute floor")
-    flags.DEFINE_float("time_budget_s", 0.0, "start no new case after this many seconds (0: no limit)")
-    flags.DEFINE_string("profile_dir", "", "also write a profiler trace of the timed calls here")
+                         "loop runs it (`step_ms_in_loop`; 0: not)", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed calls per case after compiling", flag_values=fv)
+    flags.DEFINE_enum("scale", "full", ["full", "tiny"], "tiny: a shrunken config for a CPU smoke run", flag_values=fv)
+    flags.DEFINE_float("bandwidth_GBps", 4300.0, "HBM bandwidth of one device for the floors (H200: ~4.3 TB/s copy)",
+                       flag_values=fv)
+    flags.DEFINE_float("matmul_TFLOPs", 780.0, "bf16 matmul rate of one device for the compute floor", flag_values=fv)
+    flags.DEFINE_float("time_budget_s", 0.0, "start no new case after this many seconds (0: no limit)", flag_values=fv)
+    flags.DEFINE_string("profile_dir", "", "also write a profiler trace of the timed calls here", flag_values=fv)
     flags.DEFINE_enum("moe_launcher", int4_moe_triton.LAUNCHER, LAUNCHERS,
                       "how the GPU's int4_moe kernels are launched (pallas_kernels/triton_call.py); 'ffi' can go into "
-                      "XLA's command buffers with the fusions around it")
+                      "XLA's command buffers with the fusions around it", flag_values=fv)
     flags.DEFINE_bool("compile_only", False, "abstract params and cache (nothing allocated): compile every case and "
                       "report its collectives, memory analysis and floors, no times (e.g. the full model on 8 fake "
-                      "CPU devices)")
-    flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)")
-    flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees")
-    flags.DEFINE_string("out", "experiments/results/k26/k26.json", "JSON results path (rewritten after every case)")
+                      "CPU devices)", flag_values=fv)
+    flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)",
+                      flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees", flag_values=fv)
+    flags.DEFINE_string("out", "experiments/results/k26/k26.json", "JSON results path (rewritten after every case)",
+                        flag_values=fv)
     flags.DEFINE_bool("append", False, "keep the cases already measured in --out (same config, mesh and prefix) and "
-                      "run only the others: resumes a run cut short, or splits one over several commands")
+                      "run only the others: resumes a run cut short, or splits one over several commands",
+                      flag_values=fv)
+    cli.define_overwrite(fv)
     flags.DEFINE_string("shard_of", "", "'tp=N': build and time on this one device what one device of a tp=N "
                         "deployment runs (its heads, MLP and shared-expert columns, vocabulary slice and E / N experts "
                         "under the full router, computing the pairs of the most loaded device; the replicated params "
                         "whole); the deployment's collectives are left out and reported apart, costed from "
-                        "--collective_table")
+                        "--collective_table", flag_values=fv)
     flags.DEFINE_string("collective_table", "experiments/results/k26/k26_x2_tp2_20layers.json",
-                        "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)")
+                        "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)",
+                        flag_values=fv)
     flags.DEFINE_integer("moe_gate_up_splits", 0, "the Triton int4_moe's gate_up split-K for every call (0: its "
-                         "default tiling; `ops.set_int4_moe_gate_up_splits`)")
+                         "default tiling; `ops.set_int4_moe_gate_up_splits`)", flag_values=fv)
     flags.DEFINE_bool("loop_only", False, "time each case only inside the while loop (`step_ms_in_loop`; one "
-                      "compile a case instead of two: the waited and pipelined calls are left out)")
+                      "compile a case instead of two: the waited and pipelined calls are left out)", flag_values=fv)
 
 
 def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
@@ -810,24 +817,48 @@ def make_params(cfg: ModelConfig, mesh, seed: int, abstract: bool):
     return graphdef, params, dict(param_layout(params, mesh), init_s=time.perf_counter() - start)
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    start = time.time()
+def check(f) -> tuple[ModelConfig, object, list[Case], int]:
+    """(config, mesh, cases, the share's tp or 0): every flag and the mesh checked before any param is made or anything compiled."""
+    if f.config not in config_lib.PRESETS:
+        cli.refuse(f, "config", f"is not a preset; choose one of {sorted(config_lib.PRESETS)}")
+    for name, minimum in (("layers", 0), ("prefix", 0), ("prefill_tokens", 0), ("reps", 1), ("loop_steps", 0),
+                          ("warmup", 0), ("bandwidth_GBps", 1e-3), ("matmul_TFLOPs", 1e-3), ("time_budget_s", 0)):
+        cli.at_least(f, name, minimum)
+    cli.seed(f)
+    cli.int_list(f, "streams", 1)
+    cli.int_list(f, "budgets", 1)
+    if not f.out:
+        cli.refuse(f, "out", "is empty; name the JSON file to write")
+    cli.output_path(f, "out", may_exist=f.append)
     cfg = bench_config(f.config, f.scale, f.layers)
-    share_tp = parse_shard_of(f.shard_of)
-    mesh = bench_mesh("tp=1" if share_tp else f.mesh)
+    with cli.about(f, "shard_of"):
+        share_tp = parse_shard_of(f.shard_of)
     if share_tp and f.mesh not in ("", "tp=1"):
-        raise ValueError(f"--shard_of={f.shard_of} runs one device's share on one device; drop --mesh={f.mesh}")
-    if share_tp:  # the share's shapes follow the engine's rules: refuse a tp that does not divide them, before any
-        _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))      # param is made
-        for path, variable in nnx.to_flat_state(abstract):
-            sharding.param_spec(path, variable.get_value().shape, {sharding.DATA: 1, sharding.TP: share_tp})
+        cli.refuse(f, "mesh", f"--shard_of={f.shard_of} runs one device's share on this one device; drop --mesh")
+    if share_tp and f.compile_only:
+        cli.refuse(f, "compile_only", "is for a whole model on a mesh; --shard_of runs the share on this device")
+    if f.moe_gate_up_splits not in (0, 1, 2, 4, 8):
+        cli.refuse(f, "moe_gate_up_splits", "must be 0 (the default tiling) or 1, 2, 4 or 8")
+    with cli.about(f, "mesh"):
+        mesh = bench_mesh("tp=1" if share_tp else f.mesh)
+        model_dir.check_mesh(cfg, mesh)
+    if share_tp:  # the share's shapes follow the engine's rules: refuse a tp that does not divide them
+        _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+        with cli.about(f, "shard_of"):
+            for path, variable in nnx.to_flat_state(abstract):
+                sharding.param_spec(path, variable.get_value().shape, {sharding.DATA: 1, sharding.TP: share_tp})
     cases = cases_from_flags(f, cfg.max_position_embeddings, mesh.shape[sharding.DATA])
+    with cli.about(f, "streams"):
+        for case in cases:
+            sharding.check_streams(mesh, case.streams)
+    return cfg, mesh, cases, share_tp
+
+
+def run(f) -> None:
+    start = time.time()
+    cfg, mesh, cases, share_tp = check(f)
     int4_moe_triton.set_default_launcher(f.moe_launcher)
     ops.set_int4_moe_gate_up_splits(f.moe_gate_up_splits or None)
-    for case in cases:
-        sharding.check_streams(mesh, case.streams)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
                compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
                loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
@@ -865,8 +896,6 @@ def main(argv):
     weights = weight_bytes(cfg, axis_sizes)
     results["weights"] = dataclasses.asdict(weights)
 
-    if share_tp and f.compile_only:
-        raise ValueError("--shard_of runs the share on this device; --compile_only is for a whole model on a mesh")
     if share_tp:
         graphdef, params, results["params"] = make_share_params(cfg, share_tp, f.seed)
     else:
@@ -924,5 +953,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    define_flags()
-    cli.run(main)
+    cli.script(define_flags, run)

@@ -21,8 +21,7 @@ Times are device spans from profiler traces (experiments/timing.time_jobs; wall 
 trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
 On the GPU the loops also report device busy time, device events and device-to-host copies per round.
 
---out defaults to experiments/results/decode/round_<backend>.json, and the plot of the stage times goes beside it
-(.png).
+--out defaults to experiments/results/decode/round_<backend>.json, and the plot of the stage times goes beside it (.png).
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import json
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,30 +41,91 @@ from flax import nnx
 from experiments.timing import Job, rel_err, time_jobs
 from kdtree_jax import config as config_lib
 from kdtree_jax import cli, model_dir, plots
-from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, commit_kv, decode_round, pick_tokens, prefill,
-                               root_only_tree)
+from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, check_spec, commit_kv, decode_round, pick_tokens,
+                               prefill, root_only_tree)
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels import ops
 
 F = flags.FLAGS
-flags.DEFINE_string("config", "code_target", f"model preset of a random target: {sorted(config_lib.PRESETS)}")
-flags.DEFINE_string("init", "checkpoints/target", "'random' (at --config), a target checkpoint directory of ours or "
-                    "an HF model directory")
-flags.DEFINE_string("drafter", "checkpoints/drafter", "'random', a drafter checkpoint directory of ours or a DFlash "
-                    "drafter directory")
-flags.DEFINE_integer("block_size", 16, "block size L of a random drafter; a checkpointed drafter has its own, and "
-                     "another value given here is refused")
-flags.DEFINE_list("budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
-flags.DEFINE_list("streams", ["1", "8"], "streams decoded together")
-flags.DEFINE_integer("prompt_len", 64, "tokens per (random) prompt")
-flags.DEFINE_integer("rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is done)")
-flags.DEFINE_integer("seed", 0, "seed of random init and prompts")
-flags.DEFINE_integer("rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
-flags.DEFINE_float("time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per case)")
-flags.DEFINE_string("out", "", "where the JSON results go ('' for experiments/results/decode/round_<backend>.json)")
-flags.DEFINE_integer("reps", 10, "timed calls per measurement (median reported)")
-flags.DEFINE_bool("plot", True, "also write a PNG of the results beside the JSON")
+
+
+def define_flags(fv: flags.FlagValues = F) -> None:
+    def d(define, name, default, help_text, **kw):
+        define(name, default, help=help_text, flag_values=fv, **kw)
+    d(flags.DEFINE_string, "config", "code_target", f"model preset of a random target: {sorted(config_lib.PRESETS)}")
+    d(flags.DEFINE_string, "init", "checkpoints/target", "'random' (at --config), a target checkpoint directory of "
+      "ours or an HF model directory")
+    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "'random', a drafter checkpoint directory of ours or a "
+      "DFlash drafter directory")
+    d(flags.DEFINE_integer, "block_size", 16, "block size L of a random drafter; a checkpointed drafter has its own, "
+      "and another value given here is refused")
+    d(flags.DEFINE_list, "budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
+    d(flags.DEFINE_list, "streams", ["1", "8"], "streams decoded together")
+    d(flags.DEFINE_integer, "prompt_len", 64, "tokens per (random) prompt")
+    d(flags.DEFINE_integer, "rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is "
+      "done)")
+    d(flags.DEFINE_integer, "seed", 0, "seed of random init and prompts")
+    d(flags.DEFINE_integer, "rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
+    d(flags.DEFINE_float, "time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per "
+      "case)")
+    d(flags.DEFINE_string, "out", "", "where the JSON results go ('' for experiments/results/decode/round_<backend>.json)")
+    d(flags.DEFINE_integer, "reps", 10, "timed calls per measurement (median reported)")
+    d(flags.DEFINE_bool, "plot", True, "also write a PNG of the results beside the JSON")
+    cli.define_overwrite(fv)
+
+
+class Inputs(NamedTuple):
+    target: config_lib.ModelConfig
+    drafter: config_lib.DrafterConfig
+    block_size: int | None  # the --block_size to load the drafter with (None: a checkpoint's own)
+    budgets: list
+    streams: list
+    out: str
+
+
+def check(f) -> Inputs:
+    """Every input before any weight is read: flags, output paths, the target and drafter files and their fit, and
+    the decode spec of every case."""
+    for name, minimum in (("block_size", 2), ("prompt_len", 1), ("rounds", 1), ("rounds_per_check", 1),
+                          ("time_budget_s", 0), ("reps", 1)):
+        cli.at_least(f, name, minimum)
+    cli.seed(f)
+    budgets, streams = cli.int_list(f, "budgets", 0), cli.int_list(f, "streams", 1)
+    out = f.out or f"experiments/results/decode/round_{jax.default_backend()}.json"
+    cli.output_path(f, "out", path=out)
+    if f.plot:
+        cli.output_path(f, "out", path=os.path.splitext(out)[0] + ".png")
+    block_size = f.block_size if f["block_size"].present or f.drafter == model_dir.RANDOM else None
+    if f.init == model_dir.RANDOM and f.config not in config_lib.PRESETS:
+        cli.refuse(f, "config", f"is not a preset; choose one of {sorted(config_lib.PRESETS)}")
+    with cli.about(f, "init"):
+        target = model_dir.target_config(f.init, preset=f.config)
+    with cli.about(f, "drafter"):
+        drafter = drafter_config(f.drafter, target, block_size)
+    prompts = [[0] * f.prompt_len] * max(streams)
+    for num_streams in streams:
+        for budget in budgets:
+            spec = case_spec(budget, drafter.block_size, f.rounds, f.rounds_per_check)
+            check_spec(spec, target, drafter, prompts[:num_streams], Decoder.default_cache_len(spec, prompts), None)
+    with cli.about(f, "init"):
+        model_dir.check_tensors(f.init, target)
+    with cli.about(f, "drafter"):
+        model_dir.check_tensors(f.drafter, target, drafter)
+    return Inputs(target, drafter, block_size, budgets, streams, out)
+
+
+def case_spec(budget: int, block_size: int, rounds: int, rounds_per_check: int) -> DecodeSpec:
+    return DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget, block_size=block_size,
+                      max_new_tokens=rounds + 1, rounds_per_check=rounds_per_check)
+
+
+def drafter_config(value: str, target: config_lib.ModelConfig, block_size: int | None) -> config_lib.DrafterConfig:
+    """The drafter's config (no tensor read): random for code_target is the code_target's own drafter config."""
+    if value == model_dir.RANDOM and target.name == "code_target":
+        return config_lib.code_drafter(target)
+    return model_dir.drafter_config(value, target, block_size=block_size)
+
 
 STAGES = ("draft", "build", "verify", "accept", "commit")
 
@@ -76,8 +137,8 @@ def load_models(init: str, preset: str, drafter_init: str, block_size: int | Non
     (random: the code_target's own drafter config for code_target, the tiny drafter config otherwise; a checkpoint of
     ours or a DFlash directory)."""
     target = model_dir.load_target(init, preset=preset, seed=seed)
-    if drafter_init == "random" and target.cfg.name == "code_target":
-        return target, Drafter(config_lib.code_drafter(target.cfg), target.cfg, nnx.Rngs(seed + 1))
+    if drafter_init == model_dir.RANDOM and target.cfg.name == "code_target":
+        return target, Drafter(drafter_config(drafter_init, target.cfg, block_size), target.cfg, nnx.Rngs(seed + 1))
     return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1)
 
 
@@ -239,39 +300,37 @@ def print_table(rows) -> None:
               f"{r['overhead_us']:8.1f} {r['predicate_us']:7.1f} | {r['tau_mean']:5.2f} {r['rounds']:>6}", flush=True)
 
 
-def main(argv):
-    del argv
+def run(f) -> None:
     logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the table
     start = time.time()
-    out = F.out or f"experiments/results/decode/round_{jax.default_backend()}.json"
-    block_size = F.block_size if F["block_size"].present or F.drafter == "random" else None  # a checkpoint's own
-    target, drafter = load_models(F.init, F.config, F.drafter, block_size, F.seed)
+    inputs = check(f)
+    out = inputs.out
+    target, drafter = load_models(f.init, f.config, f.drafter, inputs.block_size, f.seed)
     decoder = Decoder(target, drafter)
     block = drafter.cfg.block_size
     results = dict(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), model=target.cfg.name,
-                             init=F.init, drafter=F.drafter, block_size=block, reps=F.reps,
+                             init=f.init, drafter=f.drafter, block_size=block, reps=f.reps,
                              kernels=ops.uses_kernel()), rows=[])
-    for num_streams in map(int, F.streams):
-        for budget in map(int, F.budgets):
-            if time.time() - start > F.time_budget_s:
+    for num_streams in inputs.streams:
+        for budget in inputs.budgets:
+            if time.time() - start > f.time_budget_s:
                 results["rows"].append(dict(budget=budget, streams=num_streams, skipped="time budget"))
                 continue
-            spec = DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget, block_size=block,
-                              max_new_tokens=F.rounds + 1, rounds_per_check=F.rounds_per_check)
-            row = measure(decoder, target.cfg, spec, num_streams, F.prompt_len, F.reps, F.seed)
+            spec = case_spec(budget, block, f.rounds, f.rounds_per_check)
+            row = measure(decoder, target.cfg, spec, num_streams, f.prompt_len, f.reps, f.seed)
             results["rows"].append(row)
             print_table([row])
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+            with open(out, "w") as fh:
+                json.dump(results, fh, indent=1, default=str)
     print()
     print_table([r for r in results["rows"] if "skipped" not in r])
     results["meta"]["wall_s"] = time.time() - start
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    with open(out, "w") as fh:
+        json.dump(results, fh, indent=1, default=str)
     print(f"wrote {out} in {time.time() - start:.0f} s", flush=True)
-    if F.plot:
+    if f.plot:
         plot_stages(results, os.path.splitext(out)[0] + ".png")
 
 
@@ -297,4 +356,4 @@ def plot_stages(results: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.script(define_flags, run)

@@ -3,7 +3,7 @@ case by case (policy x budget x batch x dtype), and every output is compared tok
 
 One process, two GPUs (the one-device run uses the first GPU):
   NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/compare_meshes.py --mesh=tp=2 \
-      --out=experiments/results/sharding/sharded_x2.json --tokens_out=/tmp/one_device_tokens.json
+      --out=experiments/results/sharded_x2.json --tokens_out=/tmp/one_device_tokens.json
 Two processes with one GPU each, joined by jax.distributed (the path of an 8-GPU node or several hosts), compared
 with the one-device tokens of an earlier run (--reference):
   for i in 0 1; do CUDA_VISIBLE_DEVICES=$i NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 experiments/compare_meshes.py \
@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -30,27 +31,105 @@ from flax import nnx
 from kdtree_jax import cli, model_dir, sharding
 from kdtree_jax.checkpoint import restore_target
 from kdtree_jax.data import eval_prompts, load_tokenizer
-from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, decode_in_batches
+from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "checkpoints/target", "target checkpoint directory")
-flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter checkpoint directory")
-flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "tokenizer of the checkpoints")
-flags.DEFINE_integer("num_prompts", 32, "held-out prompts")
-flags.DEFINE_integer("prompt_tokens", 64, "tokens per prompt")
-flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per prompt")
-flags.DEFINE_list("policies", ["ar", "chain", "ddtree:8", "ddtree:32"], "cases: ar, chain or ddtree:<budget B>")
-flags.DEFINE_list("batch_sizes", ["1", "8"], "streams decoded together")
-flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "model dtypes (float32 runs at the highest matmul precision)")
-flags.DEFINE_string("mesh", "tp=2", "the mesh compared with one device, e.g. 'tp=2' or 'data=2,tp=4'")
-flags.DEFINE_string("reference", "", "a --tokens_out JSON of an earlier run: its one-device tokens are the reference "
-                    "(no one-device decode here; needed when the devices are spread over processes)")
-flags.DEFINE_string("tokens_out", "", "write the one-device tokens of every case here (a --reference for later runs)")
-flags.DEFINE_string("coordinator", "", "host:port of process 0 for jax.distributed.initialize (multi-process)")
-flags.DEFINE_integer("num_processes", 1, "processes joined by jax.distributed")
-flags.DEFINE_integer("process_id", 0, "this process's index")
-flags.DEFINE_integer("seed", 0, "prompt choice")
-flags.DEFINE_string("out", "experiments/results/sharding/sharded.json", "JSON output (written by process 0)")
+DTYPES = ("float32", "bfloat16")
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    def d(define, name, default, help_text):
+        define(name, default, help=help_text, flag_values=fv)
+    d(flags.DEFINE_string, "target", "checkpoints/target", "target checkpoint directory")
+    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "drafter checkpoint directory")
+    d(flags.DEFINE_string, "tokenizer", "checkpoints/tokenizer.json", "tokenizer of the checkpoints")
+    d(flags.DEFINE_integer, "num_prompts", 32, "held-out prompts")
+    d(flags.DEFINE_integer, "prompt_tokens", 64, "tokens per prompt")
+    d(flags.DEFINE_integer, "max_new_tokens", 128, "tokens generated per prompt")
+    d(flags.DEFINE_list, "policies", ["ar", "chain", "ddtree:8", "ddtree:32"], "cases: ar, chain or ddtree:<budget B>")
+    d(flags.DEFINE_list, "batch_sizes", ["1", "8"], "streams decoded together")
+    d(flags.DEFINE_list, "dtypes", list(DTYPES), "model dtypes (float32 runs at the highest matmul precision)")
+    d(flags.DEFINE_string, "mesh", "tp=2", "the mesh compared with one device, e.g. 'tp=2' or 'data=2,tp=4'")
+    d(flags.DEFINE_string, "reference", "", "a --tokens_out JSON of an earlier run: its one-device tokens are the "
+      "reference (no one-device decode here; needed when the devices are spread over processes)")
+    d(flags.DEFINE_string, "tokens_out", "", "write the one-device tokens of every case here (a --reference for later "
+      "runs)")
+    d(flags.DEFINE_integer, "seed", 0, "prompt choice")
+    d(flags.DEFINE_string, "out", "experiments/results/sharding/sharded.json", "JSON output (written by process 0)")
+    cli.define_overwrite(fv)
+    cli.define_process_flags(fv)
+
+
+class Inputs(NamedTuple):
+    cases: list
+    batches: list
+    reference: dict | None
+    tokenizer: object
+    mesh: object
+
+
+def check_flags(f) -> tuple[list, list, dict | None]:
+    """(cases, batch sizes, the --reference JSON or None): the flags and the files they name that no JAX backend is
+    needed for (this runs before the processes join)."""
+    for name, minimum in (("num_prompts", 1), ("prompt_tokens", 1), ("max_new_tokens", 1)):
+        cli.at_least(f, name, minimum)
+    cli.seed(f)
+    if not f.policies:
+        cli.refuse(f, "policies", "is empty; give at least one case")
+    cases = [parse_case(c) for c in f.policies]
+    batches = cli.int_list(f, "batch_sizes", 1)
+    if not f.dtypes or any(d not in DTYPES for d in f.dtypes):
+        cli.refuse(f, "dtypes", f"must list dtypes of {DTYPES}")
+    if not f.mesh.strip():
+        cli.refuse(f, "mesh", "is empty: name the mesh to compare with one device, e.g. --mesh=tp=2")
+    cli.check_process_flags(f)
+    if f.num_processes > 1 and not f.reference:
+        cli.refuse(f, "num_processes", "> 1 needs --reference=<one-device tokens JSON> (the processes' devices hold "
+                   "no single-device run)")
+    if not f.out:
+        cli.refuse(f, "out", "is empty; name the JSON file to write")
+    cli.output_path(f, "out")
+    cli.output_path(f, "tokens_out")
+    reference = None
+    if f.reference:
+        with cli.about(f, "reference"):
+            from kdtree_jax.hf_import import read_json
+            reference = read_json(f.reference, "a --tokens_out JSON")
+            tokens = reference.get("tokens")
+            if not isinstance(tokens, dict):
+                raise ValueError("has no 'tokens' object: it is not the --tokens_out JSON of an earlier run")
+            missing = [case_key(p, b, n, d) for p, b in cases for n in batches for d in f.dtypes
+                       if case_key(p, b, n, d) not in tokens]
+            if missing:
+                raise ValueError(f"has no case {missing[0]}; run it with the same --policies, --batch_sizes and "
+                                 f"--dtypes")
+    return cases, batches, reference
+
+
+def check(f, checked_flags: tuple | None = None) -> Inputs:
+    """Every input before any weight is read (after the processes joined: the mesh needs every device);
+    checked_flags: what check_flags returned, when it ran already."""
+    cases, batches, reference = checked_flags or check_flags(f)
+    with cli.about(f, "target"):
+        if model_dir.checkpoint_kind(f.target) != model_dir.ORBAX:
+            raise ValueError("is not a target checkpoint of ours (numbered step directories); only those are "
+                             "compared")
+        target = model_dir.target_config(f.target)
+    with cli.about(f, "drafter"):
+        drafter = model_dir.drafter_config(f.drafter, target)
+    with cli.about(f, "tokenizer"):
+        tokenizer = load_tokenizer(f.tokenizer)
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, model_dir.eos_token_ids(f.target, target))
+    with cli.about(f, "mesh"):
+        mesh = sharding.parse_mesh(f.mesh)
+        model_dir.check_mesh(target, mesh)
+    for policy, budget in cases:
+        for batch in batches:
+            prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
+            spec = DecodeSpec(policy=policy, budget=budget, block_size=drafter.block_size,
+                              max_new_tokens=f.max_new_tokens, eos_token_id=target.eos_token_id)
+            check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
+    return Inputs(cases, batches, reference, tokenizer, mesh)
 
 
 def parse_case(text: str) -> tuple[str, int]:
@@ -98,51 +177,35 @@ def first_divergence(prompts, mesh_tokens, one_tokens, decoders: dict) -> dict |
     return None
 
 
-def main(argv):
-    del argv
+def run(f) -> None:
     logging.set_verbosity(logging.ERROR)
-    if FLAGS.num_processes > 1:
-        if not FLAGS.coordinator or not FLAGS.reference:
-            raise ValueError("--num_processes > 1 needs --coordinator=host:port and --reference=<one-device tokens "
-                             "JSON> (the processes' devices hold no single-device run)")
-        jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
-                                   process_id=FLAGS.process_id)
-    cases = [parse_case(c) for c in FLAGS.policies]
-    batches = [int(b) for b in FLAGS.batch_sizes]
-    reference = None
-    if FLAGS.reference:
-        with open(FLAGS.reference) as f:
-            reference = json.load(f)
-    tokenizer = load_tokenizer(FLAGS.tokenizer)
-    prompts = [list(p.ids) for p in eval_prompts(tokenizer, FLAGS.num_prompts, FLAGS.prompt_tokens, seed=FLAGS.seed)]
-    mesh = sharding.parse_mesh(FLAGS.mesh)
-    if mesh is None:
-        raise ValueError("--mesh is empty: name the mesh to compare with one device, e.g. --mesh=tp=2")
+    checked_flags = check_flags(f)
+    cli.join_processes(f)
+    inputs = check(f, checked_flags)
+    cases, batches, reference, mesh = inputs.cases, inputs.batches, inputs.reference, inputs.mesh
+    prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
     rows, one_device_tokens = [], {}
-    for dtype in FLAGS.dtypes:
+    for dtype in f.dtypes:
         precision = "highest" if dtype == "float32" else None
         with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-            target = restore_target(FLAGS.target, dtype=dtype, shardings=sharding.restore_shardings(mesh))
-            drafter = model_dir.load_drafter(FLAGS.drafter, target.cfg, mesh=mesh)
+            target = restore_target(f.target, dtype=dtype, shardings=sharding.restore_shardings(mesh))
+            drafter = model_dir.load_drafter(f.drafter, target.cfg, mesh=mesh)
             on_mesh = Decoder(target, drafter, mesh=mesh)
             one = None
             if reference is None:
-                one_target = restore_target(FLAGS.target, dtype=dtype)
-                one = Decoder(one_target, model_dir.load_drafter(FLAGS.drafter, one_target.cfg))
+                one_target = restore_target(f.target, dtype=dtype)
+                one = Decoder(one_target, model_dir.load_drafter(f.drafter, one_target.cfg))
             block = drafter.cfg.block_size
             for policy, budget in cases:
                 spec = DecodeSpec(policy=policy, budget=budget, block_size=block,
-                                  max_new_tokens=FLAGS.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
+                                  max_new_tokens=f.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
                 for batch in batches:
                     key, start = case_key(policy, budget, batch, dtype), time.monotonic()
-                    got = decode_in_batches(on_mesh, prompts, spec, batch, FLAGS.seed)
+                    got = decode_in_batches(on_mesh, prompts, spec, batch, f.seed)
                     if reference is None:
-                        want = decode_in_batches(one, prompts, spec, batch, FLAGS.seed)["tokens"]
-                    elif key in reference["tokens"]:
-                        want = reference["tokens"][key]
+                        want = decode_in_batches(one, prompts, spec, batch, f.seed)["tokens"]
                     else:
-                        raise ValueError(f"--reference {FLAGS.reference} has no case {key}; run it with the same "
-                                         f"--policies, --batch_sizes and --dtypes")
+                        want = reference["tokens"][key]
                     one_device_tokens[key] = want
                     row = {"policy": policy, "budget": budget, "batch": batch, "dtype": dtype,
                            "processes": jax.process_count(), "identical_tokens": got["tokens"] == want,
@@ -152,7 +215,7 @@ def main(argv):
                                                                 {"mesh": on_mesh, "one_device": one})}
                     row["seconds_case"] = time.monotonic() - start
                     rows.append(row)
-                    write_results(rows, one_device_tokens, len(prompts))
+                    write_results(f, rows, one_device_tokens, len(prompts))
                     if jax.process_index() == 0:
                         print(f"{key}: identical={row['identical_tokens']} "
                               f"agree={row['tokens_before_divergence']:.3f} ({row['seconds_case']:.0f} s)", flush=True)
@@ -160,22 +223,22 @@ def main(argv):
         print_table(rows)
 
 
-def write_results(rows, one_device_tokens, num_prompts: int) -> None:
+def write_results(f, rows, one_device_tokens, num_prompts: int) -> None:
     """The JSON (--out) and the one-device tokens (--tokens_out) so far; process 0 writes, after every case, so a run
     cut short keeps the cases it finished."""
     if jax.process_index() != 0:
         return
-    meta = {"mesh": FLAGS.mesh, "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
+    meta = {"mesh": f.mesh, "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
             "jax": jax.__version__, "host": platform.node(), "processes": jax.process_count(),
-            "num_prompts": num_prompts, "prompt_tokens": FLAGS.prompt_tokens,
-            "max_new_tokens": FLAGS.max_new_tokens, "reference": FLAGS.reference or "one device in this process",
+            "num_prompts": num_prompts, "prompt_tokens": f.prompt_tokens,
+            "max_new_tokens": f.max_new_tokens, "reference": f.reference or "one device in this process",
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump({"meta": meta, "cases": rows}, f, indent=1)
-    if FLAGS.tokens_out:
-        with open(FLAGS.tokens_out, "w") as f:
-            json.dump({"meta": meta, "tokens": one_device_tokens}, f)
+    os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+    with open(f.out, "w") as fh:
+        json.dump({"meta": meta, "cases": rows}, fh, indent=1)
+    if f.tokens_out:
+        with open(f.tokens_out, "w") as fh:
+            json.dump({"meta": meta, "tokens": one_device_tokens}, fh)
 
 
 def print_table(rows) -> None:
@@ -191,4 +254,4 @@ def print_table(rows) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.script(define_flags, run)

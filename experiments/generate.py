@@ -16,8 +16,10 @@ line printed is one JSON object; --out writes it to a file.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from typing import NamedTuple
 
 import jax
 from absl import flags, logging
@@ -26,45 +28,139 @@ from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import model_dir, sharding
 from kdtree_jax import tokenizer as tokenizer_lib
-from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance
+from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance, check_spec
 from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "tiny", f"model preset: {sorted(config_lib.PRESETS)} (ignored when --init is a checkpoint)")
-flags.DEFINE_string("init", "random", "the target: 'random' (at --config), a checkpoint directory of ours, or an HF "
-                    "model directory (config.json + safetensors: DeepSeek-V3, Kimi K2.x incl. K2.6 INT4), streamed "
-                    "into the --mesh")
-flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "run the target in this dtype (default: a preset's, a "
-                  "checkpoint's own, bfloat16 for an HF directory)")
-flags.DEFINE_string("drafter", "random", "the drafter (chain / ddtree): 'random', a drafter checkpoint of ours, or a "
-                    "DFlash drafter directory in the published format (config.json naming DFlashDraftModel)")
-flags.DEFINE_string("tokenizer", "", "'' = the --init directory's own tokenizer when it has one (tiktoken.model or "
-                    "tokenizer.json), else token ids; 'none' = token ids; a model directory; or a tokenizers JSON "
-                    "file of ours (checkpoints/tokenizer.json)")
-flags.DEFINE_bool("chat", False, "wrap each --prompt as one user turn in the tokenizer directory's chat template "
-                  "(with the assistant's generation prompt)")
-flags.DEFINE_integer("seed", 0, "seed of random init and sampling")
-flags.DEFINE_multi_string("prompt", None, "one stream's prompt (text, or comma-separated ids); repeat for more")
-flags.DEFINE_integer("held_out_prompts", 0, "add this many prompts drawn from held-out stdlib files (needs tokenizer)")
-flags.DEFINE_integer("prompt_tokens", 64, "length of each held-out prompt in tokens")
-flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate per stream")
-flags.DEFINE_enum("policy", "ar", ["ar", "chain", "ddtree"], "decoding policy")
-flags.DEFINE_integer("budget", 16, "ddtree: non-root tree nodes B")
-flags.DEFINE_integer("block_size", None, f"block size L of a random drafter (default {model_dir.RANDOM_BLOCK_SIZE}); "
-                     "a checkpointed drafter has its own, and another value is refused")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples the target per tree node")
-flags.DEFINE_integer("cache_len", 0, "cache rows per stream (0 = just enough)")
-flags.DEFINE_bool("compare", False, "also run ar and report both side by side, with whether outputs are identical")
-flags.DEFINE_string("mesh", "", "device mesh, e.g. 'tp=8' or 'data=2,tp=4' (empty: one device); for N fake CPU "
-                    "devices set XLA_FLAGS=--xla_force_host_platform_device_count=N")
-flags.DEFINE_bool("json", False, "print one JSON object as the last line")
-flags.DEFINE_string("out", "", "also write the JSON object to this file (process 0 only)")
-flags.DEFINE_enum("kernels", "auto", ops.IMPLEMENTATIONS, "Pallas kernels or pure-JAX references ('auto': kernels "
-                  "on the GPU)")
-flags.DEFINE_string("coordinator", "", "host:port of process 0: join --num_processes processes with "
-                    "jax.distributed.initialize before the mesh is made (one process per GPU or per host)")
-flags.DEFINE_integer("num_processes", 1, "processes joined by jax.distributed (with --coordinator)")
-flags.DEFINE_integer("process_id", 0, "this process's index, 0 .. num_processes - 1 (with --coordinator)")
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    def d(define, name, default, help_text, **kw):
+        define(name, default, help=help_text, flag_values=fv, **kw)
+    d(flags.DEFINE_string, "config", "tiny", f"model preset: {sorted(config_lib.PRESETS)} (ignored when --init is a "
+      "checkpoint)")
+    d(flags.DEFINE_string, "init", "random", "the target: 'random' (at --config), a checkpoint directory of ours, or "
+      "an HF model directory (config.json + safetensors: DeepSeek-V3, Kimi K2.x incl. K2.6 INT4), streamed into the "
+      "--mesh")
+    d(flags.DEFINE_enum, "dtype", None, "run the target in this dtype (default: a preset's, a checkpoint's own, "
+      "bfloat16 for an HF directory)", enum_values=["bfloat16", "float32"])
+    d(flags.DEFINE_string, "drafter", "random", "the drafter (chain / ddtree): 'random', a drafter checkpoint of ours, "
+      "or a DFlash drafter directory in the published format (config.json naming DFlashDraftModel)")
+    d(flags.DEFINE_string, "tokenizer", "", "'' = the --init directory's own tokenizer when it has one "
+      "(tiktoken.model or tokenizer.json), else token ids; 'none' = token ids; a model directory; or a tokenizers "
+      "JSON file of ours (checkpoints/tokenizer.json)")
+    d(flags.DEFINE_bool, "chat", False, "wrap each --prompt as one user turn in the tokenizer directory's chat "
+      "template (with the assistant's generation prompt)")
+    d(flags.DEFINE_integer, "seed", 0, "seed of random init and sampling")
+    d(flags.DEFINE_multi_string, "prompt", None, "one stream's prompt (text, or comma-separated ids); repeat for more")
+    d(flags.DEFINE_integer, "held_out_prompts", 0, "add this many prompts drawn from held-out stdlib files (needs "
+      "tokenizer)")
+    d(flags.DEFINE_integer, "prompt_tokens", 64, "length of each held-out prompt in tokens")
+    d(flags.DEFINE_integer, "max_new_tokens", 32, "tokens to generate per stream")
+    d(flags.DEFINE_enum, "policy", "ar", "decoding policy", enum_values=["ar", "chain", "ddtree"])
+    d(flags.DEFINE_integer, "budget", 16, "ddtree: non-root tree nodes B")
+    d(flags.DEFINE_integer, "block_size", None, f"block size L of a random drafter (default "
+      f"{model_dir.RANDOM_BLOCK_SIZE}); a checkpointed drafter has its own, and another value is refused")
+    d(flags.DEFINE_float, "temperature", 0.0, "0 = greedy; > 0 samples the target per tree node")
+    d(flags.DEFINE_integer, "cache_len", 0, "cache rows per stream (0 = just enough)")
+    d(flags.DEFINE_bool, "compare", False, "also run ar and report both side by side, with whether outputs are "
+      "identical")
+    d(flags.DEFINE_string, "mesh", "", "device mesh, e.g. 'tp=8' or 'data=2,tp=4' (empty: one device); for N fake "
+      "CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    d(flags.DEFINE_bool, "json", False, "print one JSON object as the last line")
+    d(flags.DEFINE_string, "out", "", "also write the JSON object to this file (process 0 only)")
+    d(flags.DEFINE_enum, "kernels", "auto", "Pallas kernels or pure-JAX references ('auto': kernels on the GPU)",
+      enum_values=list(ops.IMPLEMENTATIONS))
+    d(flags.DEFINE_bool, "check_finite", True, "stop with an error at the first round whose logits are not finite")
+    cli.define_overwrite(fv)
+    cli.define_process_flags(fv)
+
+
+class Inputs(NamedTuple):
+    """Everything the run needs but the weights, checked."""
+    target: config_lib.ModelConfig
+    drafter: config_lib.DrafterConfig | None
+    tokenizer: object | None
+    prompts: list
+    mesh: object
+    spec: DecodeSpec
+    cache_len: int | None
+
+
+def check_flags(f) -> None:
+    """The flags on their own (no file read, no JAX backend: this runs before the processes join)."""
+    if f.init == model_dir.RANDOM and f.config not in config_lib.PRESETS:
+        cli.refuse(f, "config", f"is not a preset; choose one of {sorted(config_lib.PRESETS)}")
+    cli.seed(f)
+    cli.at_least(f, "held_out_prompts", 0)
+    cli.at_least(f, "prompt_tokens", 1)
+    cli.at_least(f, "max_new_tokens", 1)
+    cli.at_least(f, "budget", 0)
+    cli.at_least(f, "block_size", 2, " (the bonus token and at least one drafted)")
+    cli.at_least(f, "temperature", 0, " (0 = greedy)")
+    cli.at_least(f, "cache_len", 0, " (0 = just enough)")
+    if f.policy == "ddtree":
+        cli.at_least(f, "budget", 1, " for --policy=ddtree (a tree of the root alone is --policy=ar)")
+    if f.chat and f.tokenizer == "none":
+        cli.refuse(f, "tokenizer", "turns the tokenizer off, but --chat needs one (and its chat template); drop one "
+                   "of the two")
+    if not f.prompt and not f.held_out_prompts:
+        cli.refuse(f, "prompt", "no prompt given: pass --prompt (repeat it for more streams) or --held_out_prompts")
+    cli.output_path(f, "out")
+    cli.check_process_flags(f)
+
+
+def check(f) -> Inputs:
+    """Every input, before any weight is read or anything compiled: the flags, the files of --init, --drafter and
+    --tokenizer and how they agree (drafter fit, tokenizer vocabulary and EOS, generation_config.json), the prompts,
+    the mesh, the decode spec. Raises ValueError naming the flag and the fix."""
+    check_flags(f)
+    with cli.about(f, "init"):
+        target = model_dir.target_config(f.init, preset=f.config, dtype=f.dtype)
+        eos_ids = model_dir.eos_token_ids(f.init, target)
+    drafter = None
+    if f.policy != "ar":
+        with cli.about(f, "drafter"):
+            drafter = model_dir.drafter_config(f.drafter, target, block_size=f.block_size)
+    source = tokenizer_path(f.tokenizer, f.init)
+    tokenizer = None
+    if source is not None:
+        with cli.about(f, "tokenizer" if f.tokenizer else "init"):
+            tokenizer = tokenizer_lib.load_tokenizer(source)
+            model_dir.check_tokenizer(tokenizer, source, target, eos_ids)
+    if f.chat and (source is None or not os.path.isdir(source)):
+        raise ValueError(f"--chat needs a model directory's tokenizer and chat template, but {why_no_tokenizer(f)}")
+    with cli.about(f, "prompt"):
+        prompts = read_prompts(f.prompt, tokenizer, f.held_out_prompts, f.prompt_tokens, f.seed,
+                               chat_dir=source if f.chat else None, no_tokenizer=why_no_tokenizer(f))
+    with cli.about(f, "mesh"):
+        mesh = sharding.parse_mesh(f.mesh)
+        model_dir.check_mesh(target, mesh)
+    block = drafter.block_size if drafter is not None else (
+        model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
+    spec = DecodeSpec(policy=f.policy, budget=f.budget, block_size=block, temperature=f.temperature,
+                      max_new_tokens=f.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else None,
+                      check_finite=f.check_finite)
+    cache_len = f.cache_len or None
+    check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)
+    with cli.about(f, "init"):
+        model_dir.check_tensors(f.init, target)
+    if drafter is not None:
+        with cli.about(f, "drafter"):
+            model_dir.check_tensors(f.drafter, target, drafter)
+    return Inputs(target, drafter, tokenizer, prompts, mesh, spec, cache_len)
+
+
+def why_no_tokenizer(f) -> str:
+    """Why no tokenizer is in use, in the words of the flags."""
+    if f.tokenizer == "none":
+        return "--tokenizer=none turns the tokenizer off"
+    if f.tokenizer:
+        return f"--tokenizer={f.tokenizer} is not a model directory"
+    if f.init == model_dir.RANDOM:
+        return "--init=random has no tokenizer (pass --tokenizer)"
+    return (f"--init={f.init} holds no tokenizer file ({tokenizer_lib.TIKTOKEN_FILE} or "
+            f"{tokenizer_lib.TOKENIZERS_FILE}; pass --tokenizer)")
 
 
 def load_models(init: str, preset: str, drafter_init: str, block_size: int | None, seed: int, need_drafter: bool,
@@ -74,7 +170,7 @@ def load_models(init: str, preset: str, drafter_init: str, block_size: int | Non
     if not need_drafter:
         return target, None
     return target, model_dir.load_drafter(drafter_init, target.cfg, block_size=block_size, seed=seed + 1,
-                                             mesh=mesh)
+                                          mesh=mesh)
 
 
 def tokenizer_path(flag: str, init: str) -> str | None:
@@ -87,8 +183,9 @@ def tokenizer_path(flag: str, init: str) -> str | None:
 
 
 def read_prompts(texts, tokenizer, held_out: int, prompt_tokens: int, seed: int,
-                 chat_dir: str | None = None) -> list[list[int]]:
-    """Token ids per stream. chat_dir: encode each text as a user turn under that directory's chat template."""
+                 chat_dir: str | None = None, no_tokenizer: str = "there is no tokenizer") -> list[list[int]]:
+    """Token ids per stream. chat_dir: encode each text as a user turn under that directory's chat template.
+    no_tokenizer: why there is none, said when a prompt needs one."""
     prompts = []
     for text in texts or []:
         if chat_dir is not None:
@@ -98,11 +195,11 @@ def read_prompts(texts, tokenizer, held_out: int, prompt_tokens: int, seed: int,
         else:
             try:
                 prompts.append([int(t) for t in text.split(",") if t.strip()])
-            except ValueError as err:
-                raise ValueError(f"--prompt={text!r} must be comma-separated token ids (or pass --tokenizer)") from err
+            except ValueError:
+                raise ValueError(f"--prompt={text!r} must be comma-separated token ids: {no_tokenizer}") from None
     if held_out:
         if tokenizer is None:
-            raise ValueError("--held_out_prompts needs --tokenizer")
+            raise ValueError(f"--held_out_prompts needs a tokenizer, but {no_tokenizer}")
         from kdtree_jax.data import eval_prompts
         prompts += [list(p.ids) for p in eval_prompts(tokenizer, held_out, prompt_tokens, seed=seed)]
     if not prompts:
@@ -121,53 +218,37 @@ def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len
             "tau_mean": tau_mean, "accept_hist": hist}
 
 
-def main(argv):
-    del argv
+def run(f) -> None:
     logging.set_verbosity(logging.ERROR)  # keep checkpoint-library chatter out of the report
-    if FLAGS.coordinator:
-        jax.distributed.initialize(coordinator_address=FLAGS.coordinator, num_processes=FLAGS.num_processes,
-                                   process_id=FLAGS.process_id)
-    ops.set_implementation(FLAGS.kernels)
-    source = tokenizer_path(FLAGS.tokenizer, FLAGS.init)
-    tokenizer = tokenizer_lib.load_tokenizer(source) if source else None
-    if FLAGS.chat and (source is None or not os.path.isdir(source)):
-        raise ValueError("--chat needs a model directory's tokenizer and chat template: give --init an HF directory "
-                         "that holds its tokenizer, or --tokenizer=DIRECTORY")
-    prompts = read_prompts(FLAGS.prompt, tokenizer, FLAGS.held_out_prompts, FLAGS.prompt_tokens, FLAGS.seed,
-                           chat_dir=source if FLAGS.chat else None)
-    mesh = sharding.parse_mesh(FLAGS.mesh)
-    target, drafter = load_models(FLAGS.init, FLAGS.config, FLAGS.drafter, FLAGS.block_size, FLAGS.seed,
-                                  FLAGS.policy != "ar", mesh, FLAGS.dtype)
-    eos = model_dir.eos_token_id(FLAGS.init, target.cfg)
-    block = drafter.cfg.block_size if drafter is not None else (FLAGS.block_size or model_dir.RANDOM_BLOCK_SIZE)
-    spec = DecodeSpec(policy=FLAGS.policy, budget=FLAGS.budget, block_size=block, temperature=FLAGS.temperature,
-                      max_new_tokens=FLAGS.max_new_tokens, eos_token_id=eos)
+    check_flags(f)
+    cli.join_processes(f)
+    ops.set_implementation(f.kernels)
+    inputs = check(f)
+    prompts, spec, mesh = inputs.prompts, inputs.spec, inputs.mesh
+    target, drafter = load_models(f.init, f.config, f.drafter, f.block_size, f.seed, f.policy != "ar", mesh, f.dtype)
     decoder = Decoder(target, drafter, mesh=mesh)
-    cache_len = FLAGS.cache_len or None
-    report = run_policy(decoder, prompts, spec, FLAGS.seed, cache_len)
+    report = run_policy(decoder, prompts, spec, f.seed, inputs.cache_len)
     runs = [report]
-    if FLAGS.compare and FLAGS.policy != "ar":
-        baseline = run_policy(decoder, prompts, DecodeSpec(policy="ar", block_size=block,
-                                                           temperature=FLAGS.temperature,
-                                                           max_new_tokens=FLAGS.max_new_tokens,
-                                                           eos_token_id=eos),
-                              FLAGS.seed, cache_len)
+    if f.compare and f.policy != "ar":
+        baseline = run_policy(decoder, prompts, dataclasses.replace(spec, policy="ar", budget=0), f.seed,
+                              inputs.cache_len)
         runs = [baseline, report]
         report["ar"] = {k: baseline[k] for k in ("tokens_per_s", "seconds", "rounds", "tokens")}
         report["identical_to_ar"] = baseline["tokens"] == report["tokens"]
         report["speedup_over_ar"] = report["tokens_per_s"] / baseline["tokens_per_s"]
-    print_report(prompts, runs, tokenizer)
-    if FLAGS.compare and FLAGS.policy != "ar":
-        print(f"\n{FLAGS.policy} output identical to ar: {report['identical_to_ar']}  "
+    print_report(prompts, runs, inputs.tokenizer)
+    if f.compare and f.policy != "ar":
+        print(f"\n{f.policy} output identical to ar: {report['identical_to_ar']}  "
               f"(speedup {report['speedup_over_ar']:.2f}x on this device)")
-    report.update(init=FLAGS.init, drafter=FLAGS.drafter if drafter is not None else None, mesh=FLAGS.mesh,
-                  kernels=FLAGS.kernels, backend=jax.default_backend(), dtype=target.cfg.dtype, eos_token_id=eos)
-    if FLAGS.json:
+    report.update(init=f.init, drafter=f.drafter if drafter is not None else None, mesh=f.mesh,
+                  kernels=f.kernels, backend=jax.default_backend(), dtype=target.cfg.dtype,
+                  eos_token_id=spec.eos_token_id)
+    if f.json:
         print(json.dumps(report))
-    if FLAGS.out and jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(report, f, indent=1)
+    if f.out and jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+        with open(f.out, "w") as fh:
+            json.dump(report, fh, indent=1)
 
 
 def print_report(prompts, runs, tokenizer) -> None:
@@ -182,4 +263,4 @@ def print_report(prompts, runs, tokenizer) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.script(define_flags, run)

@@ -14,6 +14,7 @@ largest phase. XLA fuses and reuses buffers, so read it as a budget, not a measu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -112,6 +113,11 @@ def memory_plan(cfg: config_lib.ModelConfig, *, tp: int = 8, data: int = 1, stre
                 budget: int = 64, block_size: int = 16, drafter: config_lib.DrafterConfig | None = None,
                 hbm: int = H200_HBM_BYTES) -> MemoryPlan:
     """The plan of `streams` streams of `context` committed rows each, DDTree with budget B and block size L."""
+    sizes = dict(tp=tp, data=data, streams=streams, context=context, block_size=block_size - 1, budget=budget + 1)
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad:
+        raise ValueError(f"sizes {bad} (block_size and budget shifted by 1 / -1) must be positive: tp, data, streams, "
+                         f"context >= 1, budget >= 0, block_size >= 2")
     if streams % data:
         raise ValueError(f"{streams} streams do not divide over data = {data}")
     axis_sizes = {sharding.DATA: data, sharding.TP: tp}
@@ -167,41 +173,72 @@ def format_table(plan: MemoryPlan, markdown: bool = False) -> str:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}")
-flags.DEFINE_integer("tp", 8, "tp axis of the mesh")
-flags.DEFINE_integer("data", 1, "data axis of the mesh (hosts)")
-flags.DEFINE_integer("streams", 64, "concurrent streams (all hosts)")
-flags.DEFINE_integer("context", 8192, "committed cache rows per stream (prompt + generated)")
-flags.DEFINE_integer("budget", 64, "DDTree budget B (non-root tree nodes)")
-flags.DEFINE_integer("block_size", 16, "drafter block size L")
-flags.DEFINE_integer("drafter_layers", 2, "layers of the assumed drafter (0: no drafter); K2.6's is not defined yet")
-flags.DEFINE_integer("drafter_heads", 32, "heads of the assumed drafter")
-flags.DEFINE_integer("drafter_head_dim", 128, "head dim of the assumed drafter")
-flags.DEFINE_bool("markdown", False, "print a markdown table")
 
 
-def main(argv):
-    del argv
-    cfg = config_lib.preset(FLAGS.config)
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    def d(define, name, default, help_text):
+        define(name, default, help=help_text, flag_values=fv)
+    d(flags.DEFINE_string, "config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}")
+    d(flags.DEFINE_integer, "tp", 8, "tp axis of the mesh")
+    d(flags.DEFINE_integer, "data", 1, "data axis of the mesh (hosts)")
+    d(flags.DEFINE_integer, "streams", 64, "concurrent streams (all hosts)")
+    d(flags.DEFINE_integer, "context", 8192, "committed cache rows per stream (prompt + generated)")
+    d(flags.DEFINE_integer, "budget", 64, "DDTree budget B (non-root tree nodes; 0: ar)")
+    d(flags.DEFINE_integer, "block_size", 16, "drafter block size L")
+    d(flags.DEFINE_integer, "drafter_layers", 2, "layers of the assumed drafter (0: no drafter); K2.6's is not "
+      "defined yet")
+    d(flags.DEFINE_integer, "drafter_heads", 32, "heads of the assumed drafter")
+    d(flags.DEFINE_integer, "drafter_head_dim", 128, "head dim of the assumed drafter")
+    d(flags.DEFINE_bool, "markdown", False, "print a markdown table")
+
+
+def check(f) -> tuple[config_lib.ModelConfig, config_lib.DrafterConfig | None]:
+    """(target config, assumed drafter config or None) from the flags, every size checked before any model is
+    built; a mesh that does not divide the model's split axes is refused here too."""
+    if f.config not in config_lib.PRESETS:
+        cli.refuse(f, "config", f"is not a preset; choose one of {sorted(config_lib.PRESETS)}")
+    for name, minimum in (("tp", 1), ("data", 1), ("streams", 1), ("context", 1), ("budget", 0), ("block_size", 2),
+                          ("drafter_layers", 0), ("drafter_heads", 1), ("drafter_head_dim", 2)):
+        cli.at_least(f, name, minimum)
+    if f.streams % f.data:
+        cli.refuse(f, "streams", f"must be a multiple of --data={f.data} (streams are split over data)")
+    if f.drafter_head_dim % 2:
+        cli.refuse(f, "drafter_head_dim", "must be even (RoPE turns pairs of dims)")
+    cfg = config_lib.preset(f.config)
     drafter = None
-    if FLAGS.drafter_layers:
+    if f.drafter_layers:
         last = cfg.num_layers - 1
         drafter = config_lib.DrafterConfig(
-            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=FLAGS.drafter_layers,
-            block_size=FLAGS.block_size, target_layer_ids=tuple(sorted({1, cfg.num_layers // 2, last})),
-            mask_token_id=0, num_heads=FLAGS.drafter_heads, head_dim=FLAGS.drafter_head_dim,
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=f.drafter_layers,
+            block_size=f.block_size, target_layer_ids=tuple(sorted({1, cfg.num_layers // 2, last})),
+            mask_token_id=0, num_heads=f.drafter_heads, head_dim=f.drafter_head_dim,
             intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps)
-    def plan_for(streams):
-        return memory_plan(cfg, tp=FLAGS.tp, data=FLAGS.data, streams=streams, context=FLAGS.context,
-                           budget=FLAGS.budget, block_size=FLAGS.block_size, drafter=drafter)
+    with cli.about(f, "tp"):
+        for path, shape in _param_shapes(cfg).items():
+            sharding.param_spec(path, shape, {sharding.DATA: f.data, sharding.TP: f.tp})
+    return cfg, drafter
 
-    plan = plan_for(FLAGS.streams)
-    print(f"{cfg.name} ({cfg.expert_quant} experts, {cfg.dtype}) on data={FLAGS.data} x tp={FLAGS.tp}, "
-          f"{FLAGS.streams} streams, B={FLAGS.budget}, L={FLAGS.block_size}")
-    print(format_table(plan, FLAGS.markdown))
+
+@functools.lru_cache(maxsize=4)
+def _param_shapes(cfg: config_lib.ModelConfig) -> dict:
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    return {path: leaf.shape for path, leaf in nnx.to_flat_state(state)}
+
+
+def run(f) -> None:
+    cfg, drafter = check(f)
+
+    def plan_for(streams):
+        return memory_plan(cfg, tp=f.tp, data=f.data, streams=streams, context=f.context,
+                           budget=f.budget, block_size=f.block_size, drafter=drafter)
+
+    plan = plan_for(f.streams)
+    print(f"{cfg.name} ({cfg.expert_quant} experts, {cfg.dtype}) on data={f.data} x tp={f.tp}, "
+          f"{f.streams} streams, B={f.budget}, L={f.block_size}")
+    print(format_table(plan, f.markdown))
     print("max committed rows per stream by stream count (same mesh, B, L): " + ", ".join(
-        f"{n}: {plan_for(n).max_context:,}" for n in (8, 16, 32, 64, 128, 256) if n % FLAGS.data == 0))
+        f"{n}: {plan_for(n).max_context:,}" for n in (8, 16, 32, 64, 128, 256) if n % f.data == 0))
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.script(define_flags, run)

@@ -20,6 +20,7 @@ import os
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -85,9 +86,7 @@ def restore_drafter(directory: str, target_cfg: ModelConfig, step: int | None = 
 
     The params take the target's dtype (a bf16 checkpoint restored for a float32 target is cast).
     """
-    meta = read_meta(directory, step)
-    _expect_kind(meta, DRAFTER, directory)
-    cfg = _config_from_dict(DrafterConfig, meta["config"])
+    cfg = read_drafter_config(directory, step)
     return _restore_new(directory, step, lambda: Drafter(cfg, target_cfg, nnx.Rngs(0)), shardings)
 
 
@@ -112,7 +111,17 @@ def read_meta(directory: str, step: int | None = None) -> dict:
         step = _resolve_step(mngr, directory, step)
         _check_files(directory, step)
         with _reported_as_corrupt(directory, step):
-            return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not (isinstance(meta, dict) and meta.get("kind") in (TARGET, DRAFTER) and isinstance(meta.get("config"), dict)):
+        raise _corrupt(directory, step, "its meta item is not {\"kind\": \"target\" | \"drafter\", \"config\": {...}}")
+    return meta
+
+
+def read_drafter_config(directory: str, step: int | None = None) -> DrafterConfig:
+    """The DrafterConfig stored with a drafter checkpoint (no array is read)."""
+    meta = read_meta(directory, step)
+    _expect_kind(meta, DRAFTER, directory)
+    return _config_from_dict(DrafterConfig, meta["config"])
 
 
 # ----------------------------------------------------------------------------------------------- internals
@@ -136,7 +145,19 @@ def _restore_params(directory, step, state: nnx.State, shardings) -> dict:
         _check_same_shapes(mngr.item_metadata(step)["params"], target, f"{directory} step {step}")
         with _reported_as_corrupt(directory, step):
             restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+    _check_finite(restored["params"], f"checkpoint {directory} step {step}")
     return restored["params"]
+
+
+def _check_finite(params, where: str) -> None:
+    """Refuse params holding NaN or +-inf, naming the first such param (one reduction per param, on its devices)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else True for _, x in leaves]
+    bad = [_path_str(path) for (path, _), ok in zip(leaves, jax.device_get(finite)) if not ok]
+    if bad:
+        raise ValueError(f"{where} holds non-finite values (NaN or inf) in {', '.join(bad[:8])}"
+                         + (f", ... ({len(bad)} params in all)" if len(bad) > 8 else "")
+                         + "; the checkpoint is corrupt: copy it again or save it again")
 
 
 def _check_files(directory: str, step: int) -> None:
@@ -146,7 +167,12 @@ def _check_files(directory: str, step: int) -> None:
     sizes = {}
     if os.path.exists(sizes_path):  # checkpoints saved before FILE_SIZES existed have only REQUIRED_FILES checked
         with open(sizes_path) as f:
-            sizes = json.load(f)
+            try:
+                sizes = json.load(f)
+            except ValueError:
+                sizes = None
+        if not (isinstance(sizes, dict) and all(isinstance(v, int) for v in sizes.values())):
+            raise _corrupt(directory, step, f"{sizes_path} is not a JSON object of file sizes")
     for rel in dict.fromkeys(REQUIRED_FILES + tuple(sorted(sizes))):
         path = os.path.join(step_dir, rel)
         if not os.path.exists(path):
@@ -231,15 +257,36 @@ def _expect_int4_nibbles(meta: dict, cfg: ModelConfig, directory: str) -> None:
 def _expect_kind(meta: dict, kind: str, directory: str) -> None:
     if meta.get("kind") != kind:
         raise ValueError(f"checkpoint {os.path.abspath(directory)} holds a {meta.get('kind')!r} model, not a {kind!r}; "
-                         f"use restore_{meta.get('kind')} for it")
+                         f"pass it where a {meta.get('kind')} goes")
+
+
+# The JSON type each field annotation of ModelConfig / DrafterConfig allows in a checkpoint's meta.
+_ANNOTATION_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "tuple[int, ...]": lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in v),
+}
 
 
 def _config_from_dict(cls, d: dict):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ValueError(f"checkpoint config has fields {unknown} that {cls.__name__} does not know; "
                          f"it was written by a newer kdtree_jax")
+    missing = sorted(name for name, f in fields.items() if name not in d and f.default is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"checkpoint config lacks fields {missing} of {cls.__name__}; the checkpoint is corrupt")
+    for name, value in d.items():
+        annotation = str(fields[name].type)
+        optional = annotation.endswith(" | None")
+        check = _ANNOTATION_CHECKS[annotation.removesuffix(" | None")]
+        if not ((optional and value is None) or check(value)):
+            raise ValueError(f"checkpoint config field {name!r} = {value!r} is not of type {annotation}; the "
+                             f"checkpoint is corrupt")
     if "target_layer_ids" in d:
         d = {**d, "target_layer_ids": tuple(d["target_layer_ids"])}
     return cls(**d)

@@ -49,7 +49,13 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self):
-        _check(self.num_layers > 0, "num_layers", self.num_layers, "must be positive")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
+                      "num_experts_per_tok", "max_position_embeddings", "quant_group_size"):
+            _check(getattr(self, field) > 0, field, getattr(self, field), "must be positive")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", self.q_lora_rank,
+               "must be positive (or None)")
+        _check(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "must be >= 0")
         _check(0 <= self.first_k_dense <= self.num_layers, "first_k_dense", self.first_k_dense,
                f"must lie in [0, num_layers={self.num_layers}]")
         _check(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
@@ -241,9 +247,14 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
 
     Raises ValueError naming the field for anything this engine cannot run exactly.
     """
+    _check(isinstance(hf, Mapping), "(the whole file)", type(hf).__name__, "must be a JSON object")
     outer_quant = hf.get("quantization_config")  # a nested config may keep it beside text_config
     if "text_config" in hf:
+        _check(isinstance(hf["text_config"], Mapping), "text_config", hf["text_config"], "must be a JSON object")
         hf = hf["text_config"]
+    _check_types(hf)
+    _check(outer_quant is None or isinstance(outer_quant, Mapping), "quantization_config", outer_quant,
+           "must be a JSON object")
     model_type = hf.get("model_type", "deepseek_v3")
     if model_type not in _SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config field 'model_type' = {model_type!r} is not supported; "
@@ -281,6 +292,11 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     rope_type = rope.get("type", rope.get("rope_type", "yarn")) if rope else None
     _check(rope_type in (None, "yarn"), "rope_scaling.type", rope_type, "is not supported; only YaRN is implemented")
     quant = _expert_quant(hf.get("quantization_config") or outer_quant)
+    for field in ("bos_token_id", "eos_token_id"):
+        ids = hf.get(field)
+        ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+        _check(all(0 <= i < hf["vocab_size"] for i in ids), field, hf.get(field),
+               f"must name tokens below vocab_size={hf['vocab_size']}")
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]
@@ -307,6 +323,49 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, expert_quant=quant)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_token_ids(v) -> bool:
+    return v is None or _is_int(v) or (isinstance(v, list) and len(v) > 0 and all(_is_int(i) for i in v))
+
+
+# The JSON type of every field from_hf_config reads besides the positive integers (checked with their values).
+_FIELD_TYPES = {
+    "model_type": (lambda v: isinstance(v, str), "a string"),
+    "q_lora_rank": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "n_shared_experts": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "first_k_dense_replace": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "n_group": (_is_int, "an integer"), "topk_group": (_is_int, "an integer"),
+    "num_nextn_predict_layers": (lambda v: v is None or _is_int(v), "an integer"),
+    "moe_layer_freq": (_is_int, "an integer"),
+    "norm_topk_prob": (lambda v: isinstance(v, bool), "true or false"),
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "attention_bias": (lambda v: isinstance(v, bool), "true or false"),
+    "scoring_func": (lambda v: isinstance(v, str), "a string"), "topk_method": (lambda v: isinstance(v, str), "a string"),
+    "hidden_act": (lambda v: isinstance(v, str), "a string"),
+    "bos_token_id": (_is_token_ids, "a token id, a non-empty list of them, or null"),
+    "eos_token_id": (_is_token_ids, "a token id, a non-empty list of them, or null"),
+    "rope_scaling": (lambda v: v is None or (isinstance(v, Mapping) and all(
+        _is_number(x) for k, x in v.items() if k not in ("type", "rope_type"))), "null or an object of numbers"),
+    "quantization_config": (lambda v: v is None or isinstance(v, Mapping), "an object or null"),
+}
+
+
+def _check_types(hf: Mapping[str, Any]) -> None:
+    for field, (ok, kind) in _FIELD_TYPES.items():
+        if field in hf:
+            _check(ok(hf[field]), field, hf[field], f"must be {kind}")
+    rope = hf.get("rope_scaling") or {}
+    for field in ("type", "rope_type"):
+        _check(isinstance(rope.get(field, ""), str), f"rope_scaling.{field}", rope.get(field), "must be a string")
+
+
 def _expert_quant(qc: Mapping[str, Any] | None) -> str:
     """'int4' for a compressed-tensors pack-quantized W4A16 group-32 symmetric config, 'bf16' when absent."""
     if not qc:
@@ -314,7 +373,11 @@ def _expert_quant(qc: Mapping[str, Any] | None) -> str:
     fmt = qc.get("format", qc.get("quant_method"))
     _check(fmt in ("pack-quantized", "compressed-tensors"), "quantization_config.format", fmt,
            "is not supported; only compressed-tensors 'pack-quantized' INT4 is implemented")
-    for group in qc.get("config_groups", {}).values():
+    groups = qc.get("config_groups", {})
+    _check(isinstance(groups, Mapping) and all(isinstance(g, Mapping) and isinstance(g.get("weights", {}), Mapping)
+                                               for g in groups.values()),
+           "quantization_config.config_groups", groups, "must be an object of {\"weights\": {...}} groups")
+    for group in groups.values():
         w = group.get("weights", {})
         _check(w.get("num_bits") == 4, "quantization_config.weights.num_bits", w.get("num_bits"), "must be 4")
         _check(w.get("symmetric", True), "quantization_config.weights.symmetric", w.get("symmetric"), "must be true")

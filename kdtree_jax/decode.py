@@ -24,6 +24,7 @@ from flax import nnx
 from kdtree_jax import memory, sharding
 from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
+from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels import ops
@@ -43,6 +44,7 @@ class DecodeSpec:
     max_new_tokens: int = 32
     eos_token_id: int | None = None
     rounds_per_check: int = 1  # rounds between checks of the stop condition (XLA:GPU reads it on the host)
+    check_finite: bool = True  # stop at the first round whose target logits hold NaN / inf (Decoder.generate raises)
 
     @property
     def depth(self) -> int:
@@ -72,6 +74,11 @@ class LoopState(NamedTuple):
     taus: jax.Array  # [max_rounds, S] tokens emitted per round (0 once done)
     rounds: jax.Array  # int32
     keys: jax.Array  # [S] one PRNG key per stream: a stream's samples do not depend on the other streams
+    nonfinite: jax.Array  # [S] int32: where the stream's first non-finite target logits came (tokens out then), -1
+
+
+class NonFiniteLogits(ValueError):
+    """The target's logits held NaN or inf: the tokens picked from them would be meaningless."""
 
 
 class GenerateResult(NamedTuple):
@@ -100,6 +107,48 @@ def agreeing_prefix(tokens, reference) -> float:
     return float(np.mean(fractions))
 
 
+def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | None, prompts, cache_len: int,
+               mesh: jax.sharding.Mesh | None = None) -> None:
+    """Everything Decoder.validate checks but memory, from the configs alone (no params): a script runs it before it
+    loads any weight. Raises ValueError naming the problem and the fix."""
+    if spec.policy not in POLICIES:
+        raise ValueError(f"policy {spec.policy!r} is unknown; choose one of {POLICIES}")
+    if spec.policy != "ar":
+        if drafter_cfg is None:
+            raise ValueError(f"policy {spec.policy!r} needs a drafter; pass one or use policy 'ar'")
+        if spec.block_size != drafter_cfg.block_size:
+            raise ValueError(f"block_size={spec.block_size} differs from the drafter's "
+                             f"{drafter_cfg.block_size}; use the drafter's block size")
+        tree_lib.check_budget(spec.tree_budget, spec.block_size, cfg.vocab_size)
+    if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+        raise ValueError(f"temperature={spec.temperature} must be a finite number >= 0 (0 = greedy)")
+    if spec.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
+    if spec.rounds_per_check < 1:
+        raise ValueError(f"rounds_per_check={spec.rounds_per_check} must be >= 1")
+    if spec.eos_token_id is not None and not 0 <= spec.eos_token_id < cfg.vocab_size:
+        raise ValueError(f"eos_token_id={spec.eos_token_id} is not a token of the model's vocabulary "
+                         f"[0, {cfg.vocab_size}): decoding would never stop at it")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token; an empty prompt cannot be decoded")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
+    if mesh is not None:
+        sharding.check_streams(mesh, len(prompts))
+    longest = max(len(p) for p in prompts)
+    check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
+                   f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
+                   f"tree rows")
+    last = longest + spec.max_new_tokens + spec.depth
+    if last > cfg.max_position_embeddings:
+        raise ValueError(f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.depth} drafted "
+                         f"positions past the last (the drafter's depth) reaches position {last}, past the "
+                         f"model's max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt "
+                         f"or max_new_tokens")
+
+
 class Decoder:
     """Holds the target (and drafter) parameters and compiles one loop per DecodeSpec.
 
@@ -122,40 +171,8 @@ class Decoder:
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
-        if spec.policy not in POLICIES:
-            raise ValueError(f"policy {spec.policy!r} is unknown; choose one of {POLICIES}")
-        if spec.policy != "ar":
-            if self.drafter_cfg is None:
-                raise ValueError(f"policy {spec.policy!r} needs a drafter; pass one or use policy 'ar'")
-            if spec.block_size != self.drafter_cfg.block_size:
-                raise ValueError(f"block_size={spec.block_size} differs from the drafter's "
-                                 f"{self.drafter_cfg.block_size}; use the drafter's block size")
-            tree_lib.check_budget(spec.tree_budget, spec.block_size, self.cfg.vocab_size)
-        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-            raise ValueError(f"temperature={spec.temperature} must be a finite number >= 0 (0 = greedy)")
-        if spec.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
-        if spec.rounds_per_check < 1:
-            raise ValueError(f"rounds_per_check={spec.rounds_per_check} must be >= 1")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token; an empty prompt cannot be decoded")
-        for i, p in enumerate(prompts):
-            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        if self.mesh is not None:
-            sharding.check_streams(self.mesh, len(prompts))
-        longest = max(len(p) for p in prompts)
-        check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
-                       f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
-                       f"tree rows")
-        last = longest + spec.max_new_tokens + spec.depth
-        if last > self.cfg.max_position_embeddings:
-            raise ValueError(f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.depth} drafted "
-                             f"positions past the last (the drafter's depth) reaches position {last}, past the "
-                             f"model's max_position_embeddings={self.cfg.max_position_embeddings}; shorten the prompt "
-                             f"or max_new_tokens")
-        self.check_memory(spec, len(prompts), longest, cache_len)
+        check_spec(spec, self.cfg, self.drafter_cfg, prompts, cache_len, self.mesh)
+        self.check_memory(spec, len(prompts), max(len(p) for p in prompts), cache_len)
 
     def check_memory(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int) -> None:
         """Refuse, before compiling, a loop whose params, caches and largest array of one step cannot fit in the
@@ -197,6 +214,7 @@ class Decoder:
         state = jax.block_until_ready(run(*args))
         seconds = time.perf_counter() - start
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+        raise_nonfinite(np.asarray(state.nonfinite), lengths)
         taus = np.asarray(state.taus)[:int(state.rounds)]
         taus = taus[(taus > 0).any(axis=1)]  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], taus, len(taus), seconds)
@@ -234,7 +252,8 @@ class Decoder:
         rep, streams = sharding.replicated(self.mesh), sharding.stream_sharding(self.mesh)
         params = sharding.param_shardings(self.target_params, self.mesh)
         out = LoopState(cache=streams, dcache=streams, bonus=streams, out=streams, num_out=streams, done=streams,
-                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, keys=streams)
+                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, keys=streams,
+                        nonfinite=streams)
         return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep), out_shardings=out)
 
     # ------------------------------------------------------------------------------------------- on device
@@ -247,7 +266,35 @@ class Decoder:
             rounds = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check, lambda _, s: one_round(s), st)
         else:
             rounds = one_round
-        return jax.lax.while_loop(lambda st: (st.rounds < spec.max_new_tokens) & ~jnp.all(st.done), rounds, state)
+        return jax.lax.while_loop(functools.partial(running, spec), rounds, state)
+
+
+def running(spec: DecodeSpec, st: LoopState):
+    """The loop's predicate: rounds left, a stream still going, and (check_finite) no stream gone non-finite."""
+    going = (st.rounds < spec.max_new_tokens) & ~jnp.all(st.done)
+    return going & jnp.all(st.nonfinite < 0) if spec.check_finite else going
+
+
+def first_nonfinite(nonfinite, logits, position, valid=None):
+    """nonfinite [S] updated with `position` [S] for each stream whose logits [S, T, V] (the rows where valid, [S, T]
+    or [S, 1], is true) hold NaN or inf for the first time; one isfinite reduction over logits the round has computed
+    anyway."""
+    finite = jnp.isfinite(logits).all(axis=-1)  # [S, T]
+    if valid is not None:
+        finite = finite | ~valid
+    return jnp.where((nonfinite < 0) & ~finite.all(axis=1), position, nonfinite)
+
+
+def raise_nonfinite(nonfinite: np.ndarray, prompt_lengths: np.ndarray) -> None:
+    """Raise NonFiniteLogits naming each stream whose logits went non-finite (nonfinite >= 0) and where."""
+    bad = np.flatnonzero(nonfinite >= 0)
+    if not bad.size:
+        return
+    where = ", ".join(f"stream {s} at generated token {nonfinite[s]} (position {prompt_lengths[s] + nonfinite[s]})"
+                      for s in bad[:8])
+    raise NonFiniteLogits(f"the target's logits are not finite (NaN or inf) for {where}: the tokens picked from them "
+                          f"would be meaningless; the weights or the activations overflow: check the checkpoint "
+                          f"(it may be corrupt) or run in float32 (--dtype=float32)")
 
 
 def pick_tokens(logits, temperature: float, keys):
@@ -285,8 +332,11 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
+    nonfinite = jnp.full((s,), -1, jnp.int32)
+    if spec.check_finite:
+        nonfinite = first_nonfinite(nonfinite, fwd.logits, jnp.zeros((s,), jnp.int32), valid)
     return LoopState(cache, dcache, first, out, num_out, done, jnp.zeros((max_rounds, s), jnp.int32),
-                     jnp.zeros((), jnp.int32), keys)
+                     jnp.zeros((), jnp.int32), keys, nonfinite)
 
 
 def _is_eos(tokens, spec: DecodeSpec):
@@ -333,9 +383,12 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
     num_out = st.num_out + count
     done = st.done | hit_eos | (num_out >= spec.max_new_tokens)
 
+    nonfinite = st.nonfinite
+    if spec.check_finite:
+        nonfinite = first_nonfinite(nonfinite, fwd.logits, st.num_out, valid=active[:, None])
     cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, active)
     return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
-                     st.taus.at[st.rounds].set(count), st.rounds + 1, keys)
+                     st.taus.at[st.rounds].set(count), st.rounds + 1, keys, nonfinite)
 
 
 def commit_kv(drafter: Drafter | None, cache: KVCache, dcache, hidden, verdict, active):

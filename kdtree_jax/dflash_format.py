@@ -30,11 +30,10 @@ import os
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter
-from kdtree_jax.hf_import import Place, _nest, _TensorFiles
+from kdtree_jax.hf_import import Place, _nest, _TensorFiles, read_json, save_safetensors
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_PREFIX = "model."  # some trainers save the layers under this prefix; SGLang accepts both
@@ -44,7 +43,8 @@ WEIGHTS_FILE = "model.safetensors"
 def is_dflash_dir(directory: str) -> bool:
     """Whether `directory/config.json` names the published DFlash drafter architecture."""
     config = _read_json(os.path.join(directory, "config.json"))
-    return config is not None and ARCHITECTURE in (config.get("architectures") or [])
+    architectures = (config or {}).get("architectures")
+    return isinstance(architectures, list) and ARCHITECTURE in architectures
 
 
 def read_dflash_config(directory: str, target: ModelConfig) -> DrafterConfig:
@@ -56,12 +56,45 @@ def read_dflash_config(directory: str, target: ModelConfig) -> DrafterConfig:
     hf = _read_json(path)
     if hf is None:
         raise ValueError(f"{path} does not exist: a DFlash drafter directory needs its config.json")
-    return drafter_config_from_hf(hf, target, where=path)
+    try:
+        return drafter_config_from_hf(hf, target, where=path)
+    except (TypeError, AttributeError, KeyError) as e:  # a field of a JSON type no check foresaw
+        raise ValueError(f"{path}: a field has a JSON type the config does not allow ({e})") from None
+
+
+def check_dflash_tensors(directory: str, cfg: DrafterConfig, target: ModelConfig) -> None:
+    """Every tensor the drafter config needs is in the directory's safetensors with its shape (headers only)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Drafter(cfg, target, nnx.Rngs(0))), nnx.Param)
+    wanted = {path: tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+    with _TensorFiles(os.path.abspath(directory)) as files:
+        _check_tensor_shapes(files, cfg, wanted)
+
+
+def _check_tensor_shapes(files, cfg: DrafterConfig, wanted: dict) -> str:
+    """The name prefix of the drafter's tensors, after checking each is there with the shape `wanted` implies."""
+    prefix = MODEL_PREFIX if any(n.startswith(MODEL_PREFIX + "layers.") for n in files.names) else ""
+    missing = [prefix + name for name in _tensor_names(cfg) if prefix + name not in files.names]
+    if missing:
+        raise ValueError(f"DFlash drafter {files.directory} lacks tensors its config.json needs: "
+                         f"{', '.join(missing[:8])}" + (f", ... ({len(missing)} in all)" if len(missing) > 8 else ""))
+    for path, name in _param_names(cfg):
+        expected, found = _hf_shape(path, wanted[path]), files.shape(prefix + name)
+        if found != expected:
+            raise ValueError(f"tensor {prefix + name!r} in {files.file_of[prefix + name]} has shape {found}, expected "
+                             f"{expected} for this config.json")
+    return prefix
 
 
 def drafter_config_from_hf(hf: dict, target: ModelConfig, where: str = "config.json") -> DrafterConfig:
     """DrafterConfig of a published config.json dict (see the module docstring for the fields read)."""
     dflash = hf.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{where}: field 'dflash_config' = {dflash!r} must be a JSON object")
+
+    def integer(key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip("-").isdigit():
+            raise ValueError(f"{where}: field {key!r} = {value!r} must be an integer")
+        return int(value)
 
     def need(key: str, value):
         if value is None:
@@ -77,30 +110,47 @@ def drafter_config_from_hf(hf: dict, target: ModelConfig, where: str = "config.j
     layer_types = hf.get("layer_types") or []
     check(all(t == "full_attention" for t in layer_types), "layer_types",
           "is not supported: only 'full_attention' layers (no sliding window) are implemented")
-    rope_theta, rope = _rope(hf)
+    try:
+        rope_theta, rope = _rope(hf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     check(rope in (None, "default"), "rope_scaling", "is not supported: only plain RoPE (rope_type 'default')")
     for key in ("conv_kernel_size", "selector_rank", "projector_type", "attention_sink_bias"):
         check(not dflash.get(key), key, "names a DFlash variant that is not implemented (plain DFlash only)")
 
-    layers = int(need("num_hidden_layers", hf.get("num_hidden_layers")))
+    layers = integer("num_hidden_layers", need("num_hidden_layers", hf.get("num_hidden_layers")))
+    check(layers >= 1, "num_hidden_layers", "must be at least 1")
     num_target = hf.get("num_target_layers", dflash.get("num_target_layers"))
-    if num_target is not None and int(num_target) != target.num_layers:
+    if num_target is not None and integer("num_target_layers", num_target) != target.num_layers:
         raise ValueError(f"{where}: num_target_layers = {num_target} but the target has {target.num_layers} layers; "
                          f"use the drafter trained for this target")
     layer_ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
     if layer_ids is None:
-        layer_ids = default_target_layer_ids(int(need("num_target_layers", num_target)), layers)
-    heads = int(need("num_attention_heads", hf.get("num_attention_heads")))
-    hidden = int(need("hidden_size", hf.get("hidden_size")))
+        layer_ids = default_target_layer_ids(integer("num_target_layers", need("num_target_layers", num_target)),
+                                             layers)
+    if not isinstance(layer_ids, list) or not layer_ids:
+        raise ValueError(f"{where}: field 'target_layer_ids' = {layer_ids!r} must be a non-empty list of layer ids")
+    sizes = {key: integer(key, need(key, hf.get(key))) for key in ("num_attention_heads", "hidden_size", "vocab_size",
+                                                                    "intermediate_size")}
+    sizes["block_size"] = integer("block_size", need("block_size", hf.get("block_size", dflash.get("block_size"))))
+    sizes["head_dim"] = integer("head_dim", hf.get("head_dim") or sizes["hidden_size"] // max(
+        sizes["num_attention_heads"], 1))
+    sizes["num_key_value_heads"] = integer("num_key_value_heads", hf.get("num_key_value_heads")
+                                           or sizes["num_attention_heads"])
+    for key, value in sizes.items():
+        check(value >= 1, key, "must be a positive integer")
+    eps = hf.get("rms_norm_eps", 1e-6)
+    check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1, "rms_norm_eps",
+          "must be a number in (0, 1)")
+    check(rope_theta > 0 and rope_theta != float("inf"), "rope_theta", "must be a positive number")
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     cfg = DrafterConfig(
-        hidden_size=hidden, vocab_size=int(need("vocab_size", hf.get("vocab_size"))), num_layers=layers,
-        block_size=int(need("block_size", hf.get("block_size", dflash.get("block_size")))),
-        target_layer_ids=tuple(int(i) for i in layer_ids),
-        mask_token_id=int(need("dflash_config.mask_token_id", dflash.get("mask_token_id", hf.get("mask_token_id")))),
-        num_heads=heads, head_dim=int(hf.get("head_dim") or hidden // heads),
-        intermediate_size=int(need("intermediate_size", hf.get("intermediate_size"))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads))
+        hidden_size=hidden, vocab_size=sizes["vocab_size"], num_layers=layers, block_size=sizes["block_size"],
+        target_layer_ids=tuple(integer("target_layer_ids", i) for i in layer_ids),
+        mask_token_id=integer("dflash_config.mask_token_id", need(
+            "dflash_config.mask_token_id", dflash.get("mask_token_id", hf.get("mask_token_id")))),
+        num_heads=heads, head_dim=sizes["head_dim"], intermediate_size=sizes["intermediate_size"],
+        rms_norm_eps=float(eps), rope_theta=rope_theta, num_kv_heads=sizes["num_key_value_heads"])
     cfg.check_fits(target)
     _refuse_last_layer(cfg, target, where)
     return cfg
@@ -127,20 +177,11 @@ def load_dflash_drafter(directory: str, target: ModelConfig, place: Place | None
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Drafter(cfg, target, nnx.Rngs(0))), nnx.Param)
     wanted = {path: (tuple(v.shape), np.dtype(v.dtype)) for path, v in nnx.to_flat_state(state)}
     with _TensorFiles(directory) as files:
-        prefix = MODEL_PREFIX if any(n.startswith(MODEL_PREFIX + "layers.") for n in files.names) else ""
-        missing = [prefix + name for name in _tensor_names(cfg) if prefix + name not in files.names]
-        if missing:
-            raise ValueError(f"DFlash drafter {directory} lacks tensors its config.json needs: {', '.join(missing[:8])}"
-                             + (f", ... ({len(missing)} in all)" if len(missing) > 8 else ""))
+        prefix = _check_tensor_shapes(files, cfg, {path: shape for path, (shape, _) in wanted.items()})
         params: dict = {}
         for path, name in _param_names(cfg):
             shape, dtype = wanted[path]
-            tensor = files.read(prefix + name)
-            expected = _hf_shape(path, shape)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"tensor {prefix + name!r} in {files.file_of[prefix + name]} has shape "
-                                 f"{tuple(tensor.shape)}, expected {expected} for this config.json")
-            _nest(params, path, place(path, _to_ours(path, tensor, shape).astype(dtype)))
+            _nest(params, path, place(path, _to_ours(path, files.read(prefix + name), shape).astype(dtype)))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 
@@ -152,7 +193,7 @@ def export_dflash_drafter(drafter: Drafter, target: ModelConfig, directory: str,
     weights ("bfloat16" | "float32"; default the drafter's). Returns the absolute directory.
     """
     cfg = drafter.cfg
-    _refuse_last_layer(cfg, target, "the drafter")
+    check_exportable(cfg, target)
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     params = {path: np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
@@ -160,7 +201,7 @@ def export_dflash_drafter(drafter: Drafter, target: ModelConfig, directory: str,
     store = jnp.bfloat16 if dtype == "bfloat16" else np.float32
     tensors = {name: np.ascontiguousarray(np.asarray(_to_hf(path, params[path]).astype(store)))
                for path, name in _param_names(cfg)}
-    save_file(tensors, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(directory, WEIGHTS_FILE))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(dflash_config_dict(cfg, target, dtype), f, indent=2)
     return directory
@@ -251,9 +292,17 @@ def _rope(hf: dict) -> tuple[float, str | None]:
     """(rope_theta, rope type or None) from rope_theta + rope_scaling or transformers 5's rope_parameters."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"field 'rope_theta' = {theta!r} must be a number")
+    theta = float(theta)
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", params.get("type"))
     return theta, kind
+
+
+def check_exportable(cfg: DrafterConfig, target: ModelConfig) -> None:
+    """A drafter of ours can be written in the published format: it does not read the target's last layer."""
+    _refuse_last_layer(cfg, target, "the drafter")
 
 
 def _refuse_last_layer(cfg: DrafterConfig, target: ModelConfig, where: str) -> None:
@@ -265,10 +314,4 @@ def _refuse_last_layer(cfg: DrafterConfig, target: ModelConfig, where: str) -> N
 
 
 def _read_json(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from None
+    return read_json(path, "a model config") if os.path.exists(path) else None

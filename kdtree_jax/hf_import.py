@@ -110,16 +110,32 @@ def hf_tensor_names(cfg: ModelConfig, prefix: str = "") -> list[str]:
     return [name for s in param_sources(cfg, prefix) for name in s.tensor_names()]
 
 
+def read_json(path: str, what: str = "a JSON object") -> dict:
+    """The JSON object in file `path`; ValueError naming the file when it is empty, not JSON or not an object."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({'empty file' if not text.strip() else e}); "
+                         f"re-download the checkpoint") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not {what}; re-download the checkpoint")
+    return value
+
+
 def read_hf_config(directory: str) -> ModelConfig:
     """The ModelConfig of `directory/config.json`."""
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist; pass cfg= to load a checkpoint without a config.json")
-    with open(path) as f:
-        try:
-            return from_hf_config(legacy_rope_fields(json.load(f)), name=os.path.basename(os.path.normpath(directory)))
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+    hf = read_json(path, "a model config")
+    try:
+        return from_hf_config(legacy_rope_fields(hf), name=os.path.basename(os.path.normpath(directory)))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    except (TypeError, AttributeError, KeyError) as e:  # a field of a JSON type no check above foresaw
+        raise ValueError(f"{path}: a field has a JSON type the config does not allow ({e})") from None
 
 
 def text_config_fields(directory: str) -> dict:
@@ -128,9 +144,9 @@ def text_config_fields(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        hf = json.load(f)
-    return hf.get("text_config", hf)
+    hf = read_json(path, "a model config")
+    text = hf.get("text_config", hf)
+    return text if isinstance(text, dict) else {}
 
 
 def legacy_rope_fields(hf: dict) -> dict:
@@ -144,6 +160,8 @@ def legacy_rope_fields(hf: dict) -> dict:
     params = hf.get("rope_parameters")
     if not params or hf.get("rope_scaling"):
         return hf
+    if not isinstance(params, dict):
+        raise ValueError(f"config field 'rope_parameters' = {params!r} must be a JSON object")
     if params.get("truncate", True) is not True:
         raise ValueError(f"config field 'rope_parameters.truncate' = {params['truncate']!r} is not supported; "
                          f"the YaRN correction range is always rounded outward (truncate = true)")
@@ -174,11 +192,8 @@ def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype:
     cfg = cfg or read_hf_config(directory)
     place = place or (lambda path, x: jnp.asarray(x))
     with _TensorFiles(directory) as files:
-        prefix = NESTED_PREFIX if any(n.startswith(NESTED_PREFIX + "model.") for n in files.names) else ""
-        sources = param_sources(cfg, prefix)
-        _check_present(files, sources)
-        _check_unused(files, sources, cfg, prefix, mtp_layers=text.get("num_nextn_predict_layers") or 0)
-        cfg = cfg.replace(dtype=told_dtype or _checkpoint_dtype(files, sources[0].hf[0], text))
+        prefix, sources, found_dtype = _check_headers(files, cfg, text)
+        cfg = cfg.replace(dtype=told_dtype or found_dtype)
         resident = keep_int4 and cfg.expert_quant == "int4"
         model_cfg = cfg if resident else cfg.replace(expert_quant="bf16")
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))), nnx.Param)
@@ -198,6 +213,58 @@ def load_hf_checkpoint(directory: str, cfg: ModelConfig | None = None, *, dtype:
             _nest(params, s.path, place(s.path, _read_param(files, s, shape, dt, cfg.quant_group_size)))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def check_hf_checkpoint(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
+    """Everything load_hf_checkpoint checks before it reads a tensor, from config.json and the safetensors headers
+    alone: every tensor the config needs is there with its shape, none of the text model's is left over, the dtype
+    agrees with config.json. Returns the config (cfg, or config.json's)."""
+    directory = os.path.abspath(directory)
+    cfg = cfg or read_hf_config(directory)
+    with _TensorFiles(directory) as files:
+        _check_headers(files, cfg, text_config_fields(directory))
+    return cfg
+
+
+def _check_headers(files: "_TensorFiles", cfg: ModelConfig, text: dict) -> tuple[str, list[Source], str]:
+    """(name prefix, sources, the checkpoint's dtype) after the header checks of check_hf_checkpoint."""
+    prefix = NESTED_PREFIX if any(n.startswith(NESTED_PREFIX + "model.") for n in files.names) else ""
+    sources = param_sources(cfg, prefix)
+    _check_present(files, sources)
+    _check_unused(files, sources, cfg, prefix, mtp_layers=text.get("num_nextn_predict_layers") or 0)
+    found_dtype = _checkpoint_dtype(files, sources[0].hf[0], text)
+    _check_shapes(files, sources, cfg)
+    return prefix, sources, found_dtype
+
+
+def _check_shapes(files: "_TensorFiles", sources: list[Source], cfg: ModelConfig) -> None:
+    """Every tensor's shape as its file's header gives it, against the shape the config implies."""
+    plain = cfg.replace(expert_quant="bf16")
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(plain, nnx.Rngs(0))), nnx.Param)
+    ours = {path: tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+    for s in sources:
+        shape = _hf_shape(s, ours[s.path][1:] if s.stacked else ours[s.path])
+        for name in s.hf:
+            if s.int4:
+                out_dim, in_dim = shape
+                want = {name + "_packed": (out_dim, in_dim // int4_layout.NIBBLES_PER_WORD),
+                        name + "_scale": (out_dim, in_dim // cfg.quant_group_size), name + "_shape": (2,)}
+            else:
+                want = {name: shape}
+            for tensor, expected in want.items():
+                found = files.shape(tensor)
+                if found != expected:
+                    raise ValueError(f"tensor {tensor!r} in {files.file_of[tensor]} has shape {found}, expected "
+                                     f"{expected} for this config; the checkpoint and config.json disagree")
+
+
+def save_safetensors(tensors: dict, path: str) -> None:
+    """safetensors.numpy.save_file, the file then readable as any file this process writes (0666 less the umask;
+    the library creates it readable by the owner only)."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def export_hf_checkpoint(model: Transformer, directory: str, int4: bool = False, prefix: str = "",
@@ -228,7 +295,7 @@ def export_hf_checkpoint(model: Transformer, directory: str, int4: bool = False,
     weight_map = {}
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+        save_safetensors(shard, os.path.join(directory, file))
         weight_map.update({name: file for name in shard})
     if len(shards) > 1:
         with open(os.path.join(directory, INDEX_FILE), "w") as f:
@@ -292,11 +359,14 @@ class _TensorFiles(contextlib.AbstractContextManager):
         """tensor name -> file name, from the index when there is one, else from every *.safetensors header."""
         index = os.path.join(self.directory, INDEX_FILE)
         if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    return dict(json.load(f)["weight_map"])
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"{index} is not a safetensors index with a weight_map: {e}") from None
+            weight_map = read_json(index, "a safetensors index").get("weight_map")
+            if not (isinstance(weight_map, dict) and weight_map
+                    and all(isinstance(v, str) and os.path.basename(v) == v for v in weight_map.values())):
+                raise ValueError(f"{index} has no weight_map of tensor name -> file name in this directory; "
+                                 f"re-download the checkpoint")
+            for file in sorted(set(weight_map.values())):
+                self._handle(file)  # every shard named is there with a readable header
+            return dict(weight_map)
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(self.directory, "*.safetensors")))
         if not files:
             raise ValueError(f"no *.safetensors files and no {INDEX_FILE} in {self.directory}")
@@ -309,9 +379,19 @@ class _TensorFiles(contextlib.AbstractContextManager):
             raise ValueError(f"tensor {name!r} is not in {os.path.join(self.directory, file)} although {INDEX_FILE} "
                              f"says so; the index and the shards disagree (re-download the checkpoint)")
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"cannot read tensor {name!r} from {os.path.join(self.directory, file)}: {e}") from None
+        check_finite(tensor, f"tensor {name!r} in {os.path.join(self.directory, file)}")
+        return tensor
+
+    def shape(self, name: str) -> tuple:
+        """The shape of tensor `name` from its file's header (no data read)."""
+        handle = self._handle(self.file_of[name])
+        if name not in handle.keys():
+            raise ValueError(f"tensor {name!r} is not in {os.path.join(self.directory, self.file_of[name])} although "
+                             f"{INDEX_FILE} says so; the index and the shards disagree (re-download the checkpoint)")
+        return tuple(handle.get_slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The safetensors dtype code of tensor `name` ("BF16", "F32", ...), from the file's header."""
@@ -330,6 +410,19 @@ class _TensorFiles(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc):
         self._stack.close()
+
+
+def check_finite(x: np.ndarray, what: str) -> None:
+    """Refuse a floating-point array holding NaN or +-inf, naming `what` and where the first one is."""
+    if not np.issubdtype(x.dtype, np.floating) and x.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return
+    finite = np.isfinite(x)
+    if finite.all():
+        return
+    bad = np.argwhere(~finite)
+    index = tuple(int(i) for i in bad[0])
+    raise ValueError(f"{what} holds {len(bad)} non-finite value(s) ({x[index]} at {list(index)}); the checkpoint is "
+                     f"corrupt: re-download or re-export it")
 
 
 def _check_present(files: _TensorFiles, sources: list[Source]) -> None:

@@ -1,5 +1,10 @@
 """What a script's --init / --drafter value names, and the model it loads, placed on the mesh.
 
+Reading one happens in two steps, so that a script can check every input before any weight is read: the *_config
+functions read configs only (HF config.json, a DFlash config.json, the meta JSON of a checkpoint of ours) and check
+how the target, the drafter, the generation config and the tokenizer agree; `check_tensors` reads the safetensors
+headers (every tensor there with its shape; no data); the load_* functions then read the weights.
+
 A value is one of:
   random   a randomly initialised model (the target at a preset; the drafter the tiny config for that target)
   orbax    a checkpoint of ours (kdtree_jax.checkpoint: numbered step directories)
@@ -12,7 +17,6 @@ whole (the Decoder replicates it). A directory that is none of these raises Valu
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from flax import nnx
@@ -45,6 +49,92 @@ def checkpoint_kind(value: str) -> str:
     return DFLASH if dflash_format.is_dflash_dir(value) else HF
 
 
+# ----------------------------------------------------------------------------------------------- configs only
+
+def target_config(value: str, *, preset: str = "tiny", dtype: str | None = None) -> config_lib.ModelConfig:
+    """The ModelConfig of the target named by `value` without reading a tensor (random: the preset); dtype: the one
+    it will run in (default: the preset's, a checkpoint of ours' own; an HF directory's is read from its tensors)."""
+    kind = checkpoint_kind(value)
+    if kind == RANDOM:
+        cfg = config_lib.preset(preset)
+    elif kind == ORBAX:
+        from kdtree_jax.checkpoint import read_meta, read_target_config
+        _expect_orbax_kind(read_meta(value), "target", value)
+        cfg = read_target_config(value)
+    elif kind == HF:
+        from kdtree_jax.hf_import import read_hf_config
+        cfg = read_hf_config(value)
+    else:
+        raise ValueError(f"{value} holds a DFlash drafter, not a target model; pass it as --drafter")
+    return cfg.replace(dtype=dtype) if dtype else cfg
+
+
+def drafter_config(value: str, target: config_lib.ModelConfig, *,
+                   block_size: int | None = None) -> config_lib.DrafterConfig:
+    """The DrafterConfig of the drafter named by `value`, checked to fit `target` (vocabulary, hidden size,
+    target_layer_ids), without reading a tensor. random: the tiny drafter config with `block_size` (default
+    RANDOM_BLOCK_SIZE); a checkpointed drafter has its own block size, and a `block_size` that differs is refused."""
+    kind = checkpoint_kind(value)
+    if kind == RANDOM:
+        return config_lib.tiny_drafter(target, RANDOM_BLOCK_SIZE if block_size is None else block_size)
+    if kind == ORBAX:
+        from kdtree_jax.checkpoint import read_drafter_config, read_meta
+        _expect_orbax_kind(read_meta(value), "drafter", value)
+        cfg = read_drafter_config(value)
+        cfg.check_fits(target)
+    elif kind == DFLASH:
+        cfg = dflash_format.read_dflash_config(value, target)
+    else:
+        raise ValueError(f"{value} holds a target model (its config.json does not name DFlashDraftModel), not a "
+                         f"drafter; pass a DFlash drafter directory or a drafter checkpoint of ours as --drafter")
+    if block_size is not None and block_size != cfg.block_size:
+        raise ValueError(f"--block_size={block_size} differs from the block size {cfg.block_size} the drafter "
+                         f"{value} was trained with; drop --block_size (a checkpointed drafter uses its own)")
+    return cfg
+
+
+def check_tensors(value: str, target: config_lib.ModelConfig, drafter: config_lib.DrafterConfig | None = None) -> None:
+    """The safetensors headers of an HF target (drafter None) or DFlash drafter directory agree with its config:
+    every tensor there with its shape, dtype as config.json says (no tensor data read). Checkpoints of ours are
+    checked the same way by their restore, before any array is read; random models have nothing to check."""
+    kind = checkpoint_kind(value)
+    if kind == HF and drafter is None:
+        from kdtree_jax.hf_import import check_hf_checkpoint
+        check_hf_checkpoint(value, target)
+    elif kind == DFLASH and drafter is not None:
+        dflash_format.check_dflash_tensors(value, drafter, target)
+
+
+def check_mesh(cfg: config_lib.ModelConfig, mesh) -> None:
+    """Every param of a `cfg` target splits evenly over `mesh` (sharding.param_spec), from the abstract model."""
+    if mesh is None:
+        return
+    _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    for path, leaf in nnx.to_flat_state(state):
+        sharding.param_spec(path, leaf.shape, dict(mesh.shape))
+
+
+def check_tokenizer(tokenizer, source: str, target: config_lib.ModelConfig, eos_ids: list[int]) -> None:
+    """The tokenizer belongs to the model: its ids lie in the model's vocabulary, and the token it ends a text with
+    is one the model stops at (`eos_ids`, from eos_token_ids)."""
+    if tokenizer.vocab_size > target.vocab_size:
+        raise ValueError(f"the tokenizer {source} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                         f"{target.vocab_size}: it is another model's tokenizer; pass --tokenizer with this model's")
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and eos_ids and eos not in eos_ids:
+        raise ValueError(f"the tokenizer {source} ends texts with token {eos} but the model stops at {eos_ids} "
+                         f"(config.json / {GENERATION_CONFIG}): it is another model's tokenizer; pass --tokenizer "
+                         f"with this model's")
+
+
+def _expect_orbax_kind(meta: dict, kind: str, value: str) -> None:
+    if meta["kind"] != kind:
+        raise ValueError(f"{value} is a {meta['kind']} checkpoint, not a {kind}; pass it as "
+                         f"{'--drafter' if meta['kind'] == 'drafter' else 'the target'}")
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
 def load_target(value: str, *, preset: str = "tiny", seed: int = 0, dtype: str | None = None,
                 mesh=None) -> Transformer:
     """The target named by `value`; dtype: run it in this dtype (default: random -> the preset's, orbax -> the
@@ -64,49 +154,44 @@ def load_target(value: str, *, preset: str = "tiny", seed: int = 0, dtype: str |
     raise ValueError(f"{value} holds a DFlash drafter, not a target model; pass it as --drafter")
 
 
-def target_config(value: str) -> config_lib.ModelConfig:
-    """The ModelConfig of a target checkpoint (orbax or HF) without reading its weights."""
-    kind = checkpoint_kind(value)
-    if kind == ORBAX:
-        from kdtree_jax.checkpoint import read_target_config
-        return read_target_config(value)
-    if kind == HF:
-        from kdtree_jax.hf_import import read_hf_config
-        return read_hf_config(value)
-    raise ValueError(f"{value!r} is not a target checkpoint (an orbax checkpoint of ours or an HF model directory)")
-
-
 def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int | None = None, seed: int = 0,
                  mesh=None) -> Drafter:
-    """The drafter named by `value` for `target` (random: the tiny drafter config with `block_size`, default
-    RANDOM_BLOCK_SIZE). A checkpointed drafter has its own block size: a `block_size` that differs is refused.
+    """The drafter named by `value` for `target` (its config checked first: drafter_config).
 
     mesh: a checkpoint of ours is restored replicated over it, so that with several processes every process holds
     its devices' copies (restored onto one device, a process could not address it)."""
+    cfg = drafter_config(value, target, block_size=block_size)
     kind = checkpoint_kind(value)
     if kind == RANDOM:
-        return Drafter(config_lib.tiny_drafter(target, block_size or RANDOM_BLOCK_SIZE), target, nnx.Rngs(seed))
+        return Drafter(cfg, target, nnx.Rngs(seed))
     if kind == ORBAX:
         from kdtree_jax.checkpoint import restore_drafter
-        drafter = restore_drafter(value, target,
-                                  shardings=(lambda *_: sharding.replicated(mesh)) if mesh is not None else None)
-    elif kind == DFLASH:
-        drafter = dflash_format.load_dflash_drafter(value, target)
-    else:
-        raise ValueError(f"{value} holds a target model (its config.json does not name DFlashDraftModel), not a "
-                         f"drafter; pass a DFlash drafter directory or a drafter checkpoint of ours as --drafter")
-    if block_size is not None and block_size != drafter.cfg.block_size:
-        raise ValueError(f"--block_size={block_size} differs from the block size {drafter.cfg.block_size} the drafter "
-                         f"{value} was trained with; drop --block_size (a checkpointed drafter uses its own)")
-    return drafter
+        return restore_drafter(value, target,
+                               shardings=(lambda *_: sharding.replicated(mesh)) if mesh is not None else None)
+    return dflash_format.load_dflash_drafter(value, target)
+
+
+def eos_token_ids(value: str, target: config_lib.ModelConfig) -> list[int]:
+    """Every EOS id the model names: generation_config.json's eos_token_id (an id or a list) in an HF directory, then
+    config.json's (target.eos_token_id). ValueError naming the file for one that is not a token id of the model."""
+    ids = [] if target.eos_token_id is None else [target.eos_token_id]
+    path = os.path.join(value, GENERATION_CONFIG)
+    if value == RANDOM or not os.path.isfile(path):
+        return ids
+    from kdtree_jax.hf_import import read_json
+    eos = read_json(path, "a generation config").get("eos_token_id")
+    if eos is None:
+        return ids
+    listed = eos if isinstance(eos, list) else [eos]
+    if not listed or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < target.vocab_size
+                             for i in listed):
+        raise ValueError(f"{path}: eos_token_id = {eos!r} must be a token id (or a non-empty list of them) in "
+                         f"[0, {target.vocab_size}), the model's vocabulary; fix it or delete the field")
+    return listed + [i for i in ids if i not in listed]
 
 
 def eos_token_id(value: str, target: config_lib.ModelConfig) -> int | None:
     """The EOS the model stops at: generation_config.json's eos_token_id (the first of a list) in an HF directory,
     else config.json's (target.eos_token_id)."""
-    path = os.path.join(value, GENERATION_CONFIG)
-    if value == RANDOM or not os.path.isfile(path):
-        return target.eos_token_id
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id", target.eos_token_id)
-    return eos[0] if isinstance(eos, list) else eos
+    ids = eos_token_ids(value, target)
+    return ids[0] if ids else None

@@ -20,6 +20,7 @@ import os
 from typing import Iterable, Protocol
 
 TIKTOKEN_FILE = "tiktoken.model"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TOKENIZERS_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -44,6 +45,7 @@ class TextTokenizer(Protocol):
     """What the scripts use of a tokenizer (kdtree_jax.data.Tokenizer and the classes here)."""
 
     vocab_size: int
+    eos_id: int | None  # the token the tokenizer ends a text with (None: it names none)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -73,15 +75,40 @@ def load_tokenizer(path: str) -> TextTokenizer:
 
 
 def read_tokenizer_config(directory: str) -> dict:
-    """tokenizer_config.json of `directory` ({} when there is none)."""
+    """tokenizer_config.json of `directory` ({} when there is none); ValueError naming the file and field for one
+    that is not JSON, or whose fields read here have the wrong JSON type."""
     path = os.path.join(directory, TOKENIZER_CONFIG)
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from None
+        text = f.read()
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({'empty file' if not text.strip() else e}); re-download the "
+                         f"checkpoint") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; re-download the checkpoint")
+    added = config.get("added_tokens_decoder") or {}
+    if not (isinstance(added, dict) and all(str(i).isdigit() and isinstance(e, dict)
+                                            and isinstance(e.get("content"), str) for i, e in added.items())):
+        raise ValueError(f"{path}: field 'added_tokens_decoder' must map token ids to {{\"content\": ...}} objects")
+    for key in SPECIAL_TOKEN_KEYS:
+        token = config.get(key)
+        if not (token is None or isinstance(token, str) or (isinstance(token, dict)
+                                                            and isinstance(token.get("content"), str))):
+            raise ValueError(f"{path}: field {key!r} = {token!r} must be a string or an {{\"content\": ...}} object")
+    template = config.get("chat_template")
+    if not (template is None or isinstance(template, str) or (isinstance(template, list) and all(
+            isinstance(t, dict) for t in template))):
+        raise ValueError(f"{path}: field 'chat_template' must be a string or a list of {{\"name\", \"template\"}}")
+    return config
+
+
+def special_token_text(config: dict, key: str) -> str | None:
+    """The text of special token `key` ("eos_token", ...) of a tokenizer_config.json dict, or None."""
+    token = config.get(key)
+    return None if token is None else _token_text(token)
 
 
 class TiktokenTokenizer:
@@ -96,6 +123,8 @@ class TiktokenTokenizer:
             ranks = load_tiktoken_bpe(path)
         except (ValueError, IndexError) as e:
             raise ValueError(f"{path} is not a tiktoken BPE file ('base64 rank' lines): {e}") from None
+        if not ranks:
+            raise ValueError(f"{path} holds no 'base64 rank' lines: not a tiktoken BPE file (re-download it)")
         self.config = read_tokenizer_config(directory)
         named = {int(i): entry["content"] for i, entry in (self.config.get("added_tokens_decoder") or {}).items()}
         base = len(ranks)
@@ -104,6 +133,8 @@ class TiktokenTokenizer:
                                            mergeable_ranks=ranks, special_tokens=specials)
         self.special_tokens = specials
         self.vocab_size = self._encoding.n_vocab
+        eos = special_token_text(self.config, "eos_token")
+        self.eos_id = specials.get(eos) if eos is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids; special-token strings become their ids; nothing is added (`add_special_tokens` has no
@@ -131,6 +162,8 @@ class HFTokenizer:
             raise ValueError(f"{path} is not a tokenizers JSON file ({e})") from None
         self.config = read_tokenizer_config(directory)
         self.vocab_size = self._backend.get_vocab_size()
+        eos = special_token_text(self.config, "eos_token")
+        self.eos_id = self._backend.token_to_id(eos) if eos is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids, with the tokenizer's post-processor (e.g. BOS) unless add_special_tokens=False."""
@@ -155,7 +188,7 @@ def chat_template(directory: str) -> str:
     template = read_tokenizer_config(directory).get("chat_template")
     if isinstance(template, list):
         template = {t.get("name"): t.get("template") for t in template}.get("default")
-    if not template:
+    if not template or not isinstance(template, str):
         raise ValueError(f"{directory} has no chat template: neither {CHAT_TEMPLATE_FILE} nor a 'chat_template' field "
                          f"in {TOKENIZER_CONFIG}; drop --chat to encode the prompt as plain text")
     return template
@@ -176,15 +209,23 @@ def render_chat(template: str, messages: list[dict], tokenizer_config: dict, add
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    specials = {key: _token_text(tokenizer_config.get(key))
-                for key in ("bos_token", "eos_token", "unk_token", "pad_token") if tokenizer_config.get(key)}
+    specials = {key: _token_text(tokenizer_config.get(key)) for key in SPECIAL_TOKEN_KEYS if tokenizer_config.get(key)}
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                             **specials)
 
 
 def encode_chat(tokenizer, directory: str, user_prompt: str) -> list[int]:
-    """One user turn under the directory's chat template, with the generation prompt, as token ids."""
-    text = render_chat(chat_template(directory), [{"role": "user", "content": user_prompt}], tokenizer.config)
+    """One user turn under the directory's chat template, with the generation prompt, as token ids. A template that
+    does not render (a syntax error, an undefined name, its own raise_exception) is a ValueError naming it."""
+    from jinja2 import exceptions
+
+    try:
+        text = render_chat(chat_template(directory), [{"role": "user", "content": user_prompt}], tokenizer.config)
+    except (exceptions.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
+        where = (os.path.join(directory, CHAT_TEMPLATE_FILE) if os.path.isfile(os.path.join(directory,
+                 CHAT_TEMPLATE_FILE)) else f"the chat_template of {os.path.join(directory, TOKENIZER_CONFIG)}")
+        raise ValueError(f"{where} does not render a user turn ({type(e).__name__}: {e}); fix the template, or drop "
+                         f"--chat to encode the prompt as plain text") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -55,4 +55,4 @@ def test_debug_keeps_the_traceback():
     """--temperature=nan used to run and print NaN in the JSON; refused, here with the traceback kept."""
     proc = generate("--prompt=1,2,3", "--temperature=nan", "--json", "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "{" not in proc.stdout
-    assert "ValueError: temperature=nan must be a finite number >= 0" in proc.stderr
+    assert "ValueError: --temperature=nan: must be a finite number >= 0" in proc.stderr
