@@ -54,6 +54,8 @@ flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate per stream")
 flags.DEFINE_enum("policy", "ar", ["ar", "chain", "ddtree"], "decoding policy")
 flags.DEFINE_string("budget", "auto", "ddtree: non-root tree nodes B, or 'auto': chosen each round among "
                     "--auto_budgets by this device's measured step costs and the drafter's expected acceptance")
+flags.register_validator("budget", lambda v: v.strip().lower() == "auto" or v.strip().isdigit(),
+                         "must be 'auto' or an integer number of tree nodes B >= 0")
 flags.DEFINE_list("auto_budgets", [str(b) for b in budget_lib.DEFAULT_CANDIDATES], "--budget=auto: the budgets "
                   "compiled, 0 = an AR round (no draft)")
 flags.DEFINE_string("cost_table", "", "--budget=auto: a JSON table of step costs; the entry for this device, model "

@@ -86,23 +86,22 @@ class StepCosts:
 
     candidates: (B, ...) as in DecodeSpec.auto_budgets; seconds[i]: a round verifying candidates[i] + 1 nodes per
     stream (candidates[i] = 0: an AR round), draft, build, accept, commit and the loop's bookkeeping included; key:
-    what the costs were measured for (`cost_key`); how: 'calibrated' (timed just now) or the table file read."""
+    what the costs were measured for (`cost_key`); how: 'calibrated' (timed just now) or the table file read;
+    prefill_s: the loop's prefill (a call of 0 rounds), measured beside them."""
     candidates: tuple[int, ...]
     seconds: tuple[float, ...]
     key: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
     how: str = "calibrated"
+    prefill_s: float = 0.0
 
     def __post_init__(self):
         if len(self.seconds) != len(self.candidates):
             raise ValueError(f"step costs: {len(self.seconds)} times for the {len(self.candidates)} candidate budgets "
                              f"{self.candidates}")
 
-    def as_array(self) -> jax.Array:
-        """[C] float32 seconds, the loop's `step_costs`."""
-        return jnp.asarray(self.seconds, jnp.float32)
-
     def as_dict(self) -> dict:
-        return {"candidates": list(self.candidates), "seconds": list(self.seconds), "key": self.key, "how": self.how}
+        return {"candidates": list(self.candidates), "seconds": list(self.seconds), "key": self.key, "how": self.how,
+                "prefill_s": self.prefill_s}
 
 
 def forced_costs(candidates, index: int) -> np.ndarray:
@@ -129,7 +128,8 @@ def load_costs(path: str, key: dict) -> StepCosts | None:
         entries = json.load(f)
     for e in entries:
         if e["key"] == key:
-            return StepCosts(tuple(e["candidates"]), tuple(e["seconds"]), e["key"], how=path)
+            return StepCosts(tuple(e["candidates"]), tuple(e["seconds"]), e["key"], how=path,
+                             prefill_s=e.get("prefill_s", 0.0))
     return None
 
 
@@ -164,7 +164,7 @@ def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | 
     for i in range(len(candidates)):
         total, done = fastest(forced_costs(candidates, i), rounds)
         seconds.append(max(total - prefill_s, 1e-9) / max(done, 1))
-    return StepCosts(tuple(candidates), tuple(seconds), key or {})
+    return StepCosts(tuple(candidates), tuple(seconds), key or {}, prefill_s=prefill_s)
 
 
 # ------------------------------------------------------------------------------------------------------ on device

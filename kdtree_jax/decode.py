@@ -351,16 +351,18 @@ def pick_tokens(logits, temperature: float, keys, depth=None, levels: int = 0):
     """logits [S, T, V], keys [S] -> [S, T] int32 tokens: argmax at temperature 0, else one sample per position with
     the stream's own key, by the Gumbel-max trick: argmax(logits + T * g), g standard Gumbel noise [V].
 
-    depth [S, T] (tree positions, each < `levels`, static): positions at the same depth share their noise, so the
-    noise drawn is [S, levels, V] instead of [S, T, V]. Exact for the accept walk: it visits one node per depth, and
+    depth [S, T] (tree positions, each < `levels`, static; a node's depth is at most its index): positions at the
+    same depth share their noise, so the noise drawn is [S, min(levels, T), V] instead of [S, T, V] (fewer random
+    bits where the tree has more nodes than depths). Exact for the accept walk: it visits one node per depth, and
     the node it visits at depth d is fixed by the samples at depths < d, so each sample it uses is independent of
     every sample before it, as with noise per node. None: every position its own noise."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     s, t, v = logits.shape
-    rows = t if depth is None else levels
+    shared = depth is not None and levels < t
+    rows = levels if shared else t
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (rows, v), jnp.float32))(keys)  # [S, rows, V]
-    if depth is not None:
+    if shared:
         noise = jax.vmap(lambda n, d: n[d])(noise, depth)  # [S, T, V]
     return jnp.argmax(logits.astype(jnp.float32) + temperature * noise, axis=-1).astype(jnp.int32)
 
@@ -420,18 +422,23 @@ def draft_tree(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: Loop
 
 def verify_and_commit(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
                       tree: tree_lib.TreeArrays, keys):
-    """Verify the tree (one target forward over its B+1 nodes), walk it along the target's tokens (argmax, or
-    samples with keys [S]), compact the accepted KV and extend the drafter context with the root and the accepted
-    nodes (min(B, D) + 1 rows: an AR round writes one) -> (cache, dcache, verdict with its path padded to D+1)."""
+    """Verify the tree (one target forward over its B+1 nodes), walk it (`walk_tree`), compact the accepted KV and
+    extend the drafter context with the root and the accepted nodes (min(B, D) + 1 rows: an AR round writes one)
+    -> (cache, dcache, verdict with its path padded to D+1)."""
     length = st.cache.length
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
-    picked = pick_tokens(fwd.logits, spec.temperature, keys, tree.depth, spec.depth + 1)
-    steps = min(tree.tokens.shape[1] - 1, spec.depth)  # a walk takes at most one step per non-root node
-    verdict = ops.tree_accept(tree, picked, steps)
+    verdict = walk_tree(spec, tree, fwd.logits, keys)
     cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, ~st.done)
-    path = jnp.pad(verdict.path, ((0, 0), (0, spec.depth - steps)), constant_values=-1)  # [S, D+1]
+    path = jnp.pad(verdict.path, ((0, 0), (0, spec.depth + 1 - verdict.path.shape[1])), constant_values=-1)
     return cache, dcache, verdict._replace(path=path)
+
+
+def walk_tree(spec: DecodeSpec, tree: tree_lib.TreeArrays, logits, keys) -> tree_lib.AcceptResult:
+    """The accept walk along the target's tokens at the nodes (logits [S, B+1, V]: argmax, or samples with keys [S]),
+    for at most min(B, D) steps (a walk takes one step per non-root node at most): path [S, min(B, D) + 1]."""
+    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)
+    return ops.tree_accept(tree, picked, min(tree.tokens.shape[1] - 1, spec.depth))
 
 
 def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
