@@ -147,8 +147,10 @@ def plot(rows, path: str, meta: dict) -> None:
                 ax_speed.axhline(r["speedup"], ls=":", color=color)
                 ax_auto.step(range(len(r["budget_rounds"])), r["budget_rounds"], where="post", color=color,
                              label=f"{label}: {r['speedup']:.2f}x")
+    fixed = any(r["policy"] == "ddtree" and r["budget"] != "auto" for r in rows)
     for ax, name in ((ax_tau, "tau (tokens per round)"), (ax_speed, "speedup over ar")):
-        ax.set_xscale("log", base=2)
+        if fixed:  # a log axis needs points
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("budget B (dashed: chain, dotted: auto)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)

@@ -22,7 +22,8 @@ AR rounds skip the draft, so whether to draft is decided before the round from w
 every drafted round, a forecast of E_B (mean over active streams, a running average: FORECAST_WEIGHT) gives the
 best speculative rate max_B (F_B + 1) / c_B, compared with an AR round's 1 / c_0; when AR wins, the loop runs AR
 rounds and drafts again (a probe, the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap
-doubling up to PROBE_MAX_GAP while AR keeps winning. Once drafted, the round picks among the budgets > 0 only: the
+doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
+cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). Once drafted, the round picks among the budgets > 0 only: the
 draft is paid for, and the root alone would save only a few verify rows. The choice is per batch, not per stream:
 the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
 that size every stream accepts the most from all of its B + 1 nodes.
@@ -51,7 +52,8 @@ DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of m
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.5  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
-PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds
+PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
+PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
 
 
 def check_candidates(candidates, check_budget) -> tuple[int, ...]:
@@ -151,19 +153,20 @@ def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | 
     run_loop(step_costs [C] float32, round_limit) -> (seconds, rounds run): one timed call of the compiled loop
     (prefill, then at most round_limit rounds; `Decoder.step_costs`). Each candidate is forced by `forced_costs` for
     `rounds` rounds; a round's cost is (that call - a call of 0 rounds, the prefill) / rounds run, the fastest of
-    `reps` calls each (a shared machine only ever adds time). A first call warms up (the first one compiles). Costs
-    about (C + 1) x (reps + 1) x (prefill + rounds x a round).
+    `reps` calls each (a shared machine only ever adds time; the settings take turns). A first call of each warms
+    up (the first one compiles). Costs about (C + 1) x (reps + 1) x (prefill + rounds x a round).
     """
-    def fastest(costs, limit):
+    settings = [(forced_costs(candidates, 0), 0)] + [(forced_costs(candidates, i), rounds)
+                                                      for i in range(len(candidates))]
+    for costs, limit in settings:
         run_loop(costs, limit)  # warm-up (the first call compiles)
-        runs = [run_loop(costs, limit) for _ in range(reps)]
-        return min(t for t, _ in runs), runs[0][1]
-
-    prefill_s, _ = fastest(forced_costs(candidates, 0), 0)
-    seconds = []
-    for i in range(len(candidates)):
-        total, done = fastest(forced_costs(candidates, i), rounds)
-        seconds.append(max(total - prefill_s, 1e-9) / max(done, 1))
+    times, done = [[] for _ in settings], [0] * len(settings)
+    for _ in range(reps):  # interleaved, so that a busy spell of a shared machine touches every setting alike
+        for j, (costs, limit) in enumerate(settings):
+            t, done[j] = run_loop(costs, limit)
+            times[j].append(t)
+    prefill_s = min(times[0])
+    seconds = [max(min(t) - prefill_s, 1e-9) / max(n, 1) for t, n in zip(times[1:], done[1:])]
     return StepCosts(tuple(candidates), tuple(seconds), key or {}, prefill_s=prefill_s)
 
 
@@ -256,10 +259,20 @@ def plan_after_draft(state: BudgetState, mean_expected, candidates, step_costs) 
     weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
     forecast = (1 - weight) * state.forecast + weight * mean_expected
     draft = _spec_rate(forecast, candidates, step_costs) >= _ar_rate(candidates, step_costs)
-    gap = jnp.where(draft, PROBE_FIRST_GAP, state.probe_gap)
+    floor = probe_gap_floor(candidates, step_costs)
     return state._replace(forecast=forecast, drafted_rounds=n, draft_next=draft,
-                          ar_left=jnp.where(draft, 0, state.probe_gap),
-                          probe_gap=jnp.where(draft, gap, jnp.minimum(2 * state.probe_gap, PROBE_MAX_GAP)))
+                          ar_left=jnp.where(draft, 0, jnp.maximum(state.probe_gap, floor)),
+                          probe_gap=jnp.where(draft, PROBE_FIRST_GAP,
+                                              jnp.minimum(2 * state.probe_gap, jnp.maximum(PROBE_MAX_GAP, floor))))
+
+
+def probe_gap_floor(candidates, step_costs):
+    """int32 []: the fewest AR rounds between probes for which a probe's extra cost (the cheapest drafted round
+    minus an AR round) is at most PROBE_SHARE of their time; 1 without AR rounds."""
+    if candidates[0] != 0:
+        return jnp.int32(1)
+    extra = jnp.min(step_costs[jnp.asarray(spec_indices(candidates))]) / step_costs[0] - 1.0
+    return jnp.clip(jnp.ceil(extra / PROBE_SHARE), 1, 2**20).astype(jnp.int32)
 
 
 def plan_after_ar(state: BudgetState, candidates, step_costs, max_accepted: int) -> BudgetState:

@@ -272,7 +272,8 @@ class Decoder:
     def step_costs(self, spec: DecodeSpec, prompts, cache_len: int | None = None, rounds: int = 6,
                    reps: int = 3) -> budget_lib.StepCosts:
         """The auto loop's step costs for this batch shape: `budget.calibrate` on these prompts with the compiled
-        loop itself (cached per loop and shape; ~ (C + 1) x reps loops of `rounds` rounds)."""
+        loop itself (cached per loop and shape; ~ (C + 1) x (reps + 1) loops of `rounds` rounds). Across processes
+        (jax.distributed), process 0's."""
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
         s, longest = len(prompts), max(len(p) for p in prompts)
@@ -283,8 +284,14 @@ class Decoder:
             def run_rounds(costs, limit):
                 state, seconds = run(self.controls(spec, costs, limit))
                 return seconds, int(state.rounds)
-            self._costs[key] = budget_lib.calibrate(run_rounds, spec.auto_budgets, rounds=rounds, reps=reps,
-                                                    key=self.cost_key(spec, s, cache_len))
+            costs = budget_lib.calibrate(run_rounds, spec.auto_budgets, rounds=rounds, reps=reps,
+                                         key=self.cost_key(spec, s, cache_len))
+            if jax.process_count() > 1:  # every process must choose alike (one SPMD program): process 0's times
+                from jax.experimental import multihost_utils
+                seconds = multihost_utils.broadcast_one_to_all(np.asarray(costs.seconds + (costs.prefill_s,)))
+                costs = dataclasses.replace(costs, seconds=tuple(float(t) for t in seconds[:-1]),
+                                            prefill_s=float(seconds[-1]))
+            self._costs[key] = costs
         return self._costs[key]
 
     @staticmethod

@@ -166,11 +166,14 @@ def test_attention_alone_wall_refuses_a_cpu_and_a_malformed_case():
 
 def test_bench_round_tiny(tmp_path):
     out = tmp_path / "round.json"
-    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8",
-                        "--streams=2", "--prompt_len=8", "--rounds=3", "--reps=2", f"--out={out}")
+    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8,auto",
+                        "--auto_budgets=0,4", "--streams=2", "--prompt_len=8", "--rounds=3", "--reps=2", f"--out={out}")
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "tiny" and result["meta"]["backend"] == "cpu"
-    ar, tree = result["rows"]
+    ar, tree, auto = result["rows"]
+    assert auto["budget"] == "auto" and set(auto["step_costs_us"]) == {"0", "4"}
+    assert all(us > 0 for us in auto["step_costs_us"].values()) and 1 <= auto["rounds"] <= 3
+    assert sum(auto["budget_hist"].values()) == auto["rounds"] == len(auto["budget_rounds"])
     assert (ar["policy"], ar["budget"], tree["policy"], tree["budget"]) == ("ar", 0, "ddtree", 8)
     assert set(ar["stages_us"]) == set(STAGES) - {"draft"} and set(tree["stages_us"]) == set(STAGES)
     assert ar["tau_mean"] == 1.0 and 1.0 <= tree["tau_mean"] <= 16  # ar emits one token a round; L = 16
@@ -188,13 +191,14 @@ def test_bench_round_tiny(tmp_path):
 
 
 def test_bench_decode_small_table(tmp_path):
-    """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present, outputs equal ar's
-    on the CPU, histograms that count the rounds, the plot written; a spent time budget skips every (temperature,
-    batch) group. Sampled decoding is checked by test_sampling and test_decode: a second temperature here would
+    """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present (ddtree with
+    --budget=auto), outputs equal ar's on the CPU, histograms that count the rounds, the plot written; a spent time
+    budget skips every (temperature, batch) group. Sampled decoding is checked by test_sampling and test_decode: a second temperature here would
     double the script's compiles (~130 s of the suite on two cores, experiments/notes/testing.md)."""
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
-    run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=2",
-               "--temperatures=0", "--topk=3", "--rounds_per_check=2", f"--out={out}", f"--plot={png}")
+    run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=auto", "--auto_budgets=0,4",
+               "--batch_sizes=2", "--temperatures=0", "--topk=3", "--rounds_per_check=2", f"--out={out}",
+               f"--plot={png}")
     result = json.loads(out.read_text())
     assert result["meta"]["skipped_groups"] == [] and result["meta"]["topk"] == 3 and png.stat().st_size > 0
     runs = result["runs"]
@@ -211,6 +215,10 @@ def test_bench_decode_small_table(tmp_path):
             assert r["accept_hist"][1:] == [0] * (len(r["accept_hist"]) - 1)  # one token a round
         assert r["identical_to_ar"] is True and r["agree_prefix"] == 1.0
         assert r["speedup"] > 0
+        if r["policy"] == "ddtree":  # its rounds: AR (B = 0) or a prefix of 4 nodes, from step costs it measured
+            assert r["budget"] == "auto" and set(r["budget_hist"]) <= {"0", "4"}
+            assert r["costs"]["candidates"] == [0, 4] and all(c > 0 for c in r["costs"]["seconds"])
+            assert 0 < len(r["budget_rounds"]) < sum(r["budget_hist"].values())  # the first of two batches
 
     skipped = tmp_path / "skipped.json"
     run_script("bench_decode.py", "--num_prompts=2", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=1",

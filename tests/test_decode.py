@@ -116,9 +116,9 @@ AUTO = (0, 2, 8)
 
 
 @pytest.mark.parametrize("costs, mixed", [((1.0, 1.2, 1.5), False),  # drafting pays: B = 2 or 8 each round
-                                          ((0.2, 1.0, 1.2), True),  # AR wins after the first round; probes draft
+                                          ((0.2, 1.0, 1.2), True),  # AR wins after the first (drafted) round
                                           ((np.inf, np.inf, 1.0), False)],  # only B = 8
-                         ids=["spec", "ar_and_probes", "forced_8"])
+                         ids=["spec", "ar_after_the_first", "forced_8"])
 def test_greedy_auto_equals_ar(oracle_decoder, costs, mixed):
     """--budget=auto over (0, 2, 8) with hand-made step costs (one compiled loop: the costs are traced): the oracle
     drafter's greedy output is AR's whatever budgets the rounds verify, AR rounds and tree prefixes in one run."""
