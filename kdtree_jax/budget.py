@@ -23,8 +23,9 @@ every drafted round, a forecast of E_B (mean over active streams, a running aver
 best speculative rate max_B (F_B + 1) / c_B, compared with an AR round's 1 / c_0; when AR wins, the loop runs AR
 rounds and drafts again (a probe, the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap
 doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
-cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). Once drafted, the round picks among the budgets > 0 only: the
-draft is paid for, and the root alone would save only a few verify rows. The choice is per batch, not per stream:
+cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). Once
+drafted, the round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a
+few verify rows. The choice is per batch, not per stream:
 the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
 that size every stream accepts the most from all of its B + 1 nodes.
 
