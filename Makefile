@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 # AR and DDTree side by side on a held-out stdlib prompt, with the shipped target, drafter and tokenizer.
 demo: $(STAMP)
 	PYTHONPATH=. $(PY) experiments/generate.py --init=checkpoints/target --drafter=checkpoints/drafter \
-	    --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=32 \
+	    --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=auto \
 	    --max_new_tokens=64 --compare --json
 
 # Two workers (pytest-xdist; CI has 2 cores), each test file whole on one worker so module fixtures are built once.

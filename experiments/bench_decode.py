@@ -5,9 +5,15 @@
 An HF model directory with a DFlash drafter directory, tokenized by the model's own tokenizer, on a mesh:
   python experiments/bench_decode.py --target=K26_DIR --drafter=DFLASH_DIR --tokenizer=K26_DIR --mesh=tp=8
 
+The budget chosen each round (kdtree_jax/budget.py) beside fixed budgets, greedy and sampled, batch 1 to 32:
+  python experiments/bench_decode.py --budgets=auto,8,32 --temperatures=0,0.7,1 --batch_sizes=1,8,32
+
 Prompts come from held-out stdlib files only. Every policy runs the same prompts in the same process, one after the
 other (ar first, as the peer); compile time is excluded (each spec is warmed up on the first batch). At T = 0 every
-output is checked identical to ar. Writes a JSON (--out) and a plot of tau and speedup against B (--plot).
+output is checked identical to ar. Writes a JSON (--out) and a plot of tau and speedup against B (--plot), with the
+budgets an auto run verified round by round. `auto` rows: budget "auto", `budget_hist` {B: batch rounds},
+`budget_rounds` (B per round of the first batch), `costs` (the step costs it chose by, calibrated on the first batch
+before the timed runs; `setup_s` includes that and the compile).
 --check_finite=on,off runs every case with the loop's NaN / inf check of the logits on and then off, and prints what
 the check costs (meta.finite_check_cost in the JSON):
   python experiments/bench_decode.py --check_finite=on,off --temperatures=0 --budgets=8,32,128 --batch_sizes=1,8 \
@@ -22,9 +28,9 @@ import time
 from typing import NamedTuple
 
 import jax
-import numpy as np
 from absl import flags, logging
 
+from kdtree_jax import budget as budget_lib
 from kdtree_jax import cli, model_dir, plots, sharding
 from kdtree_jax.data import eval_prompts
 from kdtree_jax.tokenizer import load_tokenizer
@@ -50,7 +56,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "num_prompts", 32, "held-out prompts")
     d(flags.DEFINE_integer, "prompt_tokens", 64, "tokens per prompt")
     d(flags.DEFINE_integer, "max_new_tokens", 128, "tokens generated per prompt")
-    d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B")
+    d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64", "128", "256"], "ddtree budgets B; 'auto': chosen "
+      "each round among --auto_budgets")
+    d(flags.DEFINE_list, "auto_budgets", [str(b) for b in budget_lib.DEFAULT_CANDIDATES], "the budgets an auto run "
+      "compiles, 0 = an AR round")
     d(flags.DEFINE_list, "batch_sizes", ["1", "8"], "streams decoded together")
     d(flags.DEFINE_list, "temperatures", ["0", "1"], "sampling temperatures")
     d(flags.DEFINE_integer, "topk", None, "ddtree candidates per depth (default min(B, V)); <= 16 keeps XLA:GPU's "
@@ -73,7 +82,8 @@ class Inputs(NamedTuple):
     tokenizer: object
     mesh: object
     eos: int | None
-    budgets: list
+    budgets: list  # 'auto' or integer strings
+    auto_budgets: tuple
     batch_sizes: list
     temperatures: list
     finite_modes: list
@@ -86,7 +96,11 @@ def check(f) -> Inputs:
                           ("rounds_per_check", 1), ("time_budget_s", 0)):
         cli.at_least(f, name, minimum)
     cli.seed(f)
-    budgets, batches = cli.int_list(f, "budgets", 1), cli.int_list(f, "batch_sizes", 1)
+    budgets = [b.strip().lower() for b in f.budgets]
+    if not budgets or any(b != "auto" and not (b.isdigit() and int(b) >= 1) for b in budgets):
+        cli.refuse(f, "budgets", "must list 'auto' or integer budgets B >= 1, e.g. auto,8,32")
+    auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
+    batches = cli.int_list(f, "batch_sizes", 1)
     temperatures = cli.float_list(f, "temperatures", 0)
     modes = [m.strip() for m in f.check_finite]
     if not modes or any(m not in FINITE_MODES for m in modes) or len(set(modes)) != len(modes):
@@ -110,17 +124,23 @@ def check(f) -> Inputs:
     for batch in batches:
         prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
         for temperature in temperatures:
-            for policy, budget in [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in budgets]:
-                spec = DecodeSpec(policy=policy, budget=budget, topk=f.topk, block_size=drafter.block_size,
-                                  temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
-                                  rounds_per_check=f.rounds_per_check)
+            for policy, budget in [("ar", "0"), ("chain", "0")] + [("ddtree", b) for b in budgets]:
+                spec = make_spec(policy, budget, auto_budgets, topk=f.topk, block_size=drafter.block_size,
+                                 temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
+                                 rounds_per_check=f.rounds_per_check)
                 check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "target"):
         model_dir.check_tensors(f.target, target)
     with cli.about(f, "drafter"):
         model_dir.check_tensors(f.drafter, target, drafter)
-    return Inputs(target, drafter, tokenizer, mesh, eos, budgets, batches, temperatures,
+    return Inputs(target, drafter, tokenizer, mesh, eos, budgets, auto_budgets, batches, temperatures,
                   [FINITE_MODES[m] for m in modes])
+
+
+def make_spec(policy: str, budget: str, auto_budgets: tuple, **kwargs) -> DecodeSpec:
+    """The DecodeSpec of one case: budget an integer or 'auto' (ddtree, choosing among auto_budgets)."""
+    b = budget_lib.parse_budget(budget)
+    return DecodeSpec(policy=policy, budget=b or 0, auto_budgets=auto_budgets if b is None else (), **kwargs)
 
 
 def run(f) -> None:
@@ -136,9 +156,10 @@ def run(f) -> None:
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
             "max_new_tokens": f.max_new_tokens, "block_size": block,
             "rounds_per_check": f.rounds_per_check, "topk": f.topk, "check_finite": inputs.finite_modes,
+            "auto_budgets": list(inputs.auto_budgets),
             "skipped_groups": []}
     rows, start = [], time.monotonic()
-    cases = [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in inputs.budgets]
+    cases = [("ar", "0"), ("chain", "0")] + [("ddtree", b) for b in inputs.budgets]
     for temperature in inputs.temperatures:
         for batch in inputs.batch_sizes:
             if f.time_budget_s is not None and time.monotonic() - start > f.time_budget_s:
@@ -148,10 +169,10 @@ def run(f) -> None:
             runs = []
             for policy, budget in cases:  # each case with every --check_finite mode, one after the other
                 for check_finite in inputs.finite_modes:
-                    spec = DecodeSpec(policy=policy, budget=budget, topk=f.topk, block_size=block,
-                                      temperature=temperature, max_new_tokens=f.max_new_tokens,
-                                      eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check,
-                                      check_finite=check_finite)
+                    spec = make_spec(policy, budget, inputs.auto_budgets, topk=f.topk, block_size=block,
+                                     temperature=temperature, max_new_tokens=f.max_new_tokens,
+                                     eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check,
+                                     check_finite=check_finite)
                     r = decode_in_batches(decoder, prompts, spec, batch, f.seed)
                     r.update(temperature=temperature, batch=batch, check_finite=check_finite)
                     runs.append(r)
@@ -159,7 +180,7 @@ def run(f) -> None:
                 ar = next(a for a in runs if a["policy"] == "ar" and a["check_finite"] == r["check_finite"])
                 r.update(speedup=r["tokens_per_s"] / ar["tokens_per_s"],
                          identical_to_ar=(r["tokens"] == ar["tokens"]) if temperature == 0 else None)
-                logging.info("T=%g batch=%d %s B=%d: tau %.2f, %.1f tok/s, %.2fx", temperature, batch, r["policy"],
+                logging.info("T=%g batch=%d %s B=%s: tau %.2f, %.1f tok/s, %.2fx", temperature, batch, r["policy"],
                              r["budget"], r["tau"], r["tokens_per_s"], r["speedup"])
                 if temperature == 0:
                     r["agree_prefix"] = agreeing_prefix(r["tokens"], ar["tokens"])
@@ -205,32 +226,52 @@ def write(f, rows, meta: dict) -> None:
 
 def print_table(rows) -> None:
     print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'tau':>6} {'tok/s':>9} {'speedup':>8} "
-          f"{'same as ar':>10}")
+          f"{'same as ar':>10}  rounds by B (auto)")
     for r in rows:
         same = "-" if r["identical_to_ar"] is None else str(r["identical_to_ar"])
+        hist = " ".join(f"{b}:{n}" for b, n in r["budget_hist"].items()) if r["budget"] == "auto" else ""
         print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} "
               f"{'on' if r['check_finite'] else 'off':>6} {r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} "
-              f"{r['speedup']:>7.2f}x {same:>10}")
+              f"{r['speedup']:>7.2f}x {same:>10}  {hist}")
 
 
 def plot(rows, path: str, meta: dict) -> None:
+    """tau and speedup against fixed B (dashed: chain, dotted: auto), and the budgets of the auto runs' first
+    batches round by round."""
     plt = plots.pyplot()
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_tau, ax_speed, ax_auto) = plt.subplots(1, 3, figsize=(16, 4))
     for (temperature, batch) in sorted({(r["temperature"], r["batch"]) for r in rows}):
         sel = [r for r in rows if r["temperature"] == temperature and r["batch"] == batch]
-        tree = [r for r in sel if r["policy"] == "ddtree"]
+        tree = [r for r in sel if r["policy"] == "ddtree" and r["budget"] != "auto"]
         chain = next(r for r in sel if r["policy"] == "chain")
         label = f"T={temperature:g}, batch {batch}"
         line = ax_tau.plot([r["budget"] for r in tree], [r["tau"] for r in tree], "o-", label=f"ddtree {label}")
-        ax_tau.axhline(chain["tau"], ls="--", color=line[0].get_color(), alpha=0.6)
-        ax_speed.plot([r["budget"] for r in tree], [r["speedup"] for r in tree], "o-", label=f"ddtree {label}")
-        ax_speed.axhline(chain["speedup"], ls="--", color=line[0].get_color(), alpha=0.6)
+        color = line[0].get_color()
+        ax_tau.axhline(chain["tau"], ls="--", color=color, alpha=0.6)
+        ax_speed.plot([r["budget"] for r in tree], [r["speedup"] for r in tree], "o-", color=color,
+                      label=f"ddtree {label}")
+        ax_speed.axhline(chain["speedup"], ls="--", color=color, alpha=0.6)
+        for r in sel:
+            if r["budget"] == "auto":
+                ax_tau.axhline(r["tau"], ls=":", color=color)
+                ax_speed.axhline(r["speedup"], ls=":", color=color)
+                ax_auto.step(range(len(r["budget_rounds"])), r["budget_rounds"], where="post", color=color,
+                             label=f"{label}: {r['speedup']:.2f}x")
+    fixed = any(r["policy"] == "ddtree" and r["budget"] != "auto" for r in rows)
     for ax, name in ((ax_tau, "tau (tokens per round)"), (ax_speed, "speedup over ar")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget B (dashed: chain)")
+        if fixed:  # a log axis needs points
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget B (dashed: chain, dotted: auto)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     ax_tau.legend(fontsize=7)
+    ax_auto.set_xlabel("round (first batch)")
+    ax_auto.set_ylabel("B verified (0 = AR round)")
+    ax_auto.set_yscale("symlog", base=2, linthresh=4)
+    ax_auto.set_title("--budget=auto", fontsize=9)
+    ax_auto.grid(alpha=0.3)
+    if ax_auto.lines:
+        ax_auto.legend(fontsize=7)
     fig.suptitle(f"DDTree on the trained code target ({meta['backend']}, {meta['num_prompts']} held-out prompts)")
     plots.save(fig, path)
 

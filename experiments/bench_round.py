@@ -3,13 +3,15 @@
     PYTHONPATH=. python3 experiments/bench_round.py                 # shipped code_target + drafter checkpoints
     PYTHONPATH=. python3 experiments/bench_round.py --config=tiny --init=random --drafter=random \\
         --budgets=0,8 --streams=2 --prompt_len=8 --rounds=4 --reps=3        # CPU smoke run
+    PYTHONPATH=. python3 experiments/bench_round.py --streams=8 --budgets=0,8,32,auto --temperatures=0,1
+        # the cost of sampling (T = 1) against greedy rounds, and the auto loop's measured step costs
 
 For each (streams, budget) (budget 0 = ar, else ddtree with B nodes), from the state after prefilling random prompts
 of --prompt_len tokens:
   * each stage of a round as its own jitted function on that state: draft (the drafter's block), build (ops.tree_build),
-    verify (the target's forward over the B+1 nodes), accept (argmax per node + ops.tree_accept), commit (KV
-    compaction + the drafter context of the accepted tokens); their sum. The emitted-token bookkeeping of a round is
-    in none of them;
+    verify (the target's forward over the B+1 nodes), accept (argmax per node, or a sample per node at T > 0, +
+    ops.tree_accept: `decode.walk_tree`), commit (KV compaction + the drafter context of the accepted tokens); their
+    sum. The emitted-token bookkeeping of a round is in none of them;
   * `round`: one whole `decode_round` in one jit (one dispatch; the bookkeeping included);
   * `while_loop`: prefill + the `lax.while_loop` exactly as `Decoder.generate` compiles it, up to --rounds rounds;
     per round = (loop - prefill) / rounds, prefill timed on its own;
@@ -17,11 +19,15 @@ of --prompt_len tokens:
     XLA:GPU reads a while loop's predicate back to the host and waits for it every iteration unless the trip count
     is known, so `while_loop - fixed_loop` per round is the cost of that round trip;
   * overhead = while_loop per round - sum of the stages.
+`auto` (a budget of --budgets): the auto loop's step costs per candidate of --auto_budgets (`Decoder.step_costs`,
+wall clock: the cost model `--budget=auto` chooses by) and its while loop per round with those costs, with the
+budgets it chose; no stage split.
 Times are device spans from profiler traces (experiments/timing.time_jobs; wall clock where there is no device
 trace, e.g. on the CPU), median of --reps calls; caches are donated and made fresh for every call, as in the loop.
 On the GPU the loops also report device busy time, device events and device-to-host copies per round.
 
---out defaults to experiments/results/decode/round_<backend>.json, and the plot of the stage times goes beside it (.png).
+--out defaults to experiments/results/decode/round_<backend>.json, and the plot of the stage times goes beside it
+(.png).
 """
 from __future__ import annotations
 
@@ -39,10 +45,11 @@ from absl import flags, logging
 from flax import nnx
 
 from experiments.timing import Job, rel_err, time_jobs
+from kdtree_jax import budget as budget_lib
 from kdtree_jax import config as config_lib
 from kdtree_jax import cli, model_dir, plots
-from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, check_spec, commit_kv, decode_round, pick_tokens,
-                               prefill, root_only_tree)
+from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, budget_counts, check_spec, commit_kv, decode_round,
+                               prefill, root_only_tree, split_each, walk_tree)
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels import ops
@@ -60,7 +67,11 @@ def define_flags(fv: flags.FlagValues = F) -> None:
       "DFlash drafter directory")
     d(flags.DEFINE_integer, "block_size", 16, "block size L of a random drafter; a checkpointed drafter has its own, "
       "and another value given here is refused")
-    d(flags.DEFINE_list, "budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree)")
+    d(flags.DEFINE_list, "budgets", ["0", "8", "32", "128"], "tree budgets B; 0 = ar (no draft, a root-only tree); "
+      "'auto' = the auto loop over --auto_budgets")
+    d(flags.DEFINE_list, "auto_budgets", [str(b) for b in budget_lib.DEFAULT_CANDIDATES], "the budgets of an auto "
+      "case")
+    d(flags.DEFINE_list, "temperatures", ["0"], "sampling temperatures (0 = greedy)")
     d(flags.DEFINE_list, "streams", ["1", "8"], "streams decoded together")
     d(flags.DEFINE_integer, "prompt_len", 64, "tokens per (random) prompt")
     d(flags.DEFINE_integer, "rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is "
@@ -69,7 +80,8 @@ def define_flags(fv: flags.FlagValues = F) -> None:
     d(flags.DEFINE_integer, "rounds_per_check", 1, "the Decoder loop's rounds between stop-condition checks")
     d(flags.DEFINE_float, "time_budget_s", 480.0, "start no new case past this many seconds (the JSON is written per "
       "case)")
-    d(flags.DEFINE_string, "out", "", "where the JSON results go ('' for experiments/results/decode/round_<backend>.json)")
+    d(flags.DEFINE_string, "out", "", "where the JSON results go ('' for "
+      "experiments/results/decode/round_<backend>.json)")
     d(flags.DEFINE_integer, "reps", 10, "timed calls per measurement (median reported)")
     d(flags.DEFINE_bool, "plot", True, "also write a PNG of the results beside the JSON")
     cli.define_overwrite(fv)
@@ -79,7 +91,9 @@ class Inputs(NamedTuple):
     target: config_lib.ModelConfig
     drafter: config_lib.DrafterConfig
     block_size: int | None  # the --block_size to load the drafter with (None: a checkpoint's own)
-    budgets: list
+    budgets: list  # integer B, or None for auto
+    auto_budgets: tuple
+    temperatures: list
     streams: list
     out: str
 
@@ -91,7 +105,13 @@ def check(f) -> Inputs:
                           ("time_budget_s", 0), ("reps", 1)):
         cli.at_least(f, name, minimum)
     cli.seed(f)
-    budgets, streams = cli.int_list(f, "budgets", 0), cli.int_list(f, "streams", 1)
+    texts = [b.strip().lower() for b in f.budgets]
+    if not texts or any(b != "auto" and not b.isdigit() for b in texts):
+        cli.refuse(f, "budgets", "must list 'auto' or integer budgets B >= 0, e.g. 0,8,32,auto")
+    budgets = [budget_lib.parse_budget(b) for b in texts]
+    auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
+    temperatures = cli.float_list(f, "temperatures", 0)
+    streams = cli.int_list(f, "streams", 1)
     out = f.out or f"experiments/results/decode/round_{jax.default_backend()}.json"
     cli.output_path(f, "out", path=out)
     if f.plot:
@@ -106,18 +126,23 @@ def check(f) -> Inputs:
     prompts = [[0] * f.prompt_len] * max(streams)
     for num_streams in streams:
         for budget in budgets:
-            spec = case_spec(budget, drafter.block_size, f.rounds, f.rounds_per_check)
-            check_spec(spec, target, drafter, prompts[:num_streams], Decoder.default_cache_len(spec, prompts), None)
+            for temperature in temperatures:
+                spec = case_spec(budget, auto_budgets, temperature, drafter.block_size, f.rounds, f.rounds_per_check)
+                check_spec(spec, target, drafter, prompts[:num_streams], Decoder.default_cache_len(spec, prompts),
+                           None)
     with cli.about(f, "init"):
         model_dir.check_tensors(f.init, target)
     with cli.about(f, "drafter"):
         model_dir.check_tensors(f.drafter, target, drafter)
-    return Inputs(target, drafter, block_size, budgets, streams, out)
+    return Inputs(target, drafter, block_size, budgets, auto_budgets, temperatures, streams, out)
 
 
-def case_spec(budget: int, block_size: int, rounds: int, rounds_per_check: int) -> DecodeSpec:
-    return DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget, block_size=block_size,
-                      max_new_tokens=rounds + 1, rounds_per_check=rounds_per_check)
+def case_spec(budget: int | None, auto_budgets: tuple, temperature: float, block_size: int, rounds: int,
+              rounds_per_check: int) -> DecodeSpec:
+    """One case: budget 0 = ar, B = ddtree with B nodes, None = ddtree choosing among auto_budgets."""
+    return DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget or 0,
+                      auto_budgets=auto_budgets if budget is None else (), block_size=block_size,
+                      temperature=temperature, max_new_tokens=rounds + 1, rounds_per_check=rounds_per_check)
 
 
 def drafter_config(value: str, target: config_lib.ModelConfig, block_size: int | None) -> config_lib.DrafterConfig:
@@ -177,9 +202,8 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
         layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
         return target(tree.tokens, cache.length[:, None] + tree.depth, cache, tree.visible, hidden_layers=layer_ids)
 
-    def accept(tree, logits):
-        # greedy (checked in `measure`): pick_tokens draws no random key at temperature 0
-        return ops.tree_accept(tree, pick_tokens(logits, spec.temperature, None), spec.depth)
+    def accept(tree, logits, keys):
+        return walk_tree(spec, tree, logits, split_each(keys)[1])  # the keys decode_round samples with
 
     def commit(params, dparams, cache, dcache, hidden, verdict, active):
         """The end of decode_round: compaction, then the drafter context of the root and accepted nodes."""
@@ -199,7 +223,8 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
 def fixed_loop(decoder: Decoder, spec: DecodeSpec, rounds: int):
     """Decoder's prefill + loop with a fixed trip count: `lax.fori_loop` over `rounds` rounds instead of the
     while_loop on (rounds left) & (a stream still going). Finished streams are frozen by decode_round itself."""
-    def run(params, dparams, cache, dcache, tokens, lengths, key):
+    def run(params, dparams, cache, dcache, tokens, lengths, key, controls):
+        del controls  # the loop's controls, unused here: a fixed budget, a fixed trip count
         target = nnx.merge(decoder.target_def, params)
         drafter = nnx.merge(decoder.drafter_def, dparams) if spec.policy != "ar" else None
         state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key)
@@ -215,8 +240,6 @@ def copies(tree):
 # ------------------------------------------------------------------------------------------------------ one case
 def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, prompt_len: int, reps: int,
             seed: int) -> dict:
-    if spec.temperature != 0:
-        raise ValueError(f"temperature={spec.temperature}: this benchmark times greedy rounds only (temperature 0)")
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(4, target_cfg.vocab_size, (num_streams, prompt_len)), jnp.int32)
     lengths = jnp.full((num_streams,), prompt_len, jnp.int32)
@@ -239,18 +262,18 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     tree = fns.stages["build"](*inputs["build"]())
     inputs["verify"] = lambda: (params, dparams, copies(state.cache), tree)
     fwd = fns.stages["verify"](*inputs["verify"]())
-    inputs["accept"] = lambda: (tree, fwd.logits)
+    inputs["accept"] = lambda: (tree, fwd.logits, state.keys)
     verdict = fns.stages["accept"](*inputs["accept"]())
     inputs["commit"] = lambda: (params, dparams, copies(fwd.cache), copies(state.dcache), fwd.hidden, verdict,
                                 ~state.done)
     staged = fns.stages["commit"](*inputs["commit"]())
     whole = fns.round(params, dparams, copies(state))
 
-    final = fns.while_loop(*loop_args())
+    final = fns.while_loop(*loop_args(), decoder.controls(spec))
     rounds = int(final.rounds)
     taus = np.asarray(final.taus)[:rounds]
     fixed = fixed_loop(decoder, spec, rounds)
-    final_fixed = fixed(*loop_args())
+    final_fixed = fixed(*loop_args(), decoder.controls(spec))
     checks = dict(stages_length_equal=bool(np.array_equal(staged[0].length, whole.cache.length)),
                   stages_vs_round_rel_err=max(rel_err(a, b) for a, b in zip(
                       jax.tree.leaves(staged), jax.tree.leaves((whole.cache, whole.dcache)))),
@@ -260,8 +283,8 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     jobs = [Job(name, fns.stages[name], fresh_args=inputs[name]) for name in STAGES if name in fns.stages]
     jobs += [Job("round", fns.round, fresh_args=lambda: (params, dparams, copies(state))),
              Job("prefill", fns.prefill, fresh_args=loop_args),
-             Job("while_loop", fns.while_loop, fresh_args=loop_args),
-             Job("fixed_loop", fixed, fresh_args=loop_args)]
+             Job("while_loop", fns.while_loop, fresh_args=lambda: (*loop_args(), decoder.controls(spec))),
+             Job("fixed_loop", fixed, fresh_args=lambda: (*loop_args(), decoder.controls(spec)))]
     t = time_jobs(jobs, reps)
 
     def per_round(job: str, field: str = "us"):
@@ -272,7 +295,8 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     stages_us = {name: t[name]["us"] for name in STAGES if name in t}
     stages_sum = sum(stages_us.values())
     while_round, fixed_round = per_round("while_loop"), per_round("fixed_loop")
-    return dict(policy=spec.policy, budget=spec.tree_budget, streams=num_streams, prompt_len=prompt_len,
+    return dict(policy=spec.policy, budget=spec.tree_budget, temperature=spec.temperature, streams=num_streams,
+                prompt_len=prompt_len,
                 cache_len=cache_len, rounds=rounds, tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
                 stages_us=stages_us, stages_sum_us=stages_sum, round_us=t["round"]["us"], prefill_us=t["prefill"]["us"],
                 while_loop_us=t["while_loop"]["us"], fixed_loop_us=t["fixed_loop"]["us"],
@@ -287,15 +311,41 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
                 checks=checks, timing_method=t["while_loop"]["method"], timings=t)
 
 
+def measure_auto(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, prompt_len: int,
+                 seed: int) -> dict:
+    """The auto loop on random prompts: its step costs (`Decoder.step_costs`, the cost model) and its while loop
+    per round (wall clock, prefill subtracted) with the budgets chosen."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(4, target_cfg.vocab_size, (num_streams, prompt_len)).tolist()
+    cache_len = Decoder.default_cache_len(spec, prompts)
+    costs = decoder.step_costs(spec, prompts, cache_len)
+    decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)  # warm up
+    res = decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)
+    return dict(policy=spec.policy, budget="auto", temperature=spec.temperature, streams=num_streams,
+                prompt_len=prompt_len, cache_len=cache_len, rounds=res.rounds,
+                tau_mean=float(res.taus[res.taus > 0].mean()) if (res.taus > 0).any() else 0.0,
+                step_costs_us={b: 1e6 * t for b, t in zip(costs.candidates, costs.seconds)},
+                prefill_us=1e6 * costs.prefill_s, while_per_round_us=1e6 * (res.seconds - costs.prefill_s) / res.rounds,
+                budget_hist=budget_counts(res.budgets), budget_rounds=res.budgets.tolist(), timing_method="wall")
+
+
 # ------------------------------------------------------------------------------------------------------ output
+def print_auto(row) -> None:
+    costs = " ".join(f"B={b}:{us:.0f}" for b, us in row["step_costs_us"].items())
+    chosen = " ".join(f"{b}:{n}" for b, n in row["budget_hist"].items())
+    print(f"auto T={row['temperature']:g} S={row['streams']}: step costs (us) {costs} | while/r "
+          f"{row['while_per_round_us']:.1f} us, tau {row['tau_mean']:.2f}, rounds by B {chosen}", flush=True)
+
+
 def print_table(rows) -> None:
-    head = (f"{'policy':>7} {'B':>4} {'S':>3} | " + " ".join(f"{s:>8}" for s in STAGES)
+    head = (f"{'policy':>7} {'B':>4} {'T':>3} {'S':>3} | " + " ".join(f"{s:>8}" for s in STAGES)
             + f" {'sum':>8} | {'round':>8} {'while/r':>8} {'fixed/r':>8} | {'overhead':>8} {'pred/r':>7} | "
             f"{'tau':>5} {'rounds':>6}")
     print(f"us per round ({rows[0]['timing_method'] if rows else '-'} time)\n{head}")
     for r in rows:
         stages = " ".join(f"{r['stages_us'][s]:8.1f}" if s in r["stages_us"] else f"{'-':>8}" for s in STAGES)
-        print(f"{r['policy']:>7} {r['budget']:>4} {r['streams']:>3} | {stages} {r['stages_sum_us']:8.1f} | "
+        print(f"{r['policy']:>7} {r['budget']:>4} {r['temperature']:>3g} {r['streams']:>3} | {stages} "
+              f"{r['stages_sum_us']:8.1f} | "
               f"{r['round_us']:8.1f} {r['while_per_round_us']:8.1f} {r['fixed_per_round_us']:8.1f} | "
               f"{r['overhead_us']:8.1f} {r['predicate_us']:7.1f} | {r['tau_mean']:5.2f} {r['rounds']:>6}", flush=True)
 
@@ -312,20 +362,28 @@ def run(f) -> None:
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), model=target.cfg.name,
                              init=f.init, drafter=f.drafter, block_size=block, reps=f.reps,
                              kernels=ops.uses_kernel()), rows=[])
-    for num_streams in inputs.streams:
-        for budget in inputs.budgets:
-            if time.time() - start > f.time_budget_s:
-                results["rows"].append(dict(budget=budget, streams=num_streams, skipped="time budget"))
-                continue
-            spec = case_spec(budget, block, f.rounds, f.rounds_per_check)
+    cases = [(t, s, b) for t in inputs.temperatures for s in inputs.streams for b in inputs.budgets]
+    for temperature, num_streams, budget in cases:
+        if time.time() - start > f.time_budget_s:
+            results["rows"].append(dict(budget="auto" if budget is None else budget, temperature=temperature,
+                                        streams=num_streams, skipped="time budget"))
+            continue
+        spec = case_spec(budget, inputs.auto_budgets, temperature, block, f.rounds, f.rounds_per_check)
+        if spec.auto:
+            row = measure_auto(decoder, target.cfg, spec, num_streams, f.prompt_len, f.seed)
+            print_auto(row)
+        else:
             row = measure(decoder, target.cfg, spec, num_streams, f.prompt_len, f.reps, f.seed)
-            results["rows"].append(row)
             print_table([row])
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as fh:
-                json.dump(results, fh, indent=1, default=str)
+        results["rows"].append(row)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
     print()
-    print_table([r for r in results["rows"] if "skipped" not in r])
+    print_table([r for r in results["rows"] if "skipped" not in r and "stages_us" in r])
+    for r in results["rows"]:
+        if r.get("budget") == "auto" and "skipped" not in r:
+            print_auto(r)
     results["meta"]["wall_s"] = time.time() - start
     with open(out, "w") as fh:
         json.dump(results, fh, indent=1, default=str)
@@ -337,8 +395,8 @@ def run(f) -> None:
 def plot_stages(results: dict, path: str) -> None:
     """Stacked bars of the stage times of each measured case, next to one decode_round in one jit."""
     plt = plots.pyplot()
-    rows = [r for r in results["rows"] if "skipped" not in r]
-    labels = [f"{r['policy']} B={r['budget']} S={r['streams']}" for r in rows]
+    rows = [r for r in results["rows"] if "stages_us" in r]
+    labels = [f"{r['policy']} B={r['budget']} T={r['temperature']:g} S={r['streams']}" for r in rows]
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.6 * len(rows)))
     left = np.zeros(len(rows))
     for stage in STAGES:

@@ -3,16 +3,18 @@
 Token ids (no tokenizer), a random tiny model:
   python experiments/generate.py --config=tiny --init=random --policy=ddtree --budget=16 \
       --prompt=1,2,3 --prompt=4,5 --max_new_tokens=32 --json
-The shipped models on a held-out prompt, DDTree beside AR (what `make demo` runs):
+The shipped models on a held-out prompt, DDTree beside AR (what `make demo` runs), the tree budget chosen each round
+from this device's measured step costs (--budget=auto, the default; kdtree_jax/budget.py):
   python experiments/generate.py --init=checkpoints/target --drafter=checkpoints/drafter \
-      --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=32 --compare
+      --tokenizer=checkpoints/tokenizer.json --held_out_prompts=1 --policy=ddtree --budget=auto --compare
 An HF model directory (Kimi K2.6, DeepSeek-V3) with a DFlash drafter directory, the model's own tokenizer and chat
 template, on a mesh (README.md, "Running on real Kimi K2.6"):
   python experiments/generate.py --init=tests/fixtures/kimi_k26_tiny --drafter=tests/fixtures/dflash_tiny \
       --chat --prompt="Write a haiku." --policy=ddtree --budget=16 --compare --mesh=tp=4
 
 Each --prompt is one stream: text when a tokenizer is in use, else comma-separated token ids. With --json the last
-line printed is one JSON object; --out writes it to a file.
+line printed is one JSON object; --out writes it to a file. --budget=auto first times a few rounds at each of
+--auto_budgets (a second or two on the CPU; or reads them from --cost_table, which a first run writes).
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ from typing import NamedTuple
 import jax
 from absl import flags, logging
 
+from kdtree_jax import budget as budget_lib
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import model_dir, sharding
 from kdtree_jax import tokenizer as tokenizer_lib
-from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance, check_spec
+from kdtree_jax.decode import DecodeSpec, Decoder, GenerateResult, acceptance, budget_counts, check_spec
 from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
@@ -58,7 +61,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "prompt_tokens", 64, "length of each held-out prompt in tokens")
     d(flags.DEFINE_integer, "max_new_tokens", 32, "tokens to generate per stream")
     d(flags.DEFINE_enum, "policy", "ar", "decoding policy", enum_values=["ar", "chain", "ddtree"])
-    d(flags.DEFINE_integer, "budget", 16, "ddtree: non-root tree nodes B")
+    d(flags.DEFINE_string, "budget", "auto", "ddtree: non-root tree nodes B, or 'auto': chosen each round among "
+      "--auto_budgets by this device's measured step costs and the drafter's expected acceptance")
+    d(flags.DEFINE_list, "auto_budgets", [str(b) for b in budget_lib.DEFAULT_CANDIDATES], "--budget=auto: the "
+      "budgets compiled, 0 = an AR round (no draft)")
+    d(flags.DEFINE_string, "cost_table", "", "--budget=auto: a JSON table of step costs; the entry for this device, "
+      "model and batch is read from it, or measured and added ('': measure, write nothing)")
     d(flags.DEFINE_integer, "block_size", None, f"block size L of a random drafter (default "
       f"{model_dir.RANDOM_BLOCK_SIZE}); a checkpointed drafter has its own, and another value is refused")
     d(flags.DEFINE_float, "temperature", 0.0, "0 = greedy; > 0 samples the target per tree node")
@@ -95,12 +103,14 @@ def check_flags(f) -> None:
     cli.at_least(f, "held_out_prompts", 0)
     cli.at_least(f, "prompt_tokens", 1)
     cli.at_least(f, "max_new_tokens", 1)
-    cli.at_least(f, "budget", 0)
+    if f.budget.strip().lower() != "auto" and not f.budget.strip().isdigit():
+        cli.refuse(f, "budget", "must be 'auto' or an integer number of tree nodes B >= 0")
+    cli.int_list(f, "auto_budgets", 0)
     cli.at_least(f, "block_size", 2, " (the bonus token and at least one drafted)")
     cli.at_least(f, "temperature", 0, " (0 = greedy)")
     cli.at_least(f, "cache_len", 0, " (0 = just enough)")
-    if f.policy == "ddtree":
-        cli.at_least(f, "budget", 1, " for --policy=ddtree (a tree of the root alone is --policy=ar)")
+    if f.policy == "ddtree" and f.budget.strip() == "0":
+        cli.refuse(f, "budget", "must be >= 1 for --policy=ddtree (a tree of the root alone is --policy=ar)")
     if f.chat and f.tokenizer == "none":
         cli.refuse(f, "tokenizer", "turns the tokenizer off, but --chat needs one (and its chat template); drop one "
                    "of the two")
@@ -138,9 +148,9 @@ def check(f) -> Inputs:
         model_dir.check_mesh(target, mesh)
     block = drafter.block_size if drafter is not None else (
         model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
-    spec = DecodeSpec(policy=f.policy, budget=f.budget, block_size=block, temperature=f.temperature,
-                      max_new_tokens=f.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else None,
-                      check_finite=f.check_finite)
+    spec = make_spec(f.policy, f.budget, f.auto_budgets, block_size=block, temperature=f.temperature,
+                     max_new_tokens=f.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else None,
+                     check_finite=f.check_finite)
     cache_len = f.cache_len or None
     check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "init"):
@@ -207,15 +217,41 @@ def read_prompts(texts, tokenizer, held_out: int, prompt_tokens: int, seed: int,
     return prompts
 
 
-def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len: int | None) -> dict:
-    decoder.generate(prompts, spec, seed=seed, cache_len=cache_len)  # compile + warm up
-    result: GenerateResult = decoder.generate(prompts, spec, seed=seed, cache_len=cache_len)
+def make_spec(policy: str, budget: str, auto_budgets, **kwargs) -> DecodeSpec:
+    """The DecodeSpec of --policy / --budget (an integer or 'auto') / --auto_budgets."""
+    b = budget_lib.parse_budget(budget)
+    auto = tuple(int(x) for x in auto_budgets) if b is None and policy == "ddtree" else ()
+    return DecodeSpec(policy=policy, budget=b or 0, auto_budgets=auto, **kwargs)
+
+
+def step_costs(decoder: Decoder, prompts, spec: DecodeSpec, cache_len: int | None, table: str):
+    """The auto loop's step costs: read from `table` when it holds this setting's entry, else measured (and added to
+    `table` when one is named); None for a fixed budget."""
+    if not spec.auto:
+        return None
+    cache_len = cache_len or Decoder.default_cache_len(spec, prompts)
+    key = decoder.cost_key(spec, len(prompts), cache_len)
+    costs = budget_lib.load_costs(table, key) if table else None
+    if costs is None:
+        costs = decoder.step_costs(spec, prompts, cache_len)
+        if table and jax.process_index() == 0:
+            budget_lib.save_costs(table, costs)
+    return costs
+
+
+def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len: int | None,
+               costs: budget_lib.StepCosts | None = None) -> dict:
+    decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)  # compile + warm up
+    result: GenerateResult = decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)
     new_tokens = sum(len(t) for t in result.tokens)
     tau_mean, hist = acceptance(result.taus, spec.block_size)
-    return {"policy": spec.policy, "budget": spec.tree_budget, "block_size": spec.block_size,
-            "temperature": spec.temperature, "tokens": result.tokens, "new_tokens": new_tokens,
-            "seconds": result.seconds, "tokens_per_s": new_tokens / result.seconds, "rounds": result.rounds,
-            "tau_mean": tau_mean, "accept_hist": hist}
+    report = {"policy": spec.policy, "budget": spec.budget_label, "block_size": spec.block_size,
+              "temperature": spec.temperature, "tokens": result.tokens, "new_tokens": new_tokens,
+              "seconds": result.seconds, "tokens_per_s": new_tokens / result.seconds, "rounds": result.rounds,
+              "tau_mean": tau_mean, "accept_hist": hist, "budget_hist": budget_counts(result.budgets)}
+    if spec.auto:
+        report.update(budget_rounds=result.budgets.tolist(), costs=result.costs.as_dict())
+    return report
 
 
 def run(f) -> None:
@@ -227,7 +263,8 @@ def run(f) -> None:
     prompts, spec, mesh = inputs.prompts, inputs.spec, inputs.mesh
     target, drafter = load_models(f.init, f.config, f.drafter, f.block_size, f.seed, f.policy != "ar", mesh, f.dtype)
     decoder = Decoder(target, drafter, mesh=mesh)
-    report = run_policy(decoder, prompts, spec, f.seed, inputs.cache_len)
+    report = run_policy(decoder, prompts, spec, f.seed, inputs.cache_len,
+                        step_costs(decoder, prompts, spec, inputs.cache_len, f.cost_table))
     runs = [report]
     if f.compare and f.policy != "ar":
         baseline = run_policy(decoder, prompts, dataclasses.replace(spec, policy="ar", budget=0), f.seed,
@@ -256,10 +293,17 @@ def print_report(prompts, runs, tokenizer) -> None:
     for i, prompt in enumerate(prompts):
         print(f"=== stream {i}: prompt ({len(prompt)} tokens) ===\n{show(prompt)}")
         print(f"=== stream {i}: generated by {runs[-1]['policy']} ===\n{show(runs[-1]['tokens'][i])}\n")
-    print(f"{'policy':>8} {'budget':>6} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rounds':>6} {'tau':>5}")
+    print(f"{'policy':>8} {'budget':>6} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'rounds':>6} {'tau':>5}  "
+          f"rounds by B")
     for r in runs:
         print(f"{r['policy']:>8} {r['budget']:>6} {r['new_tokens']:>7} {r['seconds']:>8.3f} "
-              f"{r['tokens_per_s']:>8.1f} {r['rounds']:>6} {r['tau_mean']:>5.2f}")
+              f"{r['tokens_per_s']:>8.1f} {r['rounds']:>6} {r['tau_mean']:>5.2f}  "
+              f"{' '.join(f'{b}:{n}' for b, n in r['budget_hist'].items())}")
+    auto = [r for r in runs if "costs" in r]
+    for r in auto:
+        costs = r["costs"]
+        print(f"step costs ({costs['how']}): " + ", ".join(f"B={b} {1e3 * t:.2f} ms" for b, t in
+                                                          zip(costs["candidates"], costs["seconds"])))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ Every policy runs the same round, all on device inside one `lax.while_loop` (no 
   verify -> one target forward over the B+1 nodes at positions length + depth (tree KV -> rows length..length+B)
   accept -> walk the tree along the target's own tokens (argmax, or a sample per node at T > 0)
   commit -> compact the accepted KV rows, extend the drafter context, emit accepted tokens + the new bonus
-Greedy output is identical for all three policies (the losslessness invariant the tests check).
+ddtree with `auto_budgets` (`--budget=auto`) picks B each round from a compiled set by the device's measured step
+costs and the drafter's expected acceptance (kdtree_jax.budget): an AR round (no draft) or a draft built once at the
+largest budget, of which a prefix of B + 1 nodes is verified (`lax.switch` over one verify per candidate size).
+Greedy output is identical for all policies (the losslessness invariant the tests check).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdtree_jax import budget as budget_lib
 from kdtree_jax import memory, sharding
 from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
@@ -44,7 +48,13 @@ class DecodeSpec:
     max_new_tokens: int = 32
     eos_token_id: int | None = None
     rounds_per_check: int = 1  # rounds between checks of the stop condition (XLA:GPU reads it on the host)
+    auto_budgets: tuple[int, ...] = ()  # ddtree: choose B per round among these (0 = AR round); () = fixed `budget`
     check_finite: bool = True  # stop at the first round whose target logits hold NaN / inf (Decoder.generate raises)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the loop chooses the budget per round (kdtree_jax.budget)."""
+        return bool(self.auto_budgets)
 
     @property
     def depth(self) -> int:
@@ -53,7 +63,14 @@ class DecodeSpec:
 
     @property
     def tree_budget(self) -> int:
-        return {"ar": 0, "chain": self.depth, "ddtree": self.budget}[self.policy]
+        """B of the tree built each round (auto: the largest candidate; a round verifies a prefix of it)."""
+        ddtree = max(self.auto_budgets) if self.auto else self.budget
+        return {"ar": 0, "chain": self.depth, "ddtree": ddtree}[self.policy]
+
+    @property
+    def budget_label(self) -> int | str:
+        """The budget as reports show it: B, or 'auto'."""
+        return "auto" if self.auto else self.tree_budget
 
     @property
     def tree_topk(self) -> int | None:
@@ -64,6 +81,12 @@ class DecodeSpec:
         return max(self.tree_budget, self.depth) + 1
 
 
+class LoopControls(NamedTuple):
+    """Traced inputs of a compiled loop: other values run the same executable."""
+    round_limit: jax.Array  # int32 []: stop after this many rounds (the loop also stops at max_new_tokens)
+    step_costs: jax.Array  # [C] float32 seconds of a round at each of spec.auto_budgets (auto); [0] otherwise
+
+
 class LoopState(NamedTuple):
     cache: KVCache
     dcache: DrafterCache | None
@@ -72,8 +95,10 @@ class LoopState(NamedTuple):
     num_out: jax.Array  # [S]
     done: jax.Array  # [S] bool
     taus: jax.Array  # [max_rounds, S] tokens emitted per round (0 once done)
+    budgets: jax.Array  # [max_rounds] int32: B verified in each round (the nodes besides the root)
     rounds: jax.Array  # int32
     keys: jax.Array  # [S] one PRNG key per stream: a stream's samples do not depend on the other streams
+    auto: budget_lib.BudgetState | None  # the budget chooser's state (auto), else None
     nonfinite: jax.Array  # [S] int32: where the stream's first non-finite target logits came (tokens out then), -1
 
 
@@ -85,7 +110,9 @@ class GenerateResult(NamedTuple):
     tokens: list  # per stream, generated token ids (EOS included when hit)
     taus: np.ndarray  # [rounds, S]: tokens emitted per round, 0 when the stream was done
     rounds: int
-    seconds: float  # wall time of prefill + loop (compilation excluded)
+    seconds: float  # wall time of prefill + loop (compilation and cost calibration excluded)
+    budgets: np.ndarray  # [rounds]: B verified in each round
+    costs: budget_lib.StepCosts | None  # the step costs the auto loop chose by (None for a fixed budget)
 
 
 def acceptance(taus, block_size: int) -> tuple[float, list]:
@@ -113,12 +140,17 @@ def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | 
     loads any weight. Raises ValueError naming the problem and the fix."""
     if spec.policy not in POLICIES:
         raise ValueError(f"policy {spec.policy!r} is unknown; choose one of {POLICIES}")
+    if spec.auto and spec.policy != "ddtree":
+        raise ValueError(f"auto budgets are a ddtree setting; policy {spec.policy!r} has its own tree")
     if spec.policy != "ar":
         if drafter_cfg is None:
             raise ValueError(f"policy {spec.policy!r} needs a drafter; pass one or use policy 'ar'")
         if spec.block_size != drafter_cfg.block_size:
             raise ValueError(f"block_size={spec.block_size} differs from the drafter's "
                              f"{drafter_cfg.block_size}; use the drafter's block size")
+        if spec.auto:
+            budget_lib.check_candidates(spec.auto_budgets, lambda b: tree_lib.check_budget(
+                b, spec.block_size, cfg.vocab_size))
         tree_lib.check_budget(spec.tree_budget, spec.block_size, cfg.vocab_size)
     if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
         raise ValueError(f"temperature={spec.temperature} must be a finite number >= 0 (0 = greedy)")
@@ -168,6 +200,7 @@ class Decoder:
             self.target_params = sharding.shard_params(self.target_params, mesh)
             self.drafter_params = sharding.replicate(self.drafter_params, mesh)
         self._compiled = {}
+        self._costs = {}
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -197,27 +230,96 @@ class Decoder:
         return -(-need // 64) * 64
 
     # ------------------------------------------------------------------------------------------- generation
-    def generate(self, prompts, spec: DecodeSpec, seed: int = 0, cache_len: int | None = None) -> GenerateResult:
-        """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop."""
+    def generate(self, prompts, spec: DecodeSpec, seed: int = 0, cache_len: int | None = None,
+                 costs: budget_lib.StepCosts | None = None) -> GenerateResult:
+        """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop. costs: the step costs an
+        auto loop chooses by (default: `step_costs`, calibrated once per loop and batch shape)."""
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
+        if spec.auto:
+            costs = costs or self.step_costs(spec, prompts, cache_len)
+            self.check_costs(spec, costs)
+        state, seconds = self._loop_runner(spec, prompts, cache_len, seed)(self.controls(spec, costs))
+        num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+        raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
+        taus = np.asarray(state.taus)[:int(state.rounds)]
+        emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
+        budgets = np.asarray(state.budgets)[:int(state.rounds)][emitted]
+        return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
+                              int(emitted.sum()), seconds, budgets, costs if spec.auto else None)
+
+    def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):
+        """run(controls) -> (final LoopState, seconds of the loop call): the compiled loop on these prompts, with
+        fresh caches each call (they are donated; made before the clock starts)."""
         s, longest = len(prompts), max(len(p) for p in prompts)
         tokens = np.zeros((s, longest), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        run = self.compiled_loop(spec, s, longest, cache_len)
-        cache, dcache = self.new_caches(spec, s, cache_len)
-        args = (self.target_params, self.drafter_params, cache, dcache, jnp.asarray(tokens), jnp.asarray(lengths),
-                jax.random.key(seed))
-        start = time.perf_counter()
-        state = jax.block_until_ready(run(*args))
-        seconds = time.perf_counter() - start
-        num_out, out = np.asarray(state.num_out), np.asarray(state.out)
-        raise_nonfinite(np.asarray(state.nonfinite), lengths)
-        taus = np.asarray(state.taus)[:int(state.rounds)]
-        taus = taus[(taus > 0).any(axis=1)]  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
-        return GenerateResult([out[i, :num_out[i]].tolist() for i in range(s)], taus, len(taus), seconds)
+        tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+        loop = self.compiled_loop(spec, s, longest, cache_len)
+
+        def run(controls: LoopControls):
+            cache, dcache = self.new_caches(spec, s, cache_len)
+            args = (self.target_params, self.drafter_params, cache, dcache, tokens, lengths, jax.random.key(seed))
+            jax.block_until_ready(args)
+            start = time.perf_counter()
+            state = jax.block_until_ready(loop(*args, controls))
+            return state, time.perf_counter() - start
+        return run
+
+    def controls(self, spec: DecodeSpec, costs=None, round_limit: int | None = None) -> LoopControls:
+        """The loop's traced inputs: costs (StepCosts or [C] seconds; auto only), round_limit (default: no limit
+        besides max_new_tokens)."""
+        if isinstance(costs, budget_lib.StepCosts):
+            costs = costs.seconds
+        costs = jnp.asarray(costs if spec.auto else (), jnp.float32)
+        limit = spec.max_new_tokens if round_limit is None else round_limit
+        return LoopControls(jnp.asarray(limit, jnp.int32), costs)
+
+    # ------------------------------------------------------------------------------------------- step costs
+    def cost_key(self, spec: DecodeSpec, num_streams: int, cache_len: int) -> dict:
+        """What step costs measured for this loop are valid for (budget.cost_key)."""
+        c = self.cfg
+        model = (f"{c.name} hidden={c.hidden_size} layers={c.num_layers} experts={c.num_experts} vocab={c.vocab_size}"
+                 f" drafter_block={spec.block_size}")
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        device = f"{len(devices)} x {devices[0].device_kind}"
+        return budget_lib.cost_key(device, model, str(c.dtype), num_streams, cache_len, spec.temperature,
+                                   spec.auto_budgets)
+
+    def step_costs(self, spec: DecodeSpec, prompts, cache_len: int | None = None, rounds: int = 6,
+                   reps: int = 3) -> budget_lib.StepCosts:
+        """The auto loop's step costs for this batch shape: `budget.calibrate` on these prompts with the compiled
+        loop itself (cached per loop and shape; ~ (C + 1) x (reps + 1) loops of `rounds` rounds). Across processes
+        (jax.distributed), process 0's."""
+        cache_len = cache_len or self.default_cache_len(spec, prompts)
+        self.validate(spec, prompts, cache_len)
+        s, longest = len(prompts), max(len(p) for p in prompts)
+        key = (spec, s, longest, cache_len)
+        if key not in self._costs:
+            run = self._loop_runner(spec, prompts, cache_len, seed=0)
+
+            def run_rounds(costs, limit):
+                state, seconds = run(self.controls(spec, costs, limit))
+                return seconds, int(state.rounds)
+            costs = budget_lib.calibrate(run_rounds, spec.auto_budgets, rounds=rounds, reps=reps,
+                                         key=self.cost_key(spec, s, cache_len))
+            if jax.process_count() > 1:  # every process must choose alike (one SPMD program): process 0's times
+                from jax.experimental import multihost_utils
+                seconds = multihost_utils.broadcast_one_to_all(np.asarray(costs.seconds + (costs.prefill_s,)))
+                costs = dataclasses.replace(costs, seconds=tuple(float(t) for t in seconds[:-1]),
+                                            prefill_s=float(seconds[-1]))
+            self._costs[key] = costs
+        return self._costs[key]
+
+    @staticmethod
+    def check_costs(spec: DecodeSpec, costs: budget_lib.StepCosts) -> None:
+        if tuple(costs.candidates) != spec.auto_budgets:
+            raise ValueError(f"step costs for budgets {costs.candidates} given to a loop choosing among "
+                             f"{spec.auto_budgets}; measure them for these budgets (Decoder.step_costs)")
+        if not all(c > 0 for c in costs.seconds):  # NaN fails too; +inf is allowed (never chosen)
+            raise ValueError(f"step costs {costs.seconds} must be positive seconds; measure them again "
+                             f"(Decoder.step_costs)")
 
     def new_caches(self, spec: DecodeSpec, num_streams: int, cache_len: int):
         """Empty target and drafter caches; under a mesh made in place, split over data (never whole on one device)."""
@@ -234,8 +336,8 @@ class Decoder:
 
     def compiled_loop(self, spec: DecodeSpec, num_streams: int, prompt_len: int, cache_len: int):
         """The jitted prefill + loop `generate` runs for this spec and shape (cached), called as
-        fn(params, drafter_params, cache, dcache, tokens [S, prompt_len], lengths [S], key) -> LoopState; the caches
-        (from `new_caches`) are donated."""
+        fn(params, drafter_params, cache, dcache, tokens [S, prompt_len], lengths [S], key, controls) -> LoopState
+        (controls: `Decoder.controls`); the caches (from `new_caches`) are donated."""
         spec = dataclasses.replace(spec, budget=spec.tree_budget, topk=spec.tree_topk)  # chain ignores the budget
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
@@ -252,37 +354,44 @@ class Decoder:
         rep, streams = sharding.replicated(self.mesh), sharding.stream_sharding(self.mesh)
         params = sharding.param_shardings(self.target_params, self.mesh)
         out = LoopState(cache=streams, dcache=streams, bonus=streams, out=streams, num_out=streams, done=streams,
-                        taus=sharding.stream_sharding(self.mesh, axis=1), rounds=rep, keys=streams,
-                        nonfinite=streams)
-        return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep), out_shardings=out)
+                        taus=sharding.stream_sharding(self.mesh, axis=1), budgets=rep, rounds=rep, keys=streams,
+                        auto=rep, nonfinite=streams)
+        return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep, rep), out_shardings=out)
 
     # ------------------------------------------------------------------------------------------- on device
-    def _run(self, spec: DecodeSpec, params, dparams, cache, dcache, tokens, lengths, key):
+    def _run(self, spec: DecodeSpec, params, dparams, cache, dcache, tokens, lengths, key, controls: LoopControls):
         target = nnx.merge(self.target_def, params)
         drafter = nnx.merge(self.drafter_def, dparams) if spec.policy != "ar" else None
-        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key)
-        one_round = functools.partial(decode_round, target, drafter, spec)
+        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key, controls.step_costs)
+        one_round = functools.partial(decode_round, target, drafter, spec, step_costs=controls.step_costs)
         if spec.rounds_per_check > 1:  # done streams are frozen, so extra rounds change nothing
             rounds = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check, lambda _, s: one_round(s), st)
         else:
             rounds = one_round
-        return jax.lax.while_loop(functools.partial(running, spec), rounds, state)
+        limit = jnp.minimum(controls.round_limit, spec.max_new_tokens)
+        return jax.lax.while_loop(functools.partial(running, spec, limit), rounds, state)
 
 
-def running(spec: DecodeSpec, st: LoopState):
-    """The loop's predicate: rounds left, a stream still going, and (check_finite) no stream gone non-finite."""
-    going = (st.rounds < spec.max_new_tokens) & ~jnp.all(st.done)
+def running(spec: DecodeSpec, limit, st: LoopState):
+    """The loop's predicate: rounds left (limit), a stream still going, and (check_finite) no stream gone
+    non-finite."""
+    going = (st.rounds < limit) & ~jnp.all(st.done)
     return going & jnp.all(st.nonfinite < 0) if spec.check_finite else going
 
 
-def first_nonfinite(nonfinite, logits, position, valid=None):
-    """nonfinite [S] updated with `position` [S] for each stream whose logits [S, T, V] (the rows where valid, [S, T]
-    or [S, 1], is true) hold NaN or inf for the first time; one isfinite reduction over logits the round has computed
-    anyway."""
+def all_finite(logits, valid=None):
+    """logits [S, T, V] -> [S] bool: every value of the stream's rows (those where valid, [S, T] or [S, 1], is true)
+    finite. One isfinite reduction over logits the round has computed anyway."""
     finite = jnp.isfinite(logits).all(axis=-1)  # [S, T]
     if valid is not None:
         finite = finite | ~valid
-    return jnp.where((nonfinite < 0) & ~finite.all(axis=1), position, nonfinite)
+    return finite.all(axis=1)
+
+
+def first_nonfinite(nonfinite, finite, position):
+    """nonfinite [S] updated with `position` [S] for each stream whose logits went non-finite (finite [S] false)
+    for the first time."""
+    return jnp.where((nonfinite < 0) & ~finite, position, nonfinite)
 
 
 def raise_nonfinite(nonfinite: np.ndarray, prompt_lengths: np.ndarray) -> None:
@@ -297,13 +406,24 @@ def raise_nonfinite(nonfinite: np.ndarray, prompt_lengths: np.ndarray) -> None:
                           f"(it may be corrupt) or run in float32 (--dtype=float32)")
 
 
-def pick_tokens(logits, temperature: float, keys):
-    """logits [S, T, V], keys [S] -> [S, T] tokens: argmax at temperature 0, else one independent sample per position
-    drawn with the stream's own key."""
+def pick_tokens(logits, temperature: float, keys, depth=None, levels: int = 0):
+    """logits [S, T, V], keys [S] -> [S, T] int32 tokens: argmax at temperature 0, else one sample per position with
+    the stream's own key, by the Gumbel-max trick: argmax(logits + T * g), g standard Gumbel noise [V].
+
+    depth [S, T] (tree positions, each < `levels`, static; a node's depth is at most its index): positions at the
+    same depth share their noise, so the noise drawn is [S, min(levels, T), V] instead of [S, T, V] (fewer random
+    bits where the tree has more nodes than depths). Exact for the accept walk: it visits one node per depth, and
+    the node it visits at depth d is fixed by the samples at depths < d, so each sample it uses is independent of
+    every sample before it, as with noise per node. None: every position its own noise."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sample = lambda k, l: jax.random.categorical(k, l / temperature, axis=-1)
-    return jax.vmap(sample)(keys, logits).astype(jnp.int32)
+    s, t, v = logits.shape
+    shared = depth is not None and levels < t
+    rows = levels if shared else t
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (rows, v), jnp.float32))(keys)  # [S, rows, V]
+    if shared:
+        noise = jax.vmap(lambda n, d: n[d])(noise, depth)  # [S, T, V]
+    return jnp.argmax(logits.astype(jnp.float32) + temperature * noise, axis=-1).astype(jnp.int32)
 
 
 def split_each(keys):
@@ -313,8 +433,9 @@ def split_each(keys):
 
 
 def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cache: KVCache, dcache, tokens,
-            lengths, key) -> LoopState:
-    """Run the ragged prompts (tokens [S, P] right-padded, lengths [S]) and emit each stream's first token."""
+            lengths, key, step_costs=None) -> LoopState:
+    """Run the ragged prompts (tokens [S, P] right-padded, lengths [S]) and emit each stream's first token.
+    step_costs: [C] seconds per round of each auto budget (auto only)."""
     s, p = tokens.shape
     causal = jnp.tril(jnp.ones((p, p), bool))
     valid = jnp.arange(p)[None, :] < lengths[:, None]
@@ -332,11 +453,12 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
+    auto = budget_lib.init_state(spec.auto_budgets, step_costs, spec.depth) if spec.auto else None
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
-        nonfinite = first_nonfinite(nonfinite, fwd.logits, jnp.zeros((s,), jnp.int32), valid)
+        nonfinite = first_nonfinite(nonfinite, all_finite(fwd.logits, valid), jnp.zeros((s,), jnp.int32))
     return LoopState(cache, dcache, first, out, num_out, done, jnp.zeros((max_rounds, s), jnp.int32),
-                     jnp.zeros((), jnp.int32), keys, nonfinite)
+                     jnp.zeros((max_rounds,), jnp.int32), jnp.zeros((), jnp.int32), keys, auto, nonfinite)
 
 
 def _is_eos(tokens, spec: DecodeSpec):
@@ -353,22 +475,104 @@ def root_only_tree(root) -> tree_lib.TreeArrays:
                                jnp.ones((s, 1, 1), bool), jnp.ones((s,), jnp.int32), jnp.zeros((s, 1), jnp.float32))
 
 
-def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState) -> LoopState:
-    """One draft -> build -> verify -> accept -> commit round for every stream (finished streams are frozen)."""
+def draft_tree(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState) -> tree_lib.TreeArrays:
+    """Draft after each stream's bonus token and build the best-first tree of spec.tree_budget nodes."""
     length = st.cache.length
-    if drafter is None:
-        tree = root_only_tree(st.bonus)
-    else:
-        draft = drafter.draft(target.embed, target.logits, st.bonus, length, st.dcache, length)
-        tree = ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
+    draft = drafter.draft(target.embed, target.logits, st.bonus, length, st.dcache, length)
+    return ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
+
+
+def verify_and_commit(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
+                      tree: tree_lib.TreeArrays, keys):
+    """Verify the tree (one target forward over its B+1 nodes), walk it (`walk_tree`), compact the accepted KV and
+    extend the drafter context with the root and the accepted nodes (min(B, D) + 1 rows: an AR round writes one)
+    -> (cache, dcache, verdict with its path padded to D+1, finite [S]: the logits all finite (check_finite; else
+    true))."""
+    length = st.cache.length
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
-    keys, sub = split_each(st.keys)
-    verdict = ops.tree_accept(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)
+    verdict = walk_tree(spec, tree, fwd.logits, keys)
+    cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, ~st.done)
+    path = jnp.pad(verdict.path, ((0, 0), (0, spec.depth + 1 - verdict.path.shape[1])), constant_values=-1)
+    finite = all_finite(fwd.logits) if spec.check_finite else jnp.ones(length.shape, bool)
+    return cache, dcache, verdict._replace(path=path), finite
 
-    # Emitted this round: the accepted draft tokens, then the new bonus; cut at EOS and at max_new_tokens.
+
+def walk_tree(spec: DecodeSpec, tree: tree_lib.TreeArrays, logits, keys) -> tree_lib.AcceptResult:
+    """The accept walk along the target's tokens at the nodes (logits [S, B+1, V]: argmax, or samples with keys [S]),
+    for at most min(B, D) steps (a walk takes one step per non-root node at most): path [S, min(B, D) + 1]."""
+    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)
+    return ops.tree_accept(tree, picked, min(tree.tokens.shape[1] - 1, spec.depth))
+
+
+def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
+                 step_costs=None) -> LoopState:
+    """One draft -> build -> verify -> accept -> commit round for every stream (finished streams are frozen).
+    step_costs: [C] seconds per round of each auto budget (auto only: `auto_round`)."""
+    if spec.auto:
+        return auto_round(target, drafter, spec, st, step_costs)
+    keys, sub = split_each(st.keys)
+    tree = root_only_tree(st.bonus) if drafter is None else draft_tree(target, drafter, spec, st)
+    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree, sub)
+    return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, spec.tree_budget, st.auto, finite)
+
+
+def auto_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
+    """A round of the auto loop (kdtree_jax.budget). When st.auto says so, draft and build at the largest budget
+    and pick the best candidate B > 0 (a `lax.cond` around the draft, whose outputs are small); then one
+    `lax.switch` over the candidates verifies the AR root or a prefix of B + 1 nodes (the caches pass through this
+    one conditional only)."""
+    candidates = spec.auto_budgets
+    spec_at = jnp.asarray(budget_lib.spec_indices(candidates))
+    tree_budgets = [b for b in candidates if b > 0]
+    keys, sub = split_each(st.keys)
+    active = ~st.done
+
+    def drafted(st: LoopState):
+        tree = draft_tree(target, drafter, spec, st)
+        expected = budget_lib.expected_accepted(tree.score, st.auto, tree_budgets)  # [S, C']
+        k, mean = budget_lib.choose(expected, active, step_costs[spec_at])
+        return tree, spec_at[k], mean
+
+    def skipped(st: LoopState):
+        return empty_tree(st.bonus, spec.tree_budget), jnp.int32(0), jnp.zeros(len(tree_budgets), jnp.float32)
+
+    if candidates[0] == 0:
+        tree, branch, mean = jax.lax.cond(st.auto.draft_next, drafted, skipped, st)
+    else:
+        tree, branch, mean = drafted(st)
+    verify = [functools.partial(lambda b, t: verify_and_commit(
+        target, drafter, spec, st, tree_lib.prefix_tree(t, b) if b else root_only_tree(st.bonus), sub), b)
+        for b in candidates]
+    cache, dcache, verdict, finite = jax.lax.switch(branch, verify, tree)
+
+    chosen = jnp.asarray(candidates, jnp.int32)[branch]
+    nodes = jnp.arange(spec.tree_budget + 1)
+    on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, B_max + 1]
+    verified = (nodes >= 1) & (nodes <= chosen) & active[:, None] & jnp.isfinite(tree.score)
+    after_draft = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), mean,
+                                              candidates, step_costs)
+    after_ar = budget_lib.plan_after_ar(st.auto, candidates, step_costs, spec.depth)
+    auto = jax.tree.map(lambda a, b: jnp.where(chosen > 0, a, b), after_draft, after_ar)
+    return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, chosen, auto, finite)
+
+
+def empty_tree(root, budget: int) -> tree_lib.TreeArrays:
+    """B + 1 slots of padding after each root (root [S]): the auto loop's tree in a round that does not draft."""
+    s, n = root.shape[0], budget + 1
+    minus = jnp.full((s, n), -1, jnp.int32)
+    return tree_lib.TreeArrays(jnp.zeros((s, n), jnp.int32).at[:, 0].set(root), minus, jnp.zeros((s, n), jnp.int32),
+                               minus, minus, jnp.broadcast_to(jnp.eye(n, dtype=bool), (s, n, n)),
+                               jnp.ones((s,), jnp.int32), jnp.full((s, n), -jnp.inf).at[:, 0].set(0.0))
+
+
+def finish_round(spec: DecodeSpec, st: LoopState, tree_tokens, verdict, cache, dcache, keys, budget,
+                 auto, finite) -> LoopState:
+    """The round's bookkeeping: emit the accepted draft tokens (tree_tokens [S, N], N >= the path's nodes) and the
+    new bonus, cut at EOS and at max_new_tokens; record tau, the budget verified (B, int or int32 []) and where a
+    stream's logits first went non-finite (finite [S])."""
     depth = spec.depth
-    accepted = jnp.take_along_axis(tree.tokens, jnp.maximum(verdict.path[:, 1:], 0), axis=1)  # [S, D]
+    accepted = jnp.take_along_axis(tree_tokens, jnp.maximum(verdict.path[:, 1:], 0), axis=1)  # [S, D]
     slots = jnp.arange(depth + 1)[None, :]
     emitted = jnp.where(slots == verdict.num_accepted[:, None], verdict.next_token[:, None],
                         jnp.pad(accepted, ((0, 0), (0, 1))))
@@ -382,41 +586,56 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
     out = jnp.where(active[:, None], out, st.out)
     num_out = st.num_out + count
     done = st.done | hit_eos | (num_out >= spec.max_new_tokens)
-
-    nonfinite = st.nonfinite
-    if spec.check_finite:
-        nonfinite = first_nonfinite(nonfinite, fwd.logits, st.num_out, valid=active[:, None])
-    cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, active)
+    nonfinite = first_nonfinite(st.nonfinite, finite | ~active, st.num_out)
     return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
-                     st.taus.at[st.rounds].set(count), st.rounds + 1, keys, nonfinite)
+                     st.taus.at[st.rounds].set(count), st.budgets.at[st.rounds].set(budget), st.rounds + 1, keys,
+                     auto, nonfinite)
 
 
 def commit_kv(drafter: Drafter | None, cache: KVCache, dcache, hidden, verdict, active):
     """Compact the accepted tree rows of the target cache and extend the drafter context with the root and accepted
-    nodes' hidden states (hidden: per target layer [S, B+1, D]). Returns (cache, dcache)."""
+    nodes' hidden states (hidden: per target layer [S, B+1, D]; verdict.path [S, P]: P rows written). Returns
+    (cache, dcache)."""
     length = cache.length
     new_cache = compact(cache, verdict.path, verdict.num_accepted, active)
     if drafter is None:
         return new_cache, dcache
     path = jnp.maximum(verdict.path, 0)
-    hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)  # [S, D+1, D_model]
+    hidden = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in hidden)  # [S, P, D_model]
     positions = length[:, None] + jnp.arange(path.shape[1])[None, :]
     return new_cache, drafter.extend_cache(dcache, hidden, positions, length)
 
 
+def budget_counts(budgets) -> dict:
+    """{B: rounds} of the budgets verified per round (any shape), by increasing B."""
+    values, counts = np.unique(np.asarray(budgets).ravel(), return_counts=True)
+    return {int(b): int(n) for b, n in zip(values, counts)}
+
+
 def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
-    """Decode all prompts, `batch` streams at a time (the first batch once more first, to compile and warm up; batch
-    k samples with seed + k) -> totals, tau statistics and the outputs (`tokens`, per prompt)."""
+    """Decode all prompts, `batch` streams at a time (first, one batch of each shape once more, to compile and warm
+    up, and for auto to calibrate the step costs; batch k samples with seed + k) -> totals, tau statistics, the
+    budgets verified (`budget_hist` {B: batch rounds}; `budget_rounds`: per round of the first batch) and the
+    outputs (`tokens`, per prompt)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    decoder.generate(groups[0], spec, seed=seed)  # compile + warm up
-    seconds, tokens, taus = 0.0, [], []
+    shapes = {(len(g), max(len(p) for p in g)): g for g in reversed(groups)}  # a ragged last batch compiles apart
+    start = time.perf_counter()
+    for group in shapes.values():
+        decoder.generate(group, spec, seed=seed)  # compile + warm up (+ calibrate)
+    setup_s = time.perf_counter() - start
+    seconds, tokens, taus, budgets, first = 0.0, [], [], [], None
     for k, group in enumerate(groups):
         res = decoder.generate(group, spec, seed=seed + k)
         seconds += res.seconds
         tokens += res.tokens
         taus.append(res.taus.ravel())
+        budgets.append(res.budgets)
+        first = res if k == 0 else first
     tau, hist = acceptance(np.concatenate(taus), spec.block_size)
     new = sum(len(t) for t in tokens)
-    return {"policy": spec.policy, "budget": spec.tree_budget, "seconds": seconds, "new_tokens": new,
-            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
-            "tokens": tokens}
+    row = {"policy": spec.policy, "budget": spec.budget_label, "seconds": seconds, "new_tokens": new,
+           "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
+           "budget_hist": budget_counts(np.concatenate(budgets)), "setup_s": setup_s, "tokens": tokens}
+    if spec.auto:
+        row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict())
+    return row

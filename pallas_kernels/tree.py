@@ -333,6 +333,19 @@ def build_tree_from_topk(top_logprobs, top_ids, root, budget: int) -> TreeArrays
                       score)
 
 
+def prefix_tree(tree: TreeArrays, budget: int) -> TreeArrays:
+    """The first budget + 1 nodes of a best-first tree (`budget` static, at most the tree's): its nodes, links
+    beyond the prefix cut to -1, visible [S, B+1, B+1]. Nodes are in pop order (a parent before its children), so
+    this is exactly the tree a build at this budget returns, given the same top-K per depth or the default
+    K = min(B, V): a candidate of rank >= B can only be pushed after B pops, so the extra candidates of a larger K
+    never reach the first B pops, and the other candidates' push counters keep their order (ties break as before)."""
+    keep = budget + 1
+    cut = lambda links: jnp.where(links < keep, links, -1)
+    return TreeArrays(tree.tokens[:, :keep], tree.parent[:, :keep], tree.depth[:, :keep],
+                      cut(tree.first_child[:, :keep]), cut(tree.next_sibling[:, :keep]),
+                      tree.visible[:, :keep, :keep], jnp.minimum(tree.num_nodes, keep), tree.score[:, :keep])
+
+
 def build_tree(draft_logits, root, budget: int, topk: int | None = None) -> TreeArrays:
     """draft_logits [S, D, V], root [S] int -> TreeArrays (jnp): `build_tree_heapq` with the float32 `draft_topk`.
 

@@ -16,6 +16,7 @@ import pytest
 from conftest import FAST_COMPILE
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+KERNELS = os.path.join(ROOT, "experiments", "kernels")
 STAGES = ("draft", "build", "verify", "accept", "commit")
 
 
@@ -57,7 +58,8 @@ def test_bench_kernels_tree_section(tmp_path):
         assert {"kernel_from_topk", "kernel_from_logits", "accept_kernel", "topk"} <= set(r["timings"])
     assert "peer/kernel" in stdout
 
-    run_script("kernels/bench_kernels.py", "--quick", "--sections=ceilings", "--reps=2", "--merge", "--noplot", f"--out={out}")
+    run_script("kernels/bench_kernels.py",
+               "--quick", "--sections=ceilings", "--reps=2", "--merge", "--noplot", f"--out={out}")
     merged = json.loads(out.read_text())
     assert merged["tree"] == rows and merged["checks"]["tree_identical"] is True
     assert merged["meta"]["merged"]["sections"] == ["tree"]
@@ -72,7 +74,8 @@ def test_bench_kernels_merge_keeps_the_attention_cases_not_rerun(tmp_path):
              dict(streams=2, heads=4, prefix=128, nodes=5)]
     earlier = dict(meta=dict(date="earlier"), ceilings={}, checks={}, attention=[dict(c, kernel_us=-1.0) for c in cases])
     out.write_text(json.dumps(earlier))
-    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
+    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge",
+               "--noplot",
                "--attention_cases=1/8/256/16", f"--out={out}")
     merged = json.loads(out.read_text())
     assert [(r["heads"], r["nodes"]) for r in merged["attention"]] == [(8, 1), (8, 16), (4, 5)]
@@ -87,7 +90,8 @@ def test_bench_kernels_merge_keeps_the_earlier_row_of_a_case_skipped_on_the_budg
     case = dict(streams=1, heads=8, prefix=256, nodes=16)
     out.write_text(json.dumps(dict(meta=dict(date="earlier"), ceilings={}, checks={},
                                    attention=[dict(case, kernel_us=-1.0)])))
-    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge", "--noplot",
+    run_script("kernels/bench_kernels.py", "--quick", "--sections=attention", "--sweep=", "--reps=2", "--merge",
+               "--noplot",
                "--attention_cases=1/8/256/16,1/8/256/1", "--attention_budget_s=0", f"--out={out}")
     merged = json.loads(out.read_text())
     assert merged["attention"][0] == dict(streams=1, heads=8, prefix=256, nodes=1, skipped="time budget")
@@ -97,7 +101,7 @@ def test_bench_kernels_merge_keeps_the_earlier_row_of_a_case_skipped_on_the_budg
 
 def test_bench_kernels_merge_needs_an_earlier_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "bench_kernels.py"), "--quick",
+    proc = subprocess.run([sys.executable, os.path.join(KERNELS, "bench_kernels.py"), "--quick",
                            "--sections=ceilings", "--merge", f"--out={tmp_path / 'none.json'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "run without --merge first" in proc.stderr
@@ -150,7 +154,7 @@ def test_attention_flashmla_refuses_a_cpu_and_a_malformed_case():
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for args, why in ((["--flashmla=/nonexistent"], "run it on a Hopper GPU"),
                       (["--flashmla=/nonexistent", "--cases=1/8/4096"], "is not S/H/N/T")):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "attention_flashmla.py"), *args],
+        proc = subprocess.run([sys.executable, os.path.join(KERNELS, "attention_flashmla.py"), *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
@@ -159,18 +163,21 @@ def test_attention_alone_wall_refuses_a_cpu_and_a_malformed_case():
     """The profiler-free alone timing runs on a GPU; elsewhere, or given a malformed case, it says so (exit 2)."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     for args, why in (([], "run it on the GPU"), (["--cases=1/8/4096"], "is not S/H/N/T")):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kernels", "attention_alone_wall.py"), *args],
+        proc = subprocess.run([sys.executable, os.path.join(KERNELS, "attention_alone_wall.py"), *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_round_tiny(tmp_path):
     out = tmp_path / "round.json"
-    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8",
-                        "--streams=2", "--prompt_len=8", "--rounds=3", "--reps=2", f"--out={out}")
+    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=0,8,auto",
+                        "--auto_budgets=0,4", "--streams=2", "--prompt_len=8", "--rounds=3", "--reps=2", f"--out={out}")
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "tiny" and result["meta"]["backend"] == "cpu"
-    ar, tree = result["rows"]
+    ar, tree, auto = result["rows"]
+    assert auto["budget"] == "auto" and set(auto["step_costs_us"]) == {"0", "4"}
+    assert all(us > 0 for us in auto["step_costs_us"].values()) and 1 <= auto["rounds"] <= 3
+    assert sum(auto["budget_hist"].values()) == auto["rounds"] == len(auto["budget_rounds"])
     assert (ar["policy"], ar["budget"], tree["policy"], tree["budget"]) == ("ar", 0, "ddtree", 8)
     assert set(ar["stages_us"]) == set(STAGES) - {"draft"} and set(tree["stages_us"]) == set(STAGES)
     assert ar["tau_mean"] == 1.0 and 1.0 <= tree["tau_mean"] <= 16  # ar emits one token a round; L = 16
@@ -188,13 +195,14 @@ def test_bench_round_tiny(tmp_path):
 
 
 def test_bench_decode_small_table(tmp_path):
-    """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present, outputs equal ar's
-    on the CPU, histograms that count the rounds, the plot written; a spent time budget skips every (temperature,
-    batch) group. Sampled decoding is checked by test_sampling and test_decode: a second temperature here would
+    """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present (ddtree with
+    --budget=auto), outputs equal ar's on the CPU, histograms that count the rounds, the plot written; a spent time
+    budget skips every (temperature, batch) group. Sampled decoding is checked by test_sampling and test_decode: a second temperature here would
     double the script's compiles (~130 s of the suite on two cores, experiments/notes/testing.md)."""
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
-    run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=2",
-               "--temperatures=0", "--topk=3", "--rounds_per_check=2", f"--out={out}", f"--plot={png}")
+    run_script("bench_decode.py", "--num_prompts=3", "--max_new_tokens=8", "--budgets=auto", "--auto_budgets=0,4",
+               "--batch_sizes=2", "--temperatures=0", "--topk=3", "--rounds_per_check=2", f"--out={out}",
+               f"--plot={png}")
     result = json.loads(out.read_text())
     assert result["meta"]["skipped_groups"] == [] and result["meta"]["topk"] == 3 and png.stat().st_size > 0
     runs = result["runs"]
@@ -211,6 +219,10 @@ def test_bench_decode_small_table(tmp_path):
             assert r["accept_hist"][1:] == [0] * (len(r["accept_hist"]) - 1)  # one token a round
         assert r["identical_to_ar"] is True and r["agree_prefix"] == 1.0
         assert r["speedup"] > 0
+        if r["policy"] == "ddtree":  # its rounds: AR (B = 0) or a prefix of 4 nodes, from step costs it measured
+            assert r["budget"] == "auto" and set(r["budget_hist"]) <= {"0", "4"}
+            assert r["costs"]["candidates"] == [0, 4] and all(c > 0 for c in r["costs"]["seconds"])
+            assert 0 < len(r["budget_rounds"]) < sum(r["budget_hist"].values())  # the first of two batches
 
     skipped = tmp_path / "skipped.json"
     run_script("bench_decode.py", "--num_prompts=2", "--max_new_tokens=8", "--budgets=4", "--batch_sizes=1",

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdtree_jax import budget
 from kdtree_jax import config as config_lib
 from pallas_kernels import tree as tree_lib
 from kdtree_jax.cache import init_cache
@@ -109,6 +110,41 @@ def test_greedy_ddtree_and_chain_equal_ar_oracle_drafter(oracle_decoder, budget)
     assert taus["chain"] > 1.5  # multi-token rounds happen
     if budget >= 32:
         assert taus["ddtree"] > taus["chain"]  # a wide enough tree recovers the demoted tokens
+
+
+AUTO = (0, 2, 8)
+
+
+@pytest.mark.parametrize("costs, mixed", [((1.0, 1.2, 1.5), False),  # drafting pays: B = 2 or 8 each round
+                                          ((0.2, 1.0, 1.2), True),  # AR wins after the first (drafted) round
+                                          ((np.inf, np.inf, 1.0), False)],  # only B = 8
+                         ids=["spec", "ar_after_the_first", "forced_8"])
+def test_greedy_auto_equals_ar(oracle_decoder, costs, mixed):
+    """--budget=auto over (0, 2, 8) with hand-made step costs (one compiled loop: the costs are traced): the oracle
+    drafter's greedy output is AR's whatever budgets the rounds verify, AR rounds and tree prefixes in one run."""
+    decoder, truth = oracle_decoder
+    spec = DecodeSpec(policy="ddtree", auto_budgets=AUTO, block_size=BLOCK, max_new_tokens=20)
+    res = decoder.generate(PROMPTS, spec, costs=budget.StepCosts(AUTO, costs))
+    assert res.tokens == [t[:20] for t in truth]
+    assert res.budgets.shape == (res.rounds,) and set(res.budgets.tolist()) <= set(AUTO)
+    if mixed:
+        assert 0 in res.budgets and res.budgets.max() > 0 and res.budgets[0] > 0  # the first round drafts
+    elif np.isinf(costs[0]):
+        assert set(res.budgets.tolist()) == {8}
+    else:
+        assert 0 not in res.budgets and res.taus[res.taus > 0].mean() > 1.5
+
+
+def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decoder):
+    """A random drafter, the step costs calibrated on this machine (a few rounds of the loop itself per budget)."""
+    spec = DecodeSpec(policy="ddtree", auto_budgets=(0, 4), block_size=BLOCK, max_new_tokens=14)
+    costs = draft_decoder.step_costs(spec, PROMPTS, rounds=2, reps=1)
+    assert costs.candidates == (0, 4) and all(c > 0 for c in costs.seconds) and costs.key["streams"] == len(PROMPTS)
+    assert draft_decoder.generate(PROMPTS, spec).tokens == ar_tokens(ar_decoder, PROMPTS, 14)
+    with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
+        draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
+    with pytest.raises(ValueError, match="auto budgets"):
+        draft_decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", auto_budgets=(4, 0), block_size=BLOCK))
 
 
 def test_eos_mid_round(ar_decoder, oracle_decoder):

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdtree_jax import budget
 from kdtree_jax import config as config_lib
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import DrafterCache
@@ -145,6 +146,25 @@ def test_ddtree_tokens_follow_the_target(target, temperature):
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 def test_ddtree_tokens_follow_the_target_many_samples(target, temperature):
     check_ddtree(target, temperature, streams=512, max_new=25)
+
+
+def test_auto_budget_tokens_follow_the_target(target):
+    """--budget=auto over (0, 8, 80) with step costs under which AR wins after the first (drafted) round, and probes
+    are far apart (a drafted round costs 2.5 AR rounds): one run of a tree round (B = 8) then AR rounds, measured 256
+    tokens checked past the root. B is fixed before the round's target samples, so the tokens still follow the
+    target's distribution, past the root and overall."""
+    spec = DecodeSpec(policy="ddtree", auto_budgets=(0, 8, BUDGET), block_size=BLOCK, temperature=1.3,
+                      max_new_tokens=13)
+    decoder = Decoder(target, UniformDrafter(config_lib.tiny_drafter(target.cfg, BLOCK)))
+    costs = budget.StepCosts(spec.auto_budgets, (0.4, 1.0, 1.508))
+    result = decoder.generate([PROMPT] * 256, spec, seed=4, costs=costs)
+    tokens = np.asarray(result.tokens)
+    p = exact_distributions(target, tokens, spec.temperature)
+    assert 0 in result.budgets and result.budgets[0] > 0
+    checked = past_the_root(result.taus, tokens.shape[1])
+    past = sampling_statistics(p[checked], tokens[checked], seed=4)
+    assert past["uncertainty"] >= MIN_UNCERTAINTY
+    sampling_statistics(p.reshape(-1, VOCAB), tokens.ravel(), seed=5)
 
 
 def test_ar_tokens_follow_the_target(target):

@@ -42,8 +42,9 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
 
     Under a mesh with tp > 1 each device holds E / tp experts and I / tp shared columns (the shards the params
     already have), sees every token (replicated over tp; split over data when M divides), shifts the ids by its first
-    expert, adds its routed and shared partial outputs in f32 and takes ONE psum over tp. Without such a mesh:
-    local_moe + mlp, summed in f32.
+    expert, adds its routed and shared partial outputs in f32 and takes ONE psum over tp in x's dtype (bf16 for a
+    bf16 model: half the bytes of an f32 sum; an f32 model sums in f32). Without such a mesh: local_moe + mlp,
+    summed in f32.
 
     One device's share of a tp deployment without a mesh (`experts` holds fewer than routed_experts, as bench_k26's
     --shard_of builds it): the share computes the pairs of the device that holds the most of the step's distinct
@@ -71,7 +72,7 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
 
     def on_device(x, experts, ids, weights, shared_params):
         first = jax.lax.axis_index(TP) * per_device
-        return jax.lax.psum(local(x, experts, ids, weights, shared_params, first), TP).astype(x.dtype)
+        return jax.lax.psum(local(x, experts, ids, weights, shared_params, first).astype(x.dtype), TP)
 
     return jax.shard_map(on_device, in_specs=(tokens, P(TP), tokens, tokens, shared_specs), out_specs=tokens,
                          check_vma=_check_vma())(x, experts, ids, weights, shared_params)

@@ -1,0 +1,282 @@
+"""The tree budget chosen each round (`--budget=auto`): the device's measured step costs, the drafter's expected
+acceptance, and an online calibration of the drafter's confidence against what the target accepts.
+
+A round of the auto loop verifies B + 1 nodes per stream, B from a compiled set of candidates (`DecodeSpec.
+auto_budgets`, e.g. 0, 4, 8, 16, 32, 64); B = 0 is an AR round (no draft, no build: the root alone). With c_B the
+device's cost of such a round for the whole batch (seconds, `StepCosts`, measured by `calibrate`) and E_{s,B} the
+expected number of draft nodes stream s accepts, a round emits E_{s,B} + 1 tokens per stream, so the loop picks
+
+    B* = argmax_B  mean over active streams of (E_{s,B} + 1) / c_B         (`choose`; ties to the smaller B)
+
+Expected acceptance. The best-first tree of budget B is the first B + 1 nodes of the tree of the largest budget
+(nodes in pop order, a parent before its children, `tree.prefix_tree`), so one build at B_max serves every
+candidate. If the target drew its tokens from the drafter's distributions, node i would lie on the accepted path
+with probability p_i = exp(score_i) (its path log-prob), so E_{s,B} = sum_{i=1..B} p_i. The drafter is not the
+target: each p_i is corrected by the acceptance observed so far for nodes of like confidence, q_i = min(1, p_i *
+r[bin(p_i)]), with bins by powers of two of p (`NUM_BINS`) and r = (accepted + PRIOR) / (predicted + PRIOR) from
+decayed sums over the verified nodes of past rounds (`observe`; PRIOR pseudo-counts start r at 1, trusting the
+drafter; DECAY per round forgets). Every verified node's outcome is observed whatever B was (a node is on the
+accepted path or not), at greedy and sampled decoding alike.
+
+AR rounds skip the draft, so whether to draft is decided before the round from what the loop already knows: after
+every drafted round, a forecast of E_B (mean over active streams, a running average: FORECAST_WEIGHT) gives the
+best speculative rate max_B (F_B + 1) / c_B, compared with an AR round's 1 / c_0; when AR wins, the loop runs AR
+rounds and drafts again (a probe, the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap
+doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
+cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). Once
+drafted, the round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a
+few verify rows. The choice is per batch, not per stream:
+the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
+that size every stream accepts the most from all of its B + 1 nodes.
+
+Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores and past rounds only; the
+greedy output equals AR's, and at T > 0 each emitted token is still the target's sample at its node.
+
+The costs are an input of the compiled loop (`LoopControls.step_costs`), so `calibrate` times the very executable
+that decodes: each candidate forced by a cost table that makes it the only finite choice, for a few rounds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_CANDIDATES = (0, 4, 8, 16, 32, 64)  # budgets of --budget=auto; 0 = an AR round
+NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2^-j]; the last one everything below
+DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
+PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
+FORECAST_WEIGHT = 0.5  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
+PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
+PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
+PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
+
+
+def check_candidates(candidates, check_budget) -> tuple[int, ...]:
+    """candidates: budgets of the auto loop, strictly increasing, >= 0, at least one > 0; check_budget(B) raises for
+    a B the tree cannot hold. Returns them as a tuple, or raises ValueError naming the fix."""
+    candidates = tuple(int(b) for b in candidates)
+    if not candidates or any(b < 0 for b in candidates) or list(candidates) != sorted(set(candidates)):
+        raise ValueError(f"auto budgets {candidates} must be distinct budgets >= 0 in increasing order, e.g. "
+                         f"{DEFAULT_CANDIDATES} (0 = an AR round)")
+    if candidates[-1] == 0:
+        raise ValueError(f"auto budgets {candidates} need a budget > 0; for AR alone use policy 'ar'")
+    for b in candidates:
+        if b:
+            check_budget(b)
+    return candidates
+
+
+def parse_budget(text: str) -> int | None:
+    """A --budget flag value: an integer B >= 0, or 'auto' (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"budget {text!r} is neither 'auto' nor an integer number of tree nodes") from None
+
+
+# ------------------------------------------------------------------------------------------------------ step costs
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Measured seconds of one round of the auto loop for each candidate budget, for one batch shape on one device.
+
+    candidates: (B, ...) as in DecodeSpec.auto_budgets; seconds[i]: a round verifying candidates[i] + 1 nodes per
+    stream (candidates[i] = 0: an AR round), draft, build, accept, commit and the loop's bookkeeping included; key:
+    what the costs were measured for (`cost_key`); how: 'calibrated' (timed just now) or the table file read;
+    prefill_s: the loop's prefill (a call of 0 rounds), measured beside them."""
+    candidates: tuple[int, ...]
+    seconds: tuple[float, ...]
+    key: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    how: str = "calibrated"
+    prefill_s: float = 0.0
+
+    def __post_init__(self):
+        if len(self.seconds) != len(self.candidates):
+            raise ValueError(f"step costs: {len(self.seconds)} times for the {len(self.candidates)} candidate budgets "
+                             f"{self.candidates}")
+
+    def as_dict(self) -> dict:
+        return {"candidates": list(self.candidates), "seconds": list(self.seconds), "key": self.key, "how": self.how,
+                "prefill_s": self.prefill_s}
+
+
+def forced_costs(candidates, index: int) -> np.ndarray:
+    """[C] costs under which the loop always picks candidates[index]: 1 there, +inf elsewhere."""
+    costs = np.full(len(candidates), np.inf, np.float32)
+    costs[index] = 1.0
+    return costs
+
+
+def cost_key(device_kind: str, model: str, dtype: str, streams: int, cache_len: int, temperature: float,
+             candidates) -> dict:
+    """What a cost table entry is valid for: the device, the model (config name and shape), its dtype, the batch,
+    the cache rows (the verify reads them), whether the round samples, and the candidates."""
+    return {"device": device_kind, "model": model, "dtype": dtype, "streams": int(streams), "cache_len": int(cache_len),
+            "sampling": temperature > 0, "candidates": [int(b) for b in candidates]}
+
+
+def load_costs(path: str, key: dict) -> StepCosts | None:
+    """The entry of the cost table at `path` (a JSON list of StepCosts.as_dict()) whose key equals `key`; None when
+    the file or the entry does not exist."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        entries = json.load(f)
+    for e in entries:
+        if e["key"] == key:
+            return StepCosts(tuple(e["candidates"]), tuple(e["seconds"]), e["key"], how=path,
+                             prefill_s=e.get("prefill_s", 0.0))
+    return None
+
+
+def save_costs(path: str, costs: StepCosts) -> None:
+    """Add (or replace, by key) the entry of `costs` in the cost table at `path`."""
+    entries = []
+    if os.path.exists(path):
+        with open(path) as f:
+            entries = [e for e in json.load(f) if e["key"] != costs.key]
+    entries.append(dict(costs.as_dict(), how="calibrated", date=time.strftime("%Y-%m-%d %H:%M:%S")))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(entries, f, indent=1)
+
+
+def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | None = None) -> StepCosts:
+    """Time one round of the compiled auto loop at each candidate budget.
+
+    run_loop(step_costs [C] float32, round_limit) -> (seconds, rounds run): one timed call of the compiled loop
+    (prefill, then at most round_limit rounds; `Decoder.step_costs`). Each candidate is forced by `forced_costs` for
+    `rounds` rounds; a round's cost is (that call - a call of 0 rounds, the prefill) / rounds run, the fastest of
+    `reps` calls each (a shared machine only ever adds time; the settings take turns). A first call of each warms
+    up (the first one compiles). Costs about (C + 1) x (reps + 1) x (prefill + rounds x a round).
+    """
+    settings = [(forced_costs(candidates, 0), 0)] + [(forced_costs(candidates, i), rounds)
+                                                      for i in range(len(candidates))]
+    for costs, limit in settings:
+        run_loop(costs, limit)  # warm-up (the first call compiles)
+    times, done = [[] for _ in settings], [0] * len(settings)
+    for _ in range(reps):  # interleaved, so that a busy spell of a shared machine touches every setting alike
+        for j, (costs, limit) in enumerate(settings):
+            t, done[j] = run_loop(costs, limit)
+            times[j].append(t)
+    prefill_s = min(times[0])
+    seconds = [max(min(t) - prefill_s, 1e-9) / max(n, 1) for t, n in zip(times[1:], done[1:])]
+    return StepCosts(tuple(candidates), tuple(seconds), key or {}, prefill_s=prefill_s)
+
+
+# ------------------------------------------------------------------------------------------------------ on device
+class BudgetState(NamedTuple):
+    """The auto loop's state (batch level); C candidates, of which C' > 0."""
+    predicted: jax.Array  # [NUM_BINS] f32: decayed sum of the drafter path probabilities of verified nodes, by bin
+    accepted: jax.Array  # [NUM_BINS] f32: decayed count of those nodes found on the accepted path
+    forecast: jax.Array  # [C'] f32: expected accepted nodes per candidate budget > 0 (mean over active streams)
+    drafted_rounds: jax.Array  # int32: drafted rounds so far (the forecast is a plain mean over the first ones)
+    draft_next: jax.Array  # bool: the next round drafts (else it is an AR round)
+    ar_left: jax.Array  # int32: AR rounds left before the next probe
+    probe_gap: jax.Array  # int32: the AR rounds between probes, doubling while AR keeps winning
+
+
+def spec_indices(candidates) -> tuple[int, ...]:
+    """Indices of the candidates > 0."""
+    return tuple(i for i, b in enumerate(candidates) if b > 0)
+
+
+def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
+    """Before the first round: no observations; the first round drafts if speculation could pay at all
+    (`could_pay`)."""
+    return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
+                       jnp.zeros(len(spec_indices(candidates)), jnp.float32), jnp.int32(0),
+                       could_pay(candidates, step_costs, max_accepted), jnp.int32(0), jnp.int32(PROBE_FIRST_GAP))
+
+
+def _ar_rate(candidates, step_costs):
+    """Tokens per second per stream of an AR round (0 when 0 is not a candidate)."""
+    return 1.0 / step_costs[0] if candidates[0] == 0 else jnp.float32(0.0)
+
+
+def _spec_rate(forecast, candidates, step_costs):
+    """The best tokens per second per stream of a drafted round expecting forecast [C'] accepted nodes."""
+    return jnp.max((forecast + 1.0) / step_costs[jnp.asarray(spec_indices(candidates))])
+
+
+def could_pay(candidates, step_costs, max_accepted: int):
+    """bool []: whether a drafted round accepting all `max_accepted` (the tree depth D) nodes would beat an AR
+    round at some budget; if not, the loop never drafts (nor probes)."""
+    full = jnp.full(len(spec_indices(candidates)), max_accepted, jnp.float32)
+    return _spec_rate(full, candidates, step_costs) > _ar_rate(candidates, step_costs)
+
+
+def confidence_bin(p):
+    """p (path probabilities in [0, 1]) -> int32 bins: floor(-log2 p), clipped to [0, NUM_BINS - 1]."""
+    return jnp.clip(jnp.floor(-jnp.log2(jnp.maximum(p, 1e-30))), 0, NUM_BINS - 1).astype(jnp.int32)
+
+
+def calibrated_probs(score, state: BudgetState):
+    """score [S, N] (path log-probs, node 0 the root at 0, -inf padding) -> q [S, N] f32: the calibrated probability
+    that each node is accepted, 0 for the root and padding."""
+    p = jnp.exp(score.astype(jnp.float32))
+    ratio = (state.accepted + PRIOR) / (state.predicted + PRIOR)
+    q = jnp.minimum(p * ratio[confidence_bin(p)], 1.0)
+    return q.at[:, 0].set(0.0)
+
+
+def expected_accepted(score, state: BudgetState, budgets) -> jax.Array:
+    """score [S, B_max + 1] of the best-first tree at the largest budget -> [S, len(budgets)] f32: E_{s,B}, the
+    calibrated expected accepted nodes of its first B + 1 nodes, for each B in `budgets` (static, each >= 1)."""
+    cum = jnp.cumsum(calibrated_probs(score, state), axis=1)
+    return cum[:, jnp.asarray(budgets)]
+
+
+def choose(expected, active, costs):
+    """expected [S, C'] (E_{s,B}), active [S] bool, costs [C'] seconds -> (index of the best candidate,
+    mean expected [C'] over the active streams). Ties (and no active stream) go to the smaller index."""
+    weight = active.astype(jnp.float32)
+    mean = (expected * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+    return jnp.argmax((mean + 1.0) / costs).astype(jnp.int32), mean
+
+
+def observe(state: BudgetState, score, on_path, verified) -> BudgetState:
+    """Fold one drafted round's outcome into the calibration. score [S, N] path log-probs, on_path [S, N] bool
+    (the node is on the accepted path), verified [S, N] bool (a non-root node the target verified, of an active
+    stream)."""
+    p = jnp.exp(score.astype(jnp.float32))
+    one_hot = jax.nn.one_hot(confidence_bin(p), NUM_BINS, dtype=jnp.float32) * verified[..., None]
+    predicted = DECAY * state.predicted + (one_hot * p[..., None]).sum((0, 1))
+    accepted = DECAY * state.accepted + (one_hot * on_path[..., None]).sum((0, 1))
+    return state._replace(predicted=predicted, accepted=accepted)
+
+
+def plan_after_draft(state: BudgetState, mean_expected, candidates, step_costs) -> BudgetState:
+    """After a drafted round with mean expected acceptance [C'] (calibrated before this round's outcome): update the
+    forecast and decide whether the next round drafts (the best speculative rate at the forecast beats AR's)."""
+    n = state.drafted_rounds + 1
+    weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
+    forecast = (1 - weight) * state.forecast + weight * mean_expected
+    draft = _spec_rate(forecast, candidates, step_costs) >= _ar_rate(candidates, step_costs)
+    floor = probe_gap_floor(candidates, step_costs)
+    return state._replace(forecast=forecast, drafted_rounds=n, draft_next=draft,
+                          ar_left=jnp.where(draft, 0, jnp.maximum(state.probe_gap, floor)),
+                          probe_gap=jnp.where(draft, PROBE_FIRST_GAP,
+                                              jnp.minimum(2 * state.probe_gap, jnp.maximum(PROBE_MAX_GAP, floor))))
+
+
+def probe_gap_floor(candidates, step_costs):
+    """int32 []: the fewest AR rounds between probes for which a probe's extra cost (the cheapest drafted round
+    minus an AR round) is at most PROBE_SHARE of their time; 1 without AR rounds."""
+    if candidates[0] != 0:
+        return jnp.int32(1)
+    extra = jnp.min(step_costs[jnp.asarray(spec_indices(candidates))]) / step_costs[0] - 1.0
+    return jnp.clip(jnp.ceil(extra / PROBE_SHARE), 1, 2**20).astype(jnp.int32)
+
+
+def plan_after_ar(state: BudgetState, candidates, step_costs, max_accepted: int) -> BudgetState:
+    """After an AR round: count down to the next probe (never one where speculation cannot pay, `could_pay`)."""
+    left = state.ar_left - 1
+    return state._replace(ar_left=left, draft_next=(left <= 0) & could_pay(candidates, step_costs, max_accepted))

@@ -1,0 +1,121 @@
+"""The budget chooser of --budget=auto (kdtree_jax/budget.py): the tree of every budget is a prefix of the largest,
+the choice rule against a hand-made cost table, the calibration of the drafter's confidence, the decision to draft
+and its probes, the calibration of step costs and the cost table file."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax import budget
+from kdtree_jax.decode import DecodeSpec, Decoder
+from pallas_kernels import tree as tree_lib
+
+CANDIDATES = (0, 4, 16)
+COSTS = jnp.asarray([1.0, 1.5, 2.5])  # seconds of an AR round, a B=4 round, a B=16 round
+
+
+@pytest.mark.parametrize("topk", [None, 3])
+def test_every_budget_is_a_prefix_of_the_largest_tree(topk):
+    """Integer logits (many exact ties): the first B + 1 nodes of the B_max tree are the B tree, field by field."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.integers(-3, 3, (3, 5, 40)), jnp.float32)
+    root = jnp.asarray(rng.integers(0, 40, 3))
+    largest = tree_lib.build_tree(logits, root, 40, topk)
+    for b in (1, 4, 13, 40):
+        got, want = tree_lib.prefix_tree(largest, b), tree_lib.build_tree(logits, root, b, topk)
+        for name, g, w in zip(tree_lib.TreeArrays._fields, got, want):
+            np.testing.assert_array_equal(g, w, err_msg=f"B={b} {name}")
+
+
+def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
+    """Rates (E + 1) / cost: B=4 at E=1.2 -> 2.2 / 1.5 = 1.47; B=16 at E=2.4 -> 3.4 / 2.5 = 1.36; so B=4. The mean is
+    over active streams only; a tie goes to the smaller budget."""
+    spec_costs = COSTS[1:]
+    expected = jnp.asarray([[1.0, 2.0], [1.4, 2.8], [9.0, 14.0]])  # the third stream is done: ignored
+    k, mean = budget.choose(expected, jnp.asarray([True, True, False]), spec_costs)
+    assert int(k) == 0
+    np.testing.assert_allclose(mean, [1.2, 2.4])
+    k, _ = budget.choose(jnp.asarray([[1.0, 3.5]]), jnp.asarray([True]), spec_costs)  # 3.0/1.5 < 4.5/2.5 = 1.8
+    assert int(k) == 1
+    k, _ = budget.choose(jnp.asarray([[2.0, 4.0]]), jnp.asarray([True]), spec_costs)  # 3/1.5 = 5/2.5 = 2: a tie
+    assert int(k) == 0
+
+
+def test_drafting_against_ar_and_the_probes():
+    """After a drafted round: draft again iff the best forecast rate beats AR's 1 / 1.0; once AR wins, probe after
+    PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets, the gap doubling while AR keeps winning, back to the
+    first gap when drafting wins."""
+    state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)
+    assert bool(state.draft_next)  # 16 tokens / 1.5 s beats AR
+    win = budget.plan_after_draft(state, jnp.asarray([1.0, 1.5]), CANDIDATES, COSTS)  # 2 / 1.5 > 1
+    assert bool(win.draft_next) and int(win.probe_gap) == budget.PROBE_FIRST_GAP
+    # a probe costs 0.5 AR rounds more here, at most PROBE_SHARE = 3% of the AR rounds: at least 17 rounds apart
+    assert int(budget.probe_gap_floor(CANDIDATES, COSTS)) == 17
+    lose = budget.plan_after_draft(state, jnp.asarray([0.2, 0.3]), CANDIDATES, COSTS)  # 1.2 / 1.5 < 1
+    assert not bool(lose.draft_next) and int(lose.ar_left) == 17
+    assert int(lose.probe_gap) == 2 * budget.PROBE_FIRST_GAP
+    costly = budget.plan_after_draft(state, jnp.asarray([0.0, 0.0]), CANDIDATES, COSTS * jnp.asarray([1, 4, 4]))
+    floor = int(np.ceil(5.0 / budget.PROBE_SHARE))  # a drafted round costs 6 AR rounds: 5 more
+    assert int(costly.ar_left) == floor and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
+    for _ in range(17 - 1):
+        lose = budget.plan_after_ar(lose, CANDIDATES, COSTS, 15)
+        assert not bool(lose.draft_next)
+    assert bool(budget.plan_after_ar(lose, CANDIDATES, COSTS, 15).draft_next)  # the probe
+    # the forecast is a plain mean over the first rounds, then weighs the newest FORECAST_WEIGHT
+    second = budget.plan_after_draft(win, jnp.asarray([0.0, 0.0]), CANDIDATES, COSTS)
+    np.testing.assert_allclose(second.forecast, [0.5, 0.75])
+    # never draft (nor probe) when even full acceptance loses to AR
+    slow = jnp.asarray([1.0, 20.0, 30.0])
+    assert not bool(budget.init_state(CANDIDATES, slow, max_accepted=15).draft_next)
+    assert not bool(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).draft_next)
+
+
+def test_calibration_scales_the_drafter_by_observed_acceptance():
+    """Nodes of path probability 0.8 (bin 0) accepted half the time, 0.1 (bin 3) always: after one round the
+    expectation of a node is p * (accepted + PRIOR) / (predicted + PRIOR) in its bin, capped at 1."""
+    state = budget.init_state(CANDIDATES, COSTS, 15)
+    score = jnp.log(jnp.asarray([[1.0, 0.8, 0.8, 0.1, 0.1]]))
+    on_path = jnp.asarray([[True, True, False, True, True]])
+    verified = jnp.asarray([[False, True, True, True, True]])
+    state = budget.observe(state, score, on_path, verified)
+    np.testing.assert_allclose(np.asarray(state.predicted)[[0, 3]], [1.6, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(state.accepted)[[0, 3]], [1.0, 2.0])
+    q = budget.calibrated_probs(score, state)
+    np.testing.assert_allclose(q, [[0.0, 0.8 * 2.0 / 2.6, 0.8 * 2.0 / 2.6, 0.1 * 3.0 / 1.2, 0.1 * 3.0 / 1.2]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(budget.expected_accepted(score, state, (1, 4)), [[q[0, 1], q[0, 1:].sum()]],
+                               rtol=1e-6)
+    decayed = budget.observe(state, score, on_path, jnp.zeros_like(verified))  # nothing verified: only the decay
+    np.testing.assert_allclose(decayed.accepted, budget.DECAY * state.accepted)
+
+
+def test_calibrate_recovers_the_step_costs_of_a_known_loop():
+    """A loop whose call costs prefill + rounds x cost of the forced candidate: every cost comes back."""
+    prefill, per_round = 0.010, {0: 0.001, 4: 0.003, 16: 0.004}
+
+    def run_loop(costs, limit):
+        forced = CANDIDATES[int(np.argmin(costs))]
+        return prefill + limit * per_round[forced], limit
+
+    costs = budget.calibrate(run_loop, CANDIDATES, rounds=5, reps=2)
+    np.testing.assert_allclose(costs.seconds, [per_round[b] for b in CANDIDATES])
+    assert costs.prefill_s == pytest.approx(prefill)
+
+
+def test_cost_table_file_and_the_checks(tmp_path):
+    path = str(tmp_path / "costs.json")
+    key = budget.cost_key("cpu", "tiny", "float32", 2, 64, 0.0, CANDIDATES)
+    assert budget.load_costs(path, key) is None
+    budget.save_costs(path, budget.StepCosts(CANDIDATES, (1e-3, 2e-3, 3e-3), key))
+    budget.save_costs(path, budget.StepCosts(CANDIDATES, (1.0, 2.0, 3.0), dict(key, streams=4)))
+    got = budget.load_costs(path, key)
+    assert got.seconds == (1e-3, 2e-3, 3e-3) and got.how == path
+    assert budget.load_costs(path, dict(key, device="gpu")) is None
+    spec = DecodeSpec(policy="ddtree", auto_budgets=CANDIDATES)
+    with pytest.raises(ValueError, match=r"step costs for budgets \(0, 4\) given to a loop choosing among"):
+        Decoder.check_costs(spec, budget.StepCosts((0, 4), (1.0, 2.0)))
+    with pytest.raises(ValueError, match="must be positive seconds"):
+        Decoder.check_costs(spec, budget.StepCosts(CANDIDATES, (1.0, float("nan"), 2.0)))
+    for bad in ((4, 0), (0,), (), (0, 4, 4), (-1, 4)):
+        with pytest.raises(ValueError, match="auto budgets"):
+            budget.check_candidates(bad, lambda b: None)
+    assert budget.parse_budget(" Auto ") is None and budget.parse_budget("8") == 8
