@@ -96,9 +96,7 @@ def check(f) -> Inputs:
                           ("rounds_per_check", 1), ("time_budget_s", 0)):
         cli.at_least(f, name, minimum)
     cli.seed(f)
-    budgets = [b.strip().lower() for b in f.budgets]
-    if not budgets or any(b != "auto" and not (b.isdigit() and int(b) >= 1) for b in budgets):
-        cli.refuse(f, "budgets", "must list 'auto' or integer budgets B >= 1, e.g. auto,8,32")
+    budgets = ["auto" if b is None else str(b) for b in cli.budgets(f, "budgets", 1)]
     auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
     batches = cli.int_list(f, "batch_sizes", 1)
     temperatures = cli.float_list(f, "temperatures", 0)

@@ -105,10 +105,7 @@ def check(f) -> Inputs:
                           ("time_budget_s", 0), ("reps", 1)):
         cli.at_least(f, name, minimum)
     cli.seed(f)
-    texts = [b.strip().lower() for b in f.budgets]
-    if not texts or any(b != "auto" and not b.isdigit() for b in texts):
-        cli.refuse(f, "budgets", "must list 'auto' or integer budgets B >= 0, e.g. 0,8,32,auto")
-    budgets = [budget_lib.parse_budget(b) for b in texts]
+    budgets = cli.budgets(f, "budgets", 0)
     auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
     temperatures = cli.float_list(f, "temperatures", 0)
     streams = cli.int_list(f, "streams", 1)

@@ -103,8 +103,7 @@ def check_flags(f) -> None:
     cli.at_least(f, "held_out_prompts", 0)
     cli.at_least(f, "prompt_tokens", 1)
     cli.at_least(f, "max_new_tokens", 1)
-    if f.budget.strip().lower() != "auto" and not f.budget.strip().isdigit():
-        cli.refuse(f, "budget", "must be 'auto' or an integer number of tree nodes B >= 0")
+    cli.budgets(f, "budget", 0)
     cli.int_list(f, "auto_budgets", 0)
     cli.at_least(f, "block_size", 2, " (the bonus token and at least one drafted)")
     cli.at_least(f, "temperature", 0, " (0 = greedy)")

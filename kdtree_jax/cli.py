@@ -172,6 +172,23 @@ def int_list(f, name: str, minimum: int) -> list[int]:
     return out
 
 
+def budgets(f, name: str, minimum: int) -> list[int | None]:
+    """A flag of tree budgets: 'auto' (None: chosen each round) or integers in [minimum, MAX_INT], at least one."""
+    values = getattr(f, name)
+    values = [values] if isinstance(values, str) else list(values or [])
+    if not values:
+        refuse(f, name, "is empty; give at least one value")
+    out = []
+    for text in (v.strip().lower() for v in values):
+        if text == "auto":
+            out.append(None)
+        elif not text.isdigit() or not minimum <= int(text) <= MAX_INT:
+            refuse(f, name, f"{text!r} must be 'auto' or an integer number of tree nodes B in [{minimum}, {MAX_INT}]")
+        else:
+            out.append(int(text))
+    return out
+
+
 def float_list(f, name: str, minimum: float) -> list[float]:
     """A list flag of finite numbers >= minimum, at least one."""
     values = list(getattr(f, name) or [])

@@ -29,7 +29,7 @@ def assert_refused(proc: subprocess.CompletedProcess, message: str) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--budget=abc"], "flag --budget=abc: must be 'auto' or an integer number of tree nodes B >= 0"),
+    (["--budget=abc"], "--budget=abc: 'abc' must be 'auto' or an integer number of tree nodes B in [0, 2147483647]"),
     (["--prompt=1,x"], "--prompt='1,x' must be comma-separated token ids"),
 ], ids=["bad_flag_value", "bad_prompt"])
 def test_bad_input_is_one_error_line(args, message):
