@@ -15,12 +15,17 @@ budgets an auto run verified round by round. `auto` rows: budget "auto", `budget
 `budget_rounds` (B per round of the first batch), `costs` (the step costs it chose by, calibrated on the first batch
 before the timed runs; `setup_s` includes that and the compile).
 --check_finite=on,off runs every case with the loop's NaN / inf check of the logits on and then off, and prints what
-the check costs (meta.finite_check_cost in the JSON):
+the check costs (meta.check_finite_cost in the JSON):
   python experiments/bench_decode.py --check_finite=on,off --temperatures=0 --budgets=8,32,128 --batch_sizes=1,8 \
       --out=/tmp/decode_finite.json --plot=
+--exact=on runs the target's batch-invariant forward (DecodeSpec.exact: greedy chain / ddtree == ar in bf16), and
+--exact=on,off times it beside the default (meta.exact_cost):
+  python experiments/bench_decode.py --exact=on,off --temperatures=0 --budgets=8,32 --batch_sizes=1,8 \
+      --out=/tmp/decode_exact.json --plot=
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -37,7 +42,8 @@ from kdtree_jax.tokenizer import load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
 
 FLAGS = flags.FLAGS
-FINITE_MODES = {"on": True, "off": False}
+ON_OFF = {"on": True, "off": False}
+MODES = ("check_finite", "exact")  # DecodeSpec switches timed both ways when a flag lists on,off
 
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
@@ -68,6 +74,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "(DecodeSpec.rounds_per_check)")
     d(flags.DEFINE_list, "check_finite", ["on"], "the loop's check of the logits for NaN / inf "
       "(DecodeSpec.check_finite): 'on', 'off', or 'on,off' to time every case both ways, one after the other")
+    d(flags.DEFINE_list, "exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
+      "'on,off' to time every case both ways")
     d(flags.DEFINE_integer, "seed", 0, "prompt choice and sampling seed")
     d(flags.DEFINE_string, "out", "experiments/results/decode/decode.json", "JSON output")
     d(flags.DEFINE_string, "plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
@@ -86,7 +94,7 @@ class Inputs(NamedTuple):
     auto_budgets: tuple
     batch_sizes: list
     temperatures: list
-    finite_modes: list
+    mode_sets: list  # [{check_finite: bool, exact: bool}]: each case runs once in each
 
 
 def check(f) -> Inputs:
@@ -100,9 +108,13 @@ def check(f) -> Inputs:
     auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
     batches = cli.int_list(f, "batch_sizes", 1)
     temperatures = cli.float_list(f, "temperatures", 0)
-    modes = [m.strip() for m in f.check_finite]
-    if not modes or any(m not in FINITE_MODES for m in modes) or len(set(modes)) != len(modes):
-        cli.refuse(f, "check_finite", "must be 'on', 'off' or 'on,off'")
+    modes = {}
+    for name in MODES:
+        values = [m.strip() for m in getattr(f, name)]
+        if not values or any(m not in ON_OFF for m in values) or len(set(values)) != len(values):
+            cli.refuse(f, name, "must be 'on', 'off' or 'on,off'")
+        modes[name] = [ON_OFF[m] for m in values]
+    mode_sets = [dict(zip(MODES, combo)) for combo in itertools.product(*modes.values())]
     if not f.out:
         cli.refuse(f, "out", "is empty; name the JSON file to write")
     cli.output_path(f, "out")
@@ -123,16 +135,16 @@ def check(f) -> Inputs:
         prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
         for temperature in temperatures:
             for policy, budget in [("ar", "0"), ("chain", "0")] + [("ddtree", b) for b in budgets]:
-                spec = make_spec(policy, budget, auto_budgets, topk=f.topk, block_size=drafter.block_size,
-                                 temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
-                                 rounds_per_check=f.rounds_per_check)
-                check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
+                for mode in mode_sets:
+                    spec = make_spec(policy, budget, auto_budgets, topk=f.topk, block_size=drafter.block_size,
+                                     temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
+                                     rounds_per_check=f.rounds_per_check, **mode)
+                    check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "target"):
         model_dir.check_tensors(f.target, target)
     with cli.about(f, "drafter"):
         model_dir.check_tensors(f.drafter, target, drafter)
-    return Inputs(target, drafter, tokenizer, mesh, eos, budgets, auto_budgets, batches, temperatures,
-                  [FINITE_MODES[m] for m in modes])
+    return Inputs(target, drafter, tokenizer, mesh, eos, budgets, auto_budgets, batches, temperatures, mode_sets)
 
 
 def make_spec(policy: str, budget: str, auto_budgets: tuple, **kwargs) -> DecodeSpec:
@@ -153,7 +165,7 @@ def run(f) -> None:
             "dtype": target.cfg.dtype, "target": f.target, "drafter": f.drafter, "mesh": f.mesh,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
             "max_new_tokens": f.max_new_tokens, "block_size": block,
-            "rounds_per_check": f.rounds_per_check, "topk": f.topk, "check_finite": inputs.finite_modes,
+            "rounds_per_check": f.rounds_per_check, "topk": f.topk, "modes": inputs.mode_sets,
             "auto_budgets": list(inputs.auto_budgets),
             "skipped_groups": []}
     rows, start = [], time.monotonic()
@@ -165,17 +177,16 @@ def run(f) -> None:
                 meta["skipped_groups"].append({"temperature": temperature, "batch": batch})
                 continue
             runs = []
-            for policy, budget in cases:  # each case with every --check_finite mode, one after the other
-                for check_finite in inputs.finite_modes:
+            for policy, budget in cases:  # each case in every mode (--check_finite x --exact), one after the other
+                for mode in inputs.mode_sets:
                     spec = make_spec(policy, budget, inputs.auto_budgets, topk=f.topk, block_size=block,
                                      temperature=temperature, max_new_tokens=f.max_new_tokens,
-                                     eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check,
-                                     check_finite=check_finite)
+                                     eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check, **mode)
                     r = decode_in_batches(decoder, prompts, spec, batch, f.seed)
-                    r.update(temperature=temperature, batch=batch, check_finite=check_finite)
+                    r.update(temperature=temperature, batch=batch, **mode)
                     runs.append(r)
             for r in runs:
-                ar = next(a for a in runs if a["policy"] == "ar" and a["check_finite"] == r["check_finite"])
+                ar = next(a for a in runs if a["policy"] == "ar" and all(a[m] == r[m] for m in MODES))
                 r.update(speedup=r["tokens_per_s"] / ar["tokens_per_s"],
                          identical_to_ar=(r["tokens"] == ar["tokens"]) if temperature == 0 else None)
                 logging.info("T=%g batch=%d %s B=%s: tau %.2f, %.1f tok/s, %.2fx", temperature, batch, r["policy"],
@@ -183,30 +194,32 @@ def run(f) -> None:
                 if temperature == 0:
                     r["agree_prefix"] = agreeing_prefix(r["tokens"], ar["tokens"])
             rows += runs
-            meta["finite_check_cost"] = finite_check_cost(rows)
+            for mode in MODES:
+                meta[f"{mode}_cost"] = mode_cost(rows, mode)
             write(f, rows, meta)
     print_table(rows)
-    print_finite_check_cost(meta.get("finite_check_cost", []))
+    for mode in MODES:
+        print_mode_cost(mode, meta.get(f"{mode}_cost", []))
     write(f, rows, meta)
 
 
-def finite_check_cost(rows) -> list[dict]:
-    """Per case timed both ways: tok/s with the finite check on and off, and the fraction it costs."""
+def mode_cost(rows, mode: str) -> list[dict]:
+    """Per case timed with `mode` on and off (everything else equal): tok/s both ways and the fraction it costs."""
+    same = ("temperature", "batch", "policy", "budget") + tuple(m for m in MODES if m != mode)
     out = []
-    for on in (r for r in rows if r["check_finite"]):
-        off = next((r for r in rows if not r["check_finite"] and all(
-            r[k] == on[k] for k in ("temperature", "batch", "policy", "budget"))), None)
+    for on in (r for r in rows if r[mode]):
+        off = next((r for r in rows if not r[mode] and all(r[k] == on[k] for k in same)), None)
         if off is not None:
-            out.append({k: on[k] for k in ("temperature", "batch", "policy", "budget")} | {
+            out.append({k: on[k] for k in same} | {
                 "tokens_per_s_on": on["tokens_per_s"], "tokens_per_s_off": off["tokens_per_s"],
                 "cost": 1.0 - on["tokens_per_s"] / off["tokens_per_s"]})
     return out
 
 
-def print_finite_check_cost(costs: list[dict]) -> None:
+def print_mode_cost(mode: str, costs: list[dict]) -> None:
     if not costs:
         return
-    print(f"\nfinite check (DecodeSpec.check_finite) cost, same run:\n{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} "
+    print(f"\n{mode} (DecodeSpec.{mode}) cost, same run:\n{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} "
           f"{'tok/s on':>9} {'tok/s off':>9} {'cost':>7}")
     for c in costs:
         print(f"{c['temperature']:>4g} {c['batch']:>5} {c['policy']:>7} {c['budget']:>5} {c['tokens_per_s_on']:>9.1f} "
@@ -219,17 +232,18 @@ def write(f, rows, meta: dict) -> None:
     with open(f.out, "w") as fh:
         json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}, fh, indent=1)
     if f.plot and rows:
-        plot([r for r in rows if r["check_finite"] == rows[0]["check_finite"]], f.plot, meta)
+        plot([r for r in rows if all(r[m] == rows[0][m] for m in MODES)], f.plot, meta)
 
 
 def print_table(rows) -> None:
-    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'tau':>6} {'tok/s':>9} {'speedup':>8} "
-          f"{'same as ar':>10}  rounds by B (auto)")
+    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'exact':>5} {'tau':>6} {'tok/s':>9} "
+          f"{'speedup':>8} {'same as ar':>10}  rounds by B (auto)")
     for r in rows:
         same = "-" if r["identical_to_ar"] is None else str(r["identical_to_ar"])
         hist = " ".join(f"{b}:{n}" for b, n in r["budget_hist"].items()) if r["budget"] == "auto" else ""
-        print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} "
-              f"{'on' if r['check_finite'] else 'off':>6} {r['tau']:>6.2f} {r['tokens_per_s']:>9.1f} "
+        modes = " ".join(f"{'on' if r[m] else 'off':>{w}}" for m, w in zip(MODES, (6, 5)))
+        print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} {modes} {r['tau']:>6.2f} "
+              f"{r['tokens_per_s']:>9.1f} "
               f"{r['speedup']:>7.2f}x {same:>10}  {hist}")
 
 

@@ -80,6 +80,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_enum, "kernels", "auto", "Pallas kernels or pure-JAX references ('auto': kernels on the GPU)",
       enum_values=list(ops.IMPLEMENTATIONS))
     d(flags.DEFINE_bool, "check_finite", True, "stop with an error at the first round whose logits are not finite")
+    d(flags.DEFINE_bool, "exact", False, "the target's batch-invariant forward (DecodeSpec.exact): greedy chain / "
+      "ddtree == ar token for token in bfloat16 too; one device or a data-only mesh")
     cli.define_overwrite(fv)
     cli.define_process_flags(fv)
 
@@ -149,7 +151,7 @@ def check(f) -> Inputs:
         model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
     spec = make_spec(f.policy, f.budget, f.auto_budgets, block_size=block, temperature=f.temperature,
                      max_new_tokens=f.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else None,
-                     check_finite=f.check_finite)
+                     check_finite=f.check_finite, exact=f.exact)
     cache_len = f.cache_len or None
     check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "init"):
@@ -245,7 +247,7 @@ def run_policy(decoder: Decoder, prompts, spec: DecodeSpec, seed: int, cache_len
     new_tokens = sum(len(t) for t in result.tokens)
     tau_mean, hist = acceptance(result.taus, spec.block_size)
     report = {"policy": spec.policy, "budget": spec.budget_label, "block_size": spec.block_size,
-              "temperature": spec.temperature, "tokens": result.tokens, "new_tokens": new_tokens,
+              "temperature": spec.temperature, "exact": spec.exact, "tokens": result.tokens, "new_tokens": new_tokens,
               "seconds": result.seconds, "tokens_per_s": new_tokens / result.seconds, "rounds": result.rounds,
               "tau_mean": tau_mean, "accept_hist": hist, "budget_hist": budget_counts(result.budgets)}
     if spec.auto:

@@ -50,6 +50,7 @@ class DecodeSpec:
     rounds_per_check: int = 1  # rounds between checks of the stop condition (XLA:GPU reads it on the host)
     auto_budgets: tuple[int, ...] = ()  # ddtree: choose B per round among these (0 = AR round); () = fixed `budget`
     check_finite: bool = True  # stop at the first round whose target logits hold NaN / inf (Decoder.generate raises)
+    exact: bool = False  # the target's batch-invariant forward: greedy chain / ddtree == ar bitwise in bf16 too
 
     @property
     def auto(self) -> bool:
@@ -169,6 +170,9 @@ def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | 
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
     if mesh is not None:
         sharding.check_streams(mesh, len(prompts))
+        if spec.exact and sharding.tp_size(mesh) > 1:
+            raise ValueError(f"the exact mode runs on meshes without tensor parallelism (tp=1); this mesh has "
+                             f"tp={sharding.tp_size(mesh)}: use a data-only mesh or one device, or turn exact off")
     longest = max(len(p) for p in prompts)
     check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
                    f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "
@@ -442,7 +446,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     visible = (causal[None] & valid[:, None, :]) | jnp.eye(p, dtype=bool)[None]  # padding rows see themselves
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (s, p))
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
-    fwd = target(tokens, positions, cache, visible, hidden_layers=layer_ids)
+    fwd = target(tokens, positions, cache, visible, hidden_layers=layer_ids, exact=spec.exact)
     keys, sub = split_each(jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(s)))
     last = jnp.take_along_axis(fwd.logits, (lengths - 1)[:, None, None], axis=1)  # [S, 1, V]
     first = pick_tokens(last, spec.temperature, sub)[:, 0]
@@ -490,7 +494,8 @@ def verify_and_commit(target: Transformer, drafter: Drafter | None, spec: Decode
     true))."""
     length = st.cache.length
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
-    fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids)
+    fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids,
+                 exact=spec.exact)
     verdict = walk_tree(spec, tree, fwd.logits, keys)
     cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, ~st.done)
     path = jnp.pad(verdict.path, ((0, 0), (0, spec.depth + 1 - verdict.path.shape[1])), constant_values=-1)

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import batch_invariant
+
 
 def dtype_of(name: str):
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
@@ -23,9 +25,14 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x, *, exact: bool = False):
+        """exact: the mean of squares in one order per row (`batch_invariant.row_sum`)."""
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if exact:
+            mean_sq = (batch_invariant.row_sum(x32 * x32) / x.shape[-1])[..., None]
+        else:
+            mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        x32 = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -41,8 +48,8 @@ class GatedMLP(nnx.Module):
         """(gate [D, I], up [D, I], down [I, D]): `gated_mlp`'s weights."""
         return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
 
-    def __call__(self, x):
-        return gated_mlp(x, *self.weights())
+    def __call__(self, x, *, exact: bool = False):
+        return (batch_invariant.gated_mlp if exact else gated_mlp)(x, *self.weights())
 
 
 def gated_mlp(x, gate, up, down):

@@ -21,7 +21,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.rope import apply_rope
 from kdtree_jax.model.parallel import head_parallel
-from pallas_kernels import ops
+from pallas_kernels import batch_invariant, ops
 from pallas_kernels.tree_verify_attention import block_attention_mask
 
 
@@ -41,9 +41,15 @@ class MLA(nnx.Module):
         self.o_proj = init_weight(rngs, (h, cfg.v_head_dim, d), h * cfg.v_head_dim, dt)
         self.cfg = cfg
 
-    def queries(self, x, positions):
-        """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated)."""
-        if self.cfg.q_lora_rank:
+    def queries(self, x, positions, *, exact: bool = False):
+        """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated). exact: every row's
+        sums in one order (`batch_invariant.matmul`)."""
+        if exact:
+            heads = lambda y, w: batch_invariant.matmul(y, w.reshape(w.shape[0], -1)).reshape(  # noqa: E731
+                *y.shape[:-1], *w.shape[1:])
+            q = self.q_a_norm(batch_invariant.matmul(x, self.q_a_proj[...]), exact=True) if self.cfg.q_lora_rank else x
+            q = heads(q, (self.q_b_proj if self.cfg.q_lora_rank else self.q_proj)[...])
+        elif self.cfg.q_lora_rank:
             q = jnp.einsum("std,dq->stq", x, self.q_a_proj[...])
             q = jnp.einsum("stq,qhk->sthk", self.q_a_norm(q), self.q_b_proj[...])
         else:
@@ -51,21 +57,26 @@ class MLA(nnx.Module):
         p = self.cfg.qk_nope_head_dim
         return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
 
-    def latents(self, x, positions):
+    def latents(self, x, positions, *, exact: bool = False):
         """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores."""
-        kv = x @ self.kv_a_proj[...]
+        kv = batch_invariant.matmul(x, self.kv_a_proj[...]) if exact else x @ self.kv_a_proj[...]
         c = self.cfg.kv_lora_rank
-        return self.kv_a_norm(kv[..., :c]), apply_rope(kv[..., c:], positions, self.cfg)
+        return self.kv_a_norm(kv[..., :c], exact=exact), apply_rope(kv[..., c:], positions, self.cfg)
 
-    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True):
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True,
+                 exact: bool = False):
         """One block of T tokens per stream.
 
         x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T];
         plan: the forward's `parallel.attention_plan` (the absorbed path's; None: made in this call).
         The block's latents are written to rows prefix_len .. prefix_len+T-1, then every token attends to the
         stream's prefix and to its visible block rows. Returns (out [S, T, D], c_cache, r_cache).
+        exact: every token row's result independent of the block and the other streams (`batch_invariant`; the
+        absorbed path).
         """
         cfg = self.cfg
+        if exact:
+            return self._exact(x, positions, c_cache, r_cache, prefix_len, visible, plan)
         c_new, r_new = self.latents(x, positions)
         c_cache = write_rows(c_cache, c_new, prefix_len)
         r_cache = write_rows(r_cache, r_new, prefix_len)
@@ -82,6 +93,25 @@ class MLA(nnx.Module):
             out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,
                                   block_attention_mask(prefix_len, visible, c_cache.shape[1]), cfg.softmax_scale)
         out = jnp.einsum("sthv,hvd->std", out.astype(x.dtype), self.o_proj[...])
+        return out, c_cache, r_cache
+
+    def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan):
+        """The absorbed path with `batch_invariant`'s products and attention."""
+        cfg = self.cfg
+        c_new, r_new = self.latents(x, positions, exact=True)
+        c_cache = write_rows(c_cache, c_new, prefix_len)
+        r_cache = write_rows(r_cache, r_new, prefix_len)
+        q_nope, q_rope = self.queries(x, positions, exact=True)
+        w_uk = self.kv_b_proj[..., :cfg.qk_nope_head_dim]  # [C, H, P]
+        w_uv = self.kv_b_proj[..., cfg.qk_nope_head_dim:]  # [C, H, V]
+        q_lat = batch_invariant.head_matmul(q_nope, jnp.transpose(w_uk, (1, 2, 0)))    # [S, T, H, C]
+        attention = lambda *args: batch_invariant.attention(*args[:-1], scale=cfg.softmax_scale)  # noqa: E731
+        out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len, visible,
+                                plan)
+        out = batch_invariant.head_matmul(out_lat, jnp.transpose(w_uv, (1, 0, 2)))       # [S, T, H, V]
+        o_proj = self.o_proj[...]                                                       # [H, V, D]
+        out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
+                                     o_proj.reshape(-1, o_proj.shape[-1]))
         return out, c_cache, r_cache
 
 

@@ -14,17 +14,19 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
 from kdtree_jax.model.parallel import expert_parallel
-from pallas_kernels import ops
+from pallas_kernels import batch_invariant, ops
 from pallas_kernels.int4_moe import Int4Experts
 
 
-def route(x, gate_w, bias, cfg: ModelConfig):
-    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32)."""
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ gate_w.astype(jnp.float32))
+def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
+    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32). exact: `batch_invariant.matmul`."""
+    x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
+    scores = jax.nn.sigmoid(batch_invariant.matmul(x32, w32) if exact else x32 @ w32)
     _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32), cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        total = batch_invariant.slot_sum(weights)[..., None] if exact else jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
@@ -73,13 +75,16 @@ class MoE(nnx.Module):
     def int4_experts(self) -> Int4Experts:
         return Int4Experts(*(getattr(self, name)[...] for name in Int4Experts._fields))
 
-    def experts(self, x, ids, weights, *, with_shared: bool = True):
+    def experts(self, x, ids, weights, *, with_shared: bool = True, exact: bool = False):
         """The routed experts (INT4 through `ops.int4_moe`) plus, with_shared, the shared expert(s): x [M, D],
         ids / weights [M, k] -> [M, D].
 
         Under a mesh with tp > 1 (jax.set_mesh) they run expert-parallel, the shared expert's columns split, with one
-        psum for both: `parallel.expert_parallel`.
+        psum for both: `parallel.expert_parallel`. exact: every token's sums in one order, whatever shares its
+        experts (`batch_invariant.routed_experts`, `batch_invariant.gated_mlp`).
         """
+        if exact:
+            return self._exact_experts(x, ids, weights, with_shared)
         if self.cfg.expert_quant == "int4":
             experts = self.int4_experts()
             local = lambda x, e, i, w: ops.int4_moe(x, e, i, w.astype(jnp.float32),  # noqa: E731
@@ -90,16 +95,34 @@ class MoE(nnx.Module):
         shared = (gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
         return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)
 
-    def route(self, flat):
+    def _exact_experts(self, x, ids, weights, with_shared: bool):
+        if self.cfg.expert_quant == "int4":
+            experts = self.int4_experts()
+
+            def expert_weights(experts, e):                 # the kernel layout [out, in] -> [in, out], f32
+                one = jax.tree.map(lambda a: a[e][None], experts)
+                return tuple(w[0].T for w in one.dequantize())
+        else:
+            experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+            expert_weights = lambda experts, e: tuple(w[e] for w in experts)  # noqa: E731
+
+        def local(x, experts, ids, weights):
+            held = jax.tree.leaves(experts)[0].shape[0]
+            return batch_invariant.routed_experts(x, lambda e: expert_weights(experts, e), held, ids, weights)
+
+        shared = (batch_invariant.gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
+        return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)
+
+    def route(self, flat, *, exact: bool = False):
         """flat [M, D] -> (ids [M, k] int32, weights [M, k] f32). A method, so that `nnx.capture(...,
         method_outputs=nnx.Intermediate)` records each layer's routing (training's expert loads, bench_k26)."""
-        return route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg)
+        return route(flat, self.gate[...], self.e_score_correction_bias[...], self.cfg, exact=exact)
 
-    def __call__(self, x):
-        """x [S, T, D] -> [S, T, D]."""
+    def __call__(self, x, *, exact: bool = False):
+        """x [S, T, D] -> [S, T, D]. exact: every token row's result independent of the others (`batch_invariant`)."""
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = self.route(flat)
-        return self.experts(flat, ids, weights).reshape(x.shape)
+        ids, weights = self.route(flat, exact=exact)
+        return self.experts(flat, ids, weights, exact=exact).reshape(x.shape)
 
 
 def random_int4_experts(rngs: nnx.Rngs, num_experts: int, hidden: int, inter: int, group: int) -> Int4Experts:

@@ -13,6 +13,7 @@ from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
 from kdtree_jax.model.parallel import attention_plan, vocab_parallel_embed
+from pallas_kernels import batch_invariant
 
 
 class DecoderLayer(nnx.Module):
@@ -26,11 +27,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MoE(cfg, rngs)
 
-    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed):
-        h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
-                                             visible, plan=plan, absorbed=absorbed)
+    def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed, exact):
+        h, c_cache, r_cache = self.self_attn(self.input_layernorm(x, exact=exact), positions, c_cache, r_cache,
+                                             prefix_len, visible, plan=plan, absorbed=absorbed, exact=exact)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), c_cache, r_cache
+        return x + self.mlp(self.post_attention_layernorm(x, exact=exact), exact=exact), c_cache, r_cache
 
 
 class ForwardOutput(NamedTuple):
@@ -54,26 +55,33 @@ class Transformer(nnx.Module):
         """tokens [S, T] -> [S, T, D] (vocab-parallel under a mesh: `parallel.vocab_parallel_embed`)."""
         return vocab_parallel_embed(self.embed_tokens[...], tokens)
 
-    def logits(self, hidden):
+    def logits(self, hidden, *, exact: bool = False):
         """final-normed hidden [S, T, D] -> logits [S, T, V] in f32."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        if exact:
+            return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32)
         return jnp.einsum("std,dv->stv", hidden, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
-                 hidden_layers: tuple = ()) -> ForwardOutput:
+                 hidden_layers: tuple = (), exact: bool = False) -> ForwardOutput:
         """Run a block of T tokens per stream against the cache (prefill chunk, AR step or tree verify).
 
         tokens, positions [S, T]; visible [S, T, T] bool (which block tokens each token sees besides the prefix).
         hidden_layers: ids of layers whose outputs to return (the drafter's context features).
+        exact: each token row's cache latents, hidden states and logits bitwise independent of T, of the tree it
+        sits in and of the other streams (`pallas_kernels.batch_invariant`; needs absorbed).
         """
+        if exact and not absorbed:
+            raise ValueError("exact=True needs the absorbed attention (absorbed=True)")
         x = self.embed(tokens)
         plan = attention_plan(cache.length, visible, self.cfg.num_heads) if absorbed else None   # once, all layers
         c_all, r_all, hidden = list(cache.c_kv), list(cache.k_rope), []
         for i, layer in enumerate(self.layers):
-            x, c_all[i], r_all[i] = layer(x, positions, c_all[i], r_all[i], cache.length, visible, plan, absorbed)
+            x, c_all[i], r_all[i] = layer(x, positions, c_all[i], r_all[i], cache.length, visible, plan, absorbed,
+                                          exact)
             if i in hidden_layers:
                 hidden.append(x)
-        logits = self.logits(self.norm(x))
+        logits = self.logits(self.norm(x, exact=exact), exact=exact)
         return ForwardOutput(logits, KVCache(tuple(c_all), tuple(r_all), cache.length), tuple(hidden))
 
     def causal(self, tokens, *, absorbed: bool = True, hidden_layers: tuple = ()) -> ForwardOutput:
