@@ -5,8 +5,8 @@ make the default test selection (`make test`: `pytest -m "not slow"`) fail.
   .venv/bin/python experiments/mutants.py --mutants=argmax_below_root,draft_topk_unnormalised --out=/tmp/m.json
 
 Each mutant names the tests expected to catch it (files, or single tests to show which one does); they run with
-`-m "not slow" -x`, a subset of the default selection, so a failure there fails `make test` too. A first row ("none") runs the same files on the unmutated copy,
-which must pass, so that a failure is the mutant's. The copy takes the working tree as it is (uncommitted edits
+`-m "not slow" -x`, a subset of the default selection, so a failure there fails `make test` too. A first row
+("none") runs the same files on the unmutated copy, which must pass, so that a failure is the mutant's. The copy takes the working tree as it is (uncommitted edits
 included; .git, .venv and caches left out) and runs with this interpreter and PYTHONPATH set to the copy. A mutant
 whose code no longer matches its snippet is reported as "stale" (update the snippet), never as caught. History and
 results: experiments/notes/testing.md.
@@ -91,6 +91,12 @@ MUTANTS = (
            (("    s = jnp.repeat(jnp.asarray(scale, jnp.float32), group, axis=-1)\n",
              "    s = jnp.tile(jnp.asarray(scale, jnp.float32), group)\n"),),
            ("tests/test_int4_layout.py", "tests/test_hf_fixtures.py")),
+    Mutant("exact_products_untiled", "the exact mode's products run at the caller's row count, not in fixed tiles",
+           "pallas_kernels/batch_invariant.py",
+           (("    out = lax.map(lambda tile: jnp.dot(tile, w, preferred_element_type=jnp.float32), rows)\n",
+             "    out = jnp.dot(rows.reshape(-1, k)[:m], w, preferred_element_type=jnp.float32)\n"
+             "    out = jnp.pad(out, ((0, tiles * ROW_TILE - m), (0, 0)))\n"),),
+           ("tests/test_exact.py",)),
     Mutant("yarn_mscale_not_squared", "the softmax scale takes YaRN's mscale once instead of squared",
            "kdtree_jax/config.py",
            (("        return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2\n",
