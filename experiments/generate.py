@@ -268,8 +268,8 @@ def run(f) -> None:
                         step_costs(decoder, prompts, spec, inputs.cache_len, f.cost_table))
     runs = [report]
     if f.compare and f.policy != "ar":
-        baseline = run_policy(decoder, prompts, dataclasses.replace(spec, policy="ar", budget=0), f.seed,
-                              inputs.cache_len)
+        ar_spec = dataclasses.replace(spec, policy="ar", budget=0, auto_budgets=())
+        baseline = run_policy(decoder, prompts, ar_spec, f.seed, inputs.cache_len)
         runs = [baseline, report]
         report["ar"] = {k: baseline[k] for k in ("tokens_per_s", "seconds", "rounds", "tokens")}
         report["identical_to_ar"] = baseline["tokens"] == report["tokens"]

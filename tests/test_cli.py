@@ -2,6 +2,7 @@
 the fix, exit status 2, no traceback and no output; `--debug` keeps the traceback. Each case is refused before any
 compute. The checks themselves are tested where they live (test_decode: temperature, positions, a tree budget
 beyond memory; test_hf_import; test_checkpoint); here, the cases only a script reaches and the reporting."""
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,14 @@ def test_debug_keeps_the_traceback():
     proc = generate("--prompt=1,2,3", "--temperature=nan", "--json", "--debug")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "{" not in proc.stdout
     assert "ValueError: --temperature=nan: must be a finite number >= 0" in proc.stderr
+
+
+def test_the_demo_runs_auto_ddtree_beside_ar():
+    """`make demo`'s command, shortened: --budget=auto (the default) with --compare runs ar beside it (its spec without
+    the auto budgets) and reports the same tokens."""
+    proc = generate("--init=checkpoints/target", "--drafter=checkpoints/drafter",
+                    "--tokenizer=checkpoints/tokenizer.json", "--held_out_prompts=1", "--policy=ddtree",
+                    "--auto_budgets=0,4", "--max_new_tokens=8", "--compare", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["budget"] == "auto" and report["identical_to_ar"] is True and report["ar"]["rounds"] > 0
