@@ -89,7 +89,7 @@ class Inputs(NamedTuple):
     drafter: object  # DrafterConfig
     tokenizer: object
     mesh: object
-    eos: int | None
+    eos: tuple[int, ...]  # the ids the streams stop at
     budgets: list  # 'auto' or integer strings
     auto_budgets: tuple
     batch_sizes: list
@@ -130,14 +130,14 @@ def check(f) -> Inputs:
     with cli.about(f, "mesh"):
         mesh = sharding.parse_mesh(f.mesh)
         model_dir.check_mesh(target, mesh)
-    eos = eos_ids[0] if eos_ids else None
+    eos = tuple(eos_ids)
     for batch in batches:
         prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
         for temperature in temperatures:
             for policy, budget in [("ar", "0"), ("chain", "0")] + [("ddtree", b) for b in budgets]:
                 for mode in mode_sets:
                     spec = make_spec(policy, budget, auto_budgets, topk=f.topk, block_size=drafter.block_size,
-                                     temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_id=eos,
+                                     temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_ids=eos,
                                      rounds_per_check=f.rounds_per_check, **mode)
                     check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "target"):
@@ -181,7 +181,7 @@ def run(f) -> None:
                 for mode in inputs.mode_sets:
                     spec = make_spec(policy, budget, inputs.auto_budgets, topk=f.topk, block_size=block,
                                      temperature=temperature, max_new_tokens=f.max_new_tokens,
-                                     eos_token_id=inputs.eos, rounds_per_check=f.rounds_per_check, **mode)
+                                     eos_token_ids=inputs.eos, rounds_per_check=f.rounds_per_check, **mode)
                     r = decode_in_batches(decoder, prompts, spec, batch, f.seed)
                     r.update(temperature=temperature, batch=batch, **mode)
                     runs.append(r)

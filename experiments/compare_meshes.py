@@ -66,6 +66,7 @@ class Inputs(NamedTuple):
     reference: dict | None
     tokenizer: object
     mesh: object
+    eos: tuple[int, ...]  # the ids the streams stop at
 
 
 def check_flags(f) -> tuple[list, list, dict | None]:
@@ -119,7 +120,8 @@ def check(f, checked_flags: tuple | None = None) -> Inputs:
         drafter = model_dir.drafter_config(f.drafter, target)
     with cli.about(f, "tokenizer"):
         tokenizer = load_tokenizer(f.tokenizer)
-        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, model_dir.eos_token_ids(f.target, target))
+        eos = tuple(model_dir.eos_token_ids(f.target, target))
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, list(eos))
     with cli.about(f, "mesh"):
         mesh = sharding.parse_mesh(f.mesh)
         model_dir.check_mesh(target, mesh)
@@ -127,9 +129,9 @@ def check(f, checked_flags: tuple | None = None) -> Inputs:
         for batch in batches:
             prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
             spec = DecodeSpec(policy=policy, budget=budget, block_size=drafter.block_size,
-                              max_new_tokens=f.max_new_tokens, eos_token_id=target.eos_token_id)
+                              max_new_tokens=f.max_new_tokens, eos_token_ids=eos)
             check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
-    return Inputs(cases, batches, reference, tokenizer, mesh)
+    return Inputs(cases, batches, reference, tokenizer, mesh, eos)
 
 
 def parse_case(text: str) -> tuple[str, int]:
@@ -198,7 +200,7 @@ def run(f) -> None:
             block = drafter.cfg.block_size
             for policy, budget in cases:
                 spec = DecodeSpec(policy=policy, budget=budget, block_size=block,
-                                  max_new_tokens=f.max_new_tokens, eos_token_id=target.cfg.eos_token_id)
+                                  max_new_tokens=f.max_new_tokens, eos_token_ids=inputs.eos)
                 for batch in batches:
                     key, start = case_key(policy, budget, batch, dtype), time.monotonic()
                     got = decode_in_batches(on_mesh, prompts, spec, batch, f.seed)

@@ -150,7 +150,7 @@ def check(f) -> Inputs:
     block = drafter.block_size if drafter is not None else (
         model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
     spec = make_spec(f.policy, f.budget, f.auto_budgets, block_size=block, temperature=f.temperature,
-                     max_new_tokens=f.max_new_tokens, eos_token_id=eos_ids[0] if eos_ids else None,
+                     max_new_tokens=f.max_new_tokens, eos_token_ids=tuple(eos_ids),
                      check_finite=f.check_finite, exact=f.exact)
     cache_len = f.cache_len or None
     check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)
@@ -280,7 +280,7 @@ def run(f) -> None:
               f"(speedup {report['speedup_over_ar']:.2f}x on this device)")
     report.update(init=f.init, drafter=f.drafter if drafter is not None else None, mesh=f.mesh,
                   kernels=f.kernels, backend=jax.default_backend(), dtype=target.cfg.dtype,
-                  eos_token_id=spec.eos_token_id)
+                  eos_token_ids=list(spec.eos_token_ids))
     if f.json:
         print(json.dumps(report))
     if f.out and jax.process_index() == 0:

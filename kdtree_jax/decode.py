@@ -46,7 +46,7 @@ class DecodeSpec:
     topk: int | None = None  # per-depth candidates (default min(B, V))
     temperature: float = 0.0
     max_new_tokens: int = 32
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # a stream stops after emitting any of these
     rounds_per_check: int = 1  # rounds between checks of the stop condition (XLA:GPU reads it on the host)
     auto_budgets: tuple[int, ...] = ()  # ddtree: choose B per round among these (0 = AR round); () = fixed `budget`
     check_finite: bool = True  # stop at the first round whose target logits hold NaN / inf (Decoder.generate raises)
@@ -159,9 +159,10 @@ def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | 
         raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
     if spec.rounds_per_check < 1:
         raise ValueError(f"rounds_per_check={spec.rounds_per_check} must be >= 1")
-    if spec.eos_token_id is not None and not 0 <= spec.eos_token_id < cfg.vocab_size:
-        raise ValueError(f"eos_token_id={spec.eos_token_id} is not a token of the model's vocabulary "
-                         f"[0, {cfg.vocab_size}): decoding would never stop at it")
+    outside = [e for e in spec.eos_token_ids if not 0 <= e < cfg.vocab_size]
+    if outside:
+        raise ValueError(f"eos_token_ids {outside} are not tokens of the model's vocabulary "
+                         f"[0, {cfg.vocab_size}): decoding would never stop at them")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token; an empty prompt cannot be decoded")
     for i, p in enumerate(prompts):
@@ -466,9 +467,10 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
 
 
 def _is_eos(tokens, spec: DecodeSpec):
-    if spec.eos_token_id is None:
+    """[...] bool: whether each token is one the streams stop at (any of spec.eos_token_ids)."""
+    if not spec.eos_token_ids:
         return jnp.zeros(tokens.shape, bool)
-    return tokens == spec.eos_token_id
+    return jnp.isin(tokens, jnp.asarray(spec.eos_token_ids, tokens.dtype))
 
 
 def root_only_tree(root) -> tree_lib.TreeArrays:

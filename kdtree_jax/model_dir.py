@@ -189,9 +189,3 @@ def eos_token_ids(value: str, target: config_lib.ModelConfig) -> list[int]:
                          f"[0, {target.vocab_size}), the model's vocabulary; fix it or delete the field")
     return listed + [i for i in ids if i not in listed]
 
-
-def eos_token_id(value: str, target: config_lib.ModelConfig) -> int | None:
-    """The EOS the model stops at: generation_config.json's eos_token_id (the first of a list) in an HF directory,
-    else config.json's (target.eos_token_id)."""
-    ids = eos_token_ids(value, target)
-    return ids[0] if ids else None

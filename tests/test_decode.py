@@ -49,8 +49,8 @@ def oracle_decoder(setup, ar_decoder):
     return Decoder(target, OracleDrafter(config_lib.tiny_drafter(cfg, BLOCK), seqs)), truth
 
 
-def ar_tokens(decoder, prompts, max_new, eos=None):
-    return decoder.generate(prompts, DecodeSpec(max_new_tokens=max_new, eos_token_id=eos)).tokens
+def ar_tokens(decoder, prompts, max_new, eos=()):
+    return decoder.generate(prompts, DecodeSpec(max_new_tokens=max_new, eos_token_ids=eos)).tokens
 
 
 def test_tree_verify_logits_equal_path_forwards(setup):
@@ -149,11 +149,11 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
 
 def test_eos_mid_round(ar_decoder, oracle_decoder):
     decoder, truth = oracle_decoder
-    eos = truth[0][7]  # a token the first stream emits mid-way
+    eos = (truth[0][7], truth[1][5])  # two stop tokens, emitted mid-way: a stream stops at the first of either
     expect = ar_tokens(ar_decoder, PROMPTS, 20, eos=eos)
-    assert len(expect[0]) < 20
+    assert len(expect[0]) <= 8 and len(expect[1]) <= 6
     res = decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", budget=32, block_size=BLOCK, max_new_tokens=20,
-                                               eos_token_id=eos))
+                                               eos_token_ids=eos))
     assert res.tokens == expect
     assert res.taus.max() > 1
 

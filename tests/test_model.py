@@ -103,8 +103,10 @@ def test_ar_stops_at_eos(tiny_model):
     decoder = Decoder(tiny_model)
     free = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10)).tokens[0]
     eos = free[3]
-    stopped = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10, eos_token_id=eos)).tokens[0]
+    stopped = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10, eos_token_ids=(eos,))).tokens[0]
     assert stopped == free[:free.index(eos) + 1]
+    either = decoder.generate([[5, 9, 14]], DecodeSpec(max_new_tokens=10, eos_token_ids=(free[6], eos))).tokens[0]
+    assert either == stopped  # any of the ids stops the stream
 
 
 def test_prompt_longer_than_cache_raises(tiny_model):

@@ -38,7 +38,7 @@ def test_generate_equals_ar_on_a_mesh(tmp_path, policy):
                             "--budget=8", "--compare", "--mesh=tp=2", "--dtype=float32", "--max_new_tokens=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["identical_to_ar"] is True and report["new_tokens"] == 24
-    assert (report["block_size"], report["eos_token_id"], report["dtype"]) == (4, 511, "float32")
+    assert (report["block_size"], report["eos_token_ids"], report["dtype"]) == (4, [511], "float32")
     assert report["drafter"] == DRAFTER_DIR and report["mesh"] == "tp=2"
     assert "<|im_user|>user<|im_middle|>Write a haiku about the sea.<|im_end|>" in proc.stdout  # decoded by tiktoken
 
@@ -70,9 +70,9 @@ def test_target_and_drafter_swapped_are_named():
 
 def test_eos_from_generation_config(tmp_path):
     cfg = config.tiny()
-    assert model_dir.eos_token_id(TARGET_DIR, cfg) == cfg.eos_token_id  # no generation_config.json: config.json's
+    assert model_dir.eos_token_ids(TARGET_DIR, cfg) == [cfg.eos_token_id]  # no generation_config.json: config.json's
     (tmp_path / model_dir.GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": [7, 9]}))
-    assert model_dir.eos_token_id(str(tmp_path), cfg) == 7
+    assert model_dir.eos_token_ids(str(tmp_path), cfg) == [7, 9, cfg.eos_token_id]  # every one of them stops a stream
 
 
 def test_quantization_config_beside_text_config():
