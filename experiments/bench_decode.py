@@ -121,16 +121,15 @@ def check(f) -> Inputs:
     cli.output_path(f, "plot")
     with cli.about(f, "target"):
         target = model_dir.target_config(f.target, dtype=f.dtype)
-        eos_ids = model_dir.eos_token_ids(f.target, target)
+        eos = model_dir.eos_token_ids(f.target, target)
     with cli.about(f, "drafter"):
         drafter = model_dir.drafter_config(f.drafter, target)
     with cli.about(f, "tokenizer"):
         tokenizer = load_tokenizer(f.tokenizer)
-        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos_ids)
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos)
     with cli.about(f, "mesh"):
         mesh = sharding.parse_mesh(f.mesh)
         model_dir.check_mesh(target, mesh)
-    eos = tuple(eos_ids)
     for batch in batches:
         prompts = [[0] * f.prompt_tokens] * min(batch, f.num_prompts)
         for temperature in temperatures:

@@ -120,8 +120,8 @@ def check(f, checked_flags: tuple | None = None) -> Inputs:
         drafter = model_dir.drafter_config(f.drafter, target)
     with cli.about(f, "tokenizer"):
         tokenizer = load_tokenizer(f.tokenizer)
-        eos = tuple(model_dir.eos_token_ids(f.target, target))
-        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, list(eos))
+        eos = model_dir.eos_token_ids(f.target, target)
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos)
     with cli.about(f, "mesh"):
         mesh = sharding.parse_mesh(f.mesh)
         model_dir.check_mesh(target, mesh)

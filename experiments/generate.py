@@ -150,7 +150,7 @@ def check(f) -> Inputs:
     block = drafter.block_size if drafter is not None else (
         model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
     spec = make_spec(f.policy, f.budget, f.auto_budgets, block_size=block, temperature=f.temperature,
-                     max_new_tokens=f.max_new_tokens, eos_token_ids=tuple(eos_ids),
+                     max_new_tokens=f.max_new_tokens, eos_token_ids=eos_ids,
                      check_finite=f.check_finite, exact=f.exact)
     cache_len = f.cache_len or None
     check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)

@@ -114,7 +114,7 @@ def check_mesh(cfg: config_lib.ModelConfig, mesh) -> None:
         sharding.param_spec(path, leaf.shape, dict(mesh.shape))
 
 
-def check_tokenizer(tokenizer, source: str, target: config_lib.ModelConfig, eos_ids: list[int]) -> None:
+def check_tokenizer(tokenizer, source: str, target: config_lib.ModelConfig, eos_ids: tuple[int, ...]) -> None:
     """The tokenizer belongs to the model: its ids lie in the model's vocabulary, and the token it ends a text with
     is one the model stops at (`eos_ids`, from eos_token_ids)."""
     if tokenizer.vocab_size > target.vocab_size:
@@ -122,7 +122,7 @@ def check_tokenizer(tokenizer, source: str, target: config_lib.ModelConfig, eos_
                          f"{target.vocab_size}: it is another model's tokenizer; pass --tokenizer with this model's")
     eos = getattr(tokenizer, "eos_id", None)
     if eos is not None and eos_ids and eos not in eos_ids:
-        raise ValueError(f"the tokenizer {source} ends texts with token {eos} but the model stops at {eos_ids} "
+        raise ValueError(f"the tokenizer {source} ends texts with token {eos} but the model stops at {list(eos_ids)} "
                          f"(config.json / {GENERATION_CONFIG}): it is another model's tokenizer; pass --tokenizer "
                          f"with this model's")
 
@@ -171,10 +171,10 @@ def load_drafter(value: str, target: config_lib.ModelConfig, *, block_size: int 
     return dflash_format.load_dflash_drafter(value, target)
 
 
-def eos_token_ids(value: str, target: config_lib.ModelConfig) -> list[int]:
+def eos_token_ids(value: str, target: config_lib.ModelConfig) -> tuple[int, ...]:
     """Every EOS id the model names: generation_config.json's eos_token_id (an id or a list) in an HF directory, then
     config.json's (target.eos_token_id). ValueError naming the file for one that is not a token id of the model."""
-    ids = [] if target.eos_token_id is None else [target.eos_token_id]
+    ids = () if target.eos_token_id is None else (target.eos_token_id,)
     path = os.path.join(value, GENERATION_CONFIG)
     if value == RANDOM or not os.path.isfile(path):
         return ids
@@ -187,5 +187,4 @@ def eos_token_ids(value: str, target: config_lib.ModelConfig) -> list[int]:
                              for i in listed):
         raise ValueError(f"{path}: eos_token_id = {eos!r} must be a token id (or a non-empty list of them) in "
                          f"[0, {target.vocab_size}), the model's vocabulary; fix it or delete the field")
-    return listed + [i for i in ids if i not in listed]
-
+    return tuple(listed) + tuple(i for i in ids if i not in listed)

@@ -70,9 +70,9 @@ def test_target_and_drafter_swapped_are_named():
 
 def test_eos_from_generation_config(tmp_path):
     cfg = config.tiny()
-    assert model_dir.eos_token_ids(TARGET_DIR, cfg) == [cfg.eos_token_id]  # no generation_config.json: config.json's
+    assert model_dir.eos_token_ids(TARGET_DIR, cfg) == (cfg.eos_token_id,)  # no generation_config.json: config.json's
     (tmp_path / model_dir.GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": [7, 9]}))
-    assert model_dir.eos_token_ids(str(tmp_path), cfg) == [7, 9, cfg.eos_token_id]  # every one of them stops a stream
+    assert model_dir.eos_token_ids(str(tmp_path), cfg) == (7, 9, cfg.eos_token_id)  # every one of them stops a stream
 
 
 def test_quantization_config_beside_text_config():
