@@ -42,7 +42,6 @@ from kdtree_jax.tokenizer import load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
 
 FLAGS = flags.FLAGS
-ON_OFF = {"on": True, "off": False}
 MODES = ("check_finite", "exact")  # DecodeSpec switches timed both ways when a flag lists on,off
 
 
@@ -108,13 +107,8 @@ def check(f) -> Inputs:
     auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
     batches = cli.int_list(f, "batch_sizes", 1)
     temperatures = cli.float_list(f, "temperatures", 0)
-    modes = {}
-    for name in MODES:
-        values = [m.strip() for m in getattr(f, name)]
-        if not values or any(m not in ON_OFF for m in values) or len(set(values)) != len(values):
-            cli.refuse(f, name, "must be 'on', 'off' or 'on,off'")
-        modes[name] = [ON_OFF[m] for m in values]
-    mode_sets = [dict(zip(MODES, combo)) for combo in itertools.product(*modes.values())]
+    modes = [cli.on_off(f, name) for name in MODES]
+    mode_sets = [dict(zip(MODES, combo)) for combo in itertools.product(*modes)]
     if not f.out:
         cli.refuse(f, "out", "is empty; name the JSON file to write")
     cli.output_path(f, "out")

@@ -37,6 +37,8 @@ What runs:
 - Collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in the compiled HLO,
   counted by (op, dtype, elements); each distinct one is timed standalone on the mesh (a chain of 16 inside one
   jit, per-op time = call / 16); the estimate is the sum of count x time (serial: overlap with compute not counted).
+- --exact=on,off runs each AR and verify case also with the target's batch-invariant forward (rows `exact: true`;
+  the same inputs as the default row beside it): its cost at K2.6 shapes.
 - Floors. Bytes a step must read: every param once except the embedding (a gather of M rows), the routed experts
   only as touched (expected distinct experts of M = S x T tokens, each choosing top-k of E uniformly at random), and
   each stream's latent cache rows once. Model floor = those bytes / (devices x --bandwidth_GBps): the issue's floor
@@ -449,11 +451,11 @@ def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams:
     return tokens, (prefix + visible.sum(-1) - 1).astype(np.int32), visible
 
 
-def make_step(graphdef, params, mesh):
+def make_step(graphdef, params, mesh, exact: bool = False):
     """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache, experts hit
     [num MoE layers, E] bool), cache donated; params in their shards, every per-stream array split over data. Lower it
-    under jax.set_mesh(mesh)."""
-    return _jit_step(functools.partial(_forward, graphdef), params, mesh)
+    under jax.set_mesh(mesh). exact: the target's batch-invariant forward (`Transformer(..., exact=True)`)."""
+    return _jit_step(functools.partial(_forward, graphdef, exact=exact), params, mesh)
 
 
 class StepLoop(NamedTuple):
@@ -461,7 +463,7 @@ class StepLoop(NamedTuple):
     steps: int          # steps per call
 
 
-def make_step_loop(graphdef, params, mesh, steps: int) -> StepLoop:
+def make_step_loop(graphdef, params, mesh, steps: int, exact: bool = False) -> StepLoop:
     """A function of `make_step`'s signature running the step `steps` times in one `lax.while_loop` on the same
     input tokens (so each step routes as the waited step does), the cache fed forward: the decode loop's regime, where
     the host reads the loop's predicate after every iteration (it depends on the step's argmax tokens, so XLA cannot
@@ -470,23 +472,23 @@ def make_step_loop(graphdef, params, mesh, steps: int) -> StepLoop:
     def loop(params, cache, tokens, positions, visible):
         def body(carry):
             i, _, cache, _ = carry
-            out, cache, hit = _forward(graphdef, params, cache, tokens, positions, visible)
+            out, cache, hit = _forward(graphdef, params, cache, tokens, positions, visible, exact=exact)
             return i + 1, out, cache, hit
 
         def more(carry):
             return (carry[0] < steps) & (carry[1][0, 0] >= 0)
 
-        first = _forward(graphdef, params, cache, tokens, positions, visible)
+        first = _forward(graphdef, params, cache, tokens, positions, visible, exact=exact)
         _, tokens, cache, hit = lax.while_loop(more, body, (jnp.int32(1), *first))
         return tokens, cache, hit
 
     return StepLoop(_jit_step(loop, params, mesh), steps)
 
 
-def _forward(graphdef, params, cache, tokens, positions, visible):
+def _forward(graphdef, params, cache, tokens, positions, visible, *, exact: bool = False):
     """One step: (argmax tokens [S, T], cache, experts hit [num MoE layers, E] bool)."""
     model = nnx.merge(graphdef, params)
-    forward = nnx.capture(lambda m: m(tokens, positions, cache, visible), nnx.Intermediate,
+    forward = nnx.capture(lambda m: m(tokens, positions, cache, visible, exact=exact), nnx.Intermediate,
                           method_outputs=nnx.Intermediate)
     fwd, intermediates = forward(model)
     hit = expert_loads(model, nnx.to_pure_dict(intermediates)) > 0
@@ -506,6 +508,7 @@ class Case:
     streams: int
     nodes: int  # T
     prefix: int  # committed rows each stream attends to
+    exact: bool = False  # the batch-invariant forward (--exact)
 
     @property
     def budget(self) -> int:
@@ -513,7 +516,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.kind} S={self.streams} T={self.nodes}"
+        return f"{self.kind} S={self.streams} T={self.nodes}" + (" exact" if self.exact else "")
 
 
 def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_collectives, run: dict,
@@ -539,7 +542,7 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
     floors = cost.floors_s(devices, run["bandwidth"], run["matmul"])
     counts = hlo_collectives(compiled.as_text())
     row = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes, prefix=case.prefix,
-               tokens=cost.tokens, compile_s=time.perf_counter() - start,
+               exact=case.exact, tokens=cost.tokens, compile_s=time.perf_counter() - start,
                experts_touched_per_layer=cost.experts_touched, model_bytes=cost.model_bytes,
                weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, device_bytes=cost.device_bytes,
                flops=cost.flops, floor_ms={k: v * 1e3 for k, v in floors.items()},
@@ -631,7 +634,7 @@ def _memory(stats) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ output
 def format_row(r: dict) -> str:
-    case = f"{r['kind']:>7} S={r['streams']:<3d} B={r['budget']:<3d}"
+    case = f"{r['kind']:>7} S={r['streams']:<3d} B={r['budget']:<3d}" + (" exact" if r.get("exact") else "")
     if "compile_s" not in r:
         return f"{case} {r.get('skipped') or r.get('error')}"
     floor, coll = r["floor_ms"], r["collectives"]
@@ -762,12 +765,15 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                         flag_values=fv)
     flags.DEFINE_integer("moe_gate_up_splits", 0, "the Triton int4_moe's gate_up split-K for every call (0: its "
                          "default tiling; `ops.set_int4_moe_gate_up_splits`)", flag_values=fv)
+    flags.DEFINE_list("exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
+                      "'on,off' to time every AR and verify case both ways, one after the other", flag_values=fv)
     flags.DEFINE_bool("loop_only", False, "time each case only inside the while loop (`step_ms_in_loop`; one "
                       "compile a case instead of two: the waited and pipelined calls are left out)", flag_values=fv)
 
 
 def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
-    """The prefill (data streams, one per data group) first, then AR and verify for each stream count."""
+    """The prefill (data streams, one per data group; the default forward) first, then AR and verify for each
+    stream count, each in every --exact mode."""
     streams = [int(s) for s in f.streams]
     budgets = [int(b) for b in f.budgets]
     if not streams or min(streams) < 1 or min(budgets, default=1) < 1 or f.prefix < 0 or f.prefill_tokens < 0:
@@ -780,13 +786,16 @@ def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
                          f"--prefill_tokens {f.prefill_tokens} passes the model's max_position_embeddings "
                          f"{max_position}; shorten them")
     cases = [Case("prefill", data, f.prefill_tokens, 0)] if f.prefill_tokens else []
+    modes = cli.on_off(f, "exact")
     for s in streams:
-        cases += [Case("ar", s, 1, f.prefix)] + [Case("verify", s, b + 1, f.prefix) for b in budgets]
+        cases += [Case(kind, s, nodes, f.prefix, exact) for kind, nodes in [("ar", 1)] + [("verify", b + 1)
+                                                                                      for b in budgets]
+                  for exact in modes]
     return cases
 
 
 def case_key(row: dict) -> tuple:
-    return row["kind"], row["streams"], row["nodes"], row.get("prefix")
+    return row["kind"], row["streams"], row["nodes"], row.get("prefix"), row.get("exact", False)
 
 
 def previous_results(path: str, meta: dict) -> dict | None:
@@ -868,7 +877,7 @@ def run(f) -> None:
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
-                shard_of=f.shard_of, loop_only=f.loop_only, moe_gate_up_splits=f.moe_gate_up_splits,
+                shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, moe_gate_up_splits=f.moe_gate_up_splits,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
@@ -907,9 +916,9 @@ def run(f) -> None:
     dump()
 
     view = share_view(cfg, share_tp) if share_tp else cfg  # the config the step's code runs with
-    step = make_step(graphdef, params, mesh)
-    step_loop = make_step_loop(graphdef, params, mesh, f.loop_steps) if f.loop_steps else None
-    rng = np.random.default_rng(f.seed)
+    steps = {exact: make_step(graphdef, params, mesh, exact) for exact in (False, True)}
+    step_loops = {exact: make_step_loop(graphdef, params, mesh, f.loop_steps, exact) if f.loop_steps else None
+                  for exact in (False, True)}
     timed_collectives: dict = {}
     if f.profile_dir:
         jax.profiler.start_trace(f.profile_dir)
@@ -917,7 +926,7 @@ def run(f) -> None:
         cache, cache_key = None, None
         for case in cases:
             head = dict(kind=case.kind, streams=case.streams, budget=case.budget, nodes=case.nodes,
-                        prefix=case.prefix)
+                        prefix=case.prefix, exact=case.exact)
             if case_key(head) in done:
                 continue
             if f.time_budget_s and time.time() - start > f.time_budget_s:
@@ -931,8 +940,10 @@ def run(f) -> None:
                         cache = random_cache(view, mesh, case.streams, -(-rows // 128) * 128, case.prefix,
                                              f.seed + case.streams, abstract=f.compile_only)
                         cache_key = (case.streams, case.prefix)
-                    row, cache = run_case(case, step, params, cache, mesh, view, weights, rng, timed_collectives,
-                                          run, step_loop if case.kind != "prefill" else None)
+                    rng = np.random.default_rng([f.seed, case.streams, case.nodes])  # --exact on / off: same inputs
+                    row, cache = run_case(case, steps[case.exact], params, cache, mesh, view, weights, rng,
+                                          timed_collectives, run,
+                                          step_loops[case.exact] if case.kind != "prefill" else None)
                 except Exception as e:  # noqa: BLE001 - a failed case (compile error, out of memory) is a result
                     row = dict(head, error=f"{type(e).__name__}: {str(e)[:2000]}")
                     cache, cache_key = None, None  # a donated cache may be gone: make a new one

@@ -189,6 +189,14 @@ def budgets(f, name: str, minimum: int) -> list[int | None]:
     return out
 
 
+def on_off(f, name: str) -> list[bool]:
+    """A list flag of 'on' / 'off' (a mode timed one way or both: 'on,off'), each at most once -> [True / False]."""
+    values = [v.strip().lower() for v in getattr(f, name) or []]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) != len(values):
+        refuse(f, name, "must be 'on', 'off' or 'on,off'")
+    return [v == "on" for v in values]
+
+
 def float_list(f, name: str, minimum: float) -> list[float]:
     """A list flag of finite numbers >= minimum, at least one."""
     values = list(getattr(f, name) or [])

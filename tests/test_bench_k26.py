@@ -112,12 +112,12 @@ def test_the_tp8_step_takes_two_collectives_a_layer(tmp_path):
 def test_one_devices_share_of_tp8_holds_its_shards(tmp_path):
     """--shard_of=tp=8 on one device: it holds exactly one device's bytes of the tp = 8 layout (every param at its
     shard's shape), computes the most loaded device's experts each layer (never more than a device holds), and
-    reports the deployment's collectives apart."""
+    reports the deployment's collectives apart. --exact=on,off: every case also with the batch-invariant forward."""
     out = tmp_path / "share.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, SCRIPT, "--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4",
                            "--fast_compile", "--streams=1", "--prefill_tokens=0", "--shard_of=tp=8", "--loop_only",
-                           "--loop_steps=2", "--reps=1", "--warmup=0", f"--out={out}"], cwd=ROOT, env=env,
+                           "--loop_steps=2", "--reps=1", "--warmup=0", "--exact=on,off", f"--out={out}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
@@ -130,6 +130,8 @@ def test_one_devices_share_of_tp8_holds_its_shards(tmp_path):
         hit = case["device_experts_hit_per_layer"]
         assert all(-(-cfg.num_experts_per_tok // DEVICES) <= h <= per_device for h in hit), case
         assert case["floor_ms"]["device"] > 0 and case["fraction_of_floor"]["device"] > 0
+    assert sorted((c["kind"], c["budget"], c["exact"]) for c in results["cases"]) == [
+        ("ar", 0, False), ("ar", 0, True), ("verify", 4, False), ("verify", 4, True)]
 
 
 def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
@@ -148,9 +150,9 @@ def test_step_loop_runs_the_step_its_number_of_times(monkeypatch):
             tokens, cache, hit = step(params, cache, *inputs)
         forward, steps_run = bench._forward, []
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             jax.debug.callback(lambda: steps_run.append(1))
-            return forward(*args)
+            return forward(*args, **kwargs)
 
         monkeypatch.setattr(bench, "_forward", counted)
         loop = bench.make_step_loop(graphdef, params, mesh, 3)
