@@ -154,7 +154,7 @@ def run(f) -> None:
     drafter = model_dir.load_drafter(f.drafter, target.cfg, mesh=mesh)
     decoder = Decoder(target, drafter, mesh=mesh)
     block = drafter.cfg.block_size
-    meta = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
+    meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
             "dtype": target.cfg.dtype, "target": f.target, "drafter": f.drafter, "mesh": f.mesh,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
             "max_new_tokens": f.max_new_tokens, "block_size": block,

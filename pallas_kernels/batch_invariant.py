@@ -16,6 +16,11 @@ terms by their position in the row. The functions here never let a row's result 
 - `routed_experts`: each (token, expert) pair is its own fixed-shape GEMV chain, and a token's k results are added in
   slot order, whatever the number of tokens sharing an expert.
 
+Every product is `fixed_dot`: its operands and result pass through `lax.optimization_barrier`, so that it compiles
+to the same GEMM wherever it sits. Without them XLA:GPU fused a product with its neighbours differently by context:
+a `lax.map` of one tile (M <= ROW_TILE) is inlined while one of several tiles stays a loop fed by a dynamic slice,
+and the two fusions were autotuned apart (H100: batch 1 bitwise, batch 8 not; decode.md, "Exact mode").
+
 These are the CPU path and the reference of the exact mode (`DecodeSpec.exact`); the invariance of the same fixed
 shapes under XLA:GPU's GEMM autotuning, and kernels with a fixed tile order, are the GPU's part (experiments/notes/
 decode.md, "Exact mode").
@@ -31,6 +36,12 @@ from jax import lax
 ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is one tile, as is an AR step of 64
 
 
+def fixed_dot(a, b):
+    """a [..., K] . b [K, N] (jnp.dot) -> f32, as a product of its own: no producer or consumer fused into it."""
+    a, b = lax.optimization_barrier((a, b))
+    return lax.optimization_barrier(jnp.dot(a, b, preferred_element_type=jnp.float32))
+
+
 def matmul(x, w, *, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -38,7 +49,7 @@ def matmul(x, w, *, out_dtype=None):
     m = rows.shape[0]
     tiles = -(-m // ROW_TILE)
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
-    out = lax.map(lambda tile: jnp.dot(tile, w, preferred_element_type=jnp.float32), rows)
+    out = lax.map(lambda tile: fixed_dot(tile, w), rows)
     return out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, w.shape[-1]).astype(out_dtype or x.dtype)
 
 
@@ -98,11 +109,11 @@ def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float)
     def one(args):
         q1, s1, rows1 = args                                                # [H, C + R], (), [N]
         k1 = keys[s1][jnp.maximum(rows1, 0)]                                # [N, C + R]
-        logits = jnp.dot(q1, k1.T, preferred_element_type=jnp.float32) * scale
+        logits = fixed_dot(q1, k1.T) * scale
         logits = jnp.where(rows1[None, :] >= 0, logits, -jnp.inf)
         prob = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).astype(c_kv.dtype)
         values = jnp.concatenate([k1[:, :c], jnp.ones((k1.shape[0], 1), c_kv.dtype)], axis=-1)  # the sum: a column
-        out = jnp.dot(prob, values, preferred_element_type=jnp.float32)
+        out = fixed_dot(prob, values)
         return out[:, :c] / out[:, c:]
 
     out = lax.map(one, (q, stream, rows.reshape(s * t, -1)))
@@ -119,8 +130,7 @@ def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights):
     def pair(args):
         x1, e = args                                                        # [1, D], ()
         gate, up, down = expert_weights(e)
-        dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)  # noqa: E731
-        return dot((jax.nn.silu(dot(x1, gate)) * dot(x1, up)).astype(x.dtype), down)[0]
+        return fixed_dot((jax.nn.silu(fixed_dot(x1, gate)) * fixed_dot(x1, up)).astype(x.dtype), down)[0]
 
     pairs = jnp.repeat(x, k, axis=0)[:, None, :]                           # [M * k, 1, D]
     y = lax.map(pair, (pairs, jnp.where(ok, ids, 0).reshape(-1))).reshape(m, k, x.shape[-1])
