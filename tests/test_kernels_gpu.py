@@ -25,6 +25,7 @@ from pallas_kernels import int4_matmul_mgpu as MM
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_mgpu as MMOE
 from pallas_kernels import int4_moe_triton as MT
+from pallas_kernels import skinny_matmul as SM
 from pallas_kernels import tree_triton as TT
 from pallas_kernels.triton_call import LAUNCHERS
 from pallas_kernels import tree_verify_attention_mgpu as AM
@@ -314,3 +315,23 @@ def test_tree_build_and_accept_k26(budget):
     for launcher in LAUNCHERS:
         assert_same(TT.tree_accept(tree, jnp.asarray(target), 15, launcher=launcher),
                     T.accept_tree_python(want, target, 15), T.AcceptResult._fields)
+
+
+@pytest.mark.parametrize("rows,k,n,norm,residual,dtype", [
+    (1, 7168, 1536, True, False, jnp.bfloat16), (9, 7168, 576, False, False, jnp.bfloat16),
+    (33, 1024, 7168, False, True, jnp.bfloat16), (64, 7168, 256, True, False, jnp.bfloat16),
+    (1, 7168, 384, False, False, jnp.float32)])
+def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
+    """skinny_matmul at the tp=8 share's shapes (q_a with its norm, kv_a, o_proj with the residual, the shared
+    expert, the f32 router) == the reference, and each row's result bitwise the same computed alone."""
+    rng = np.random.default_rng(rows * n)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)
+    kw = dict(norm_weight=jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None,
+              residual=jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None)
+    got = SM.skinny_matmul(x, w, **kw)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel_err(got, SM.skinny_matmul_reference(x, w, **kw)) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    last = rows - 1
+    alone = SM.skinny_matmul(x[last:], w, **dict(kw, residual=None if not residual else kw["residual"][last:]))
+    np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(got[last], np.float32))

@@ -8,7 +8,8 @@ Timings are device times from profiler traces and ceilings are measured in the s
 Sections (--sections), one module each: ceilings (timing.measure_ceilings), attention (kernels_attention.py:
 tree_verify_attention), moe (kernels_moe.py: int4_moe), tree (kernels_tree.py: tree_build and tree_accept); not in
 the default list, GPU only: mgpu (kernels_attention_mgpu.py: variants of the Mosaic GPU tree-verify attention beside
-the Triton kernel) and combine (kernels_combine.py: the split-K combine kernel against XLA's at every split count).
+the Triton kernel), combine (kernels_combine.py: the split-K combine kernel against XLA's at every split count) and
+skinny (kernels_skinny.py: skinny_matmul against XLA at the tp=8 share's dense products, M = 1-64).
 This script runs them, writes the JSON after every case and plots the results beside it.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax
 from experiments.kernels.kernels_attention import attention_cases, attention_f32_check, case_name, run_attention
 from experiments.kernels.kernels_attention_mgpu import run_attention_mgpu
 from experiments.kernels.kernels_combine import run_combine
+from experiments.kernels.kernels_skinny import run_skinny
 from experiments.kernels.kernels_moe import run_moe
 from experiments.kernels.kernels_tree import run_tree
 from experiments.run_record import code_version, write_json
@@ -72,7 +74,7 @@ def _dump():
 
 def main(_):
     start = time.time()
-    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree", "mgpu", "combine")),
+    for flag, allowed in (("sections", ("ceilings", "attention", "moe", "tree", "mgpu", "combine", "skinny")),
                           ("sweep", ("attention", "moe"))):
         unknown = set(getattr(F, flag)) - set(allowed)
         if unknown:
@@ -87,7 +89,8 @@ def main(_):
                              moe_tokens=F.moe_tokens,
                              moe_sweep_tokens=F.moe_sweep_tokens,
                              xla_flags=os.environ.get("XLA_FLAGS", "")),
-                   ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[])
+                   ceilings={}, checks={}, attention=[], attention_mgpu=[], attention_combine=[], int4_moe=[], tree=[],
+                   skinny_matmul=[])
     if F.merge:
         merge_earlier_run(F.out)
     if "ceilings" in F.sections:
@@ -115,6 +118,8 @@ def main(_):
         run_attention_mgpu(ceil, RESULTS["attention_mgpu"], time.time() + F.attention_budget_s, F.reps, F.quick, _dump)
     if "combine" in F.sections:
         run_combine(ceil, RESULTS["attention_combine"], time.time() + F.attention_budget_s, F.reps, _dump)
+    if "skinny" in F.sections:
+        run_skinny(ceil, RESULTS["skinny_matmul"], time.time() + F.moe_budget_s, F.reps, _dump)
     if "moe" in F.sections:
         run_moe(ceil, RESULTS["int4_moe"], RESULTS["checks"], time.time() + F.moe_budget_s, F.reps, F.quick,
                 [int(m) for m in F.moe_sweep_tokens] if "moe" in F.sweep else [], _dump,
@@ -133,7 +138,7 @@ def main(_):
 
 
 SECTION_KEYS = {"attention": ("attention",), "mgpu": ("attention_mgpu",), "combine": ("attention_combine",),
-                "moe": ("int4_moe",), "tree": ("tree",)}
+                "moe": ("int4_moe",), "tree": ("tree",), "skinny": ("skinny_matmul",)}
 
 
 def merge_earlier_run(path: str) -> None:
@@ -174,15 +179,18 @@ def keep_earlier_rows() -> None:
 
 def plot_results(results: dict, path: str) -> None:
     """One panel per measured section: attention (fraction of roofline and speedup over XLA per case), int4_moe
-    (kernel vs the XLA bf16 baselines per M) and tree (build paths vs the heap peer per B)."""
+    (kernel vs the XLA bf16 baselines per M), tree (build paths vs the heap peer per B) and skinny_matmul (the
+    layer's dense products, kernel vs XLA per M)."""
     plt = plots.pyplot()
-    sections = [name for name in ("attention", "int4_moe", "tree")
-                if any("kernel_us" in r or "kernel_from_topk_us" in r for r in results.get(name, []))]
+    sections = [name for name in ("attention", "int4_moe", "tree", "skinny_matmul")
+                if any("kernel_us" in r or "kernel_from_topk_us" in r or r.get("product") == "layer"
+                       for r in results.get(name, []))]
     if not sections:
         return
     fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.2), squeeze=False)
     for ax, name in zip(axes[0], sections):
-        rows = [r for r in results[name] if "kernel_us" in r or "kernel_from_topk_us" in r]
+        rows = [r for r in results[name]
+                if "kernel_us" in r or "kernel_from_topk_us" in r or r.get("product") == "layer"]
         if name == "attention":
             x = np.arange(len(rows))
             ax.bar(x - 0.2, [r["roofline_fraction"] for r in rows], 0.4, label="fraction of roofline")
@@ -202,6 +210,13 @@ def plot_results(results: dict, path: str) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("tokens M")
             ax.set_title("int4_moe, K2.6 experts", fontsize=9)
+        elif name == "skinny_matmul":
+            m = [r["rows"] for r in rows]
+            for variant in rows[0]["us"]:
+                ax.plot(m, [r["us"][variant] for r in rows], "o-", label=variant)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("rows M")
+            ax.set_title("one layer's dense products, tp=8 share (sum of 8)", fontsize=9)
         else:
             b = [r["budget"] for r in rows]
             for key, label in (("kernel_from_topk_us", "build kernel (from top-K)"),

@@ -1,0 +1,90 @@
+"""bench_kernels section `skinny` (not in the default list; GPU only): `skinny_matmul` (Triton) against XLA's own
+code for the same product with the same fusions (`skinny_matmul_reference` under jit: XLA fuses the norm and the
+residual add as it does in the model), side by side, at the products of one MoE layer of the tp=8 share of Kimi K2.6,
+for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream, 64 rows).
+
+    cases      PRODUCTS: q_a (with input_layernorm), kv_a, q_b (with q_a_norm), o_proj (with the residual add), the
+               shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
+    variants   kernel (default_tiling), no_split (the same without split-K), xla
+    bytes      w, x and the output (and residual) once -> fraction of the copy bandwidth
+    layer row  per M, the sum over PRODUCTS of each variant's time: what the layer's dense products cost
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.timing import Job, gb_per_s, rel_err, time_jobs
+from pallas_kernels import skinny_matmul as SM
+
+D, Q, C, R, H_LOCAL, P_R, V, I_LOCAL, E = 7168, 1536, 512, 64, 8, 192, 128, 256, 384
+# (name, K, N, dtype, the norm in its prologue, the residual in its epilogue): one layer of the tp=8 share
+PRODUCTS = (("q_a", D, Q, jnp.bfloat16, True, False), ("kv_a", D, C + R, jnp.bfloat16, False, False),
+            ("q_b", Q, H_LOCAL * P_R, jnp.bfloat16, True, False),
+            ("o_proj", H_LOCAL * V, D, jnp.bfloat16, False, True),
+            ("shared_gate", D, I_LOCAL, jnp.bfloat16, True, False),
+            ("shared_up", D, I_LOCAL, jnp.bfloat16, True, False),
+            ("shared_down", I_LOCAL, D, jnp.bfloat16, False, False), ("router", D, E, jnp.float32, False, False))
+ROWS = (1, 8, 33, 64)
+
+
+def product_inputs(seed: int, rows: int, k: int, n: int, dtype, norm: bool, residual: bool):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None
+    r = jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None
+    return x, w, g, r
+
+
+def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> None:
+    """Time every product at every M, the kernel's variants and XLA's; one row per case appended to `results`, a
+    `layer` row per M, printed, then `save()`; no new case past `deadline` (time.time())."""
+    if jax.default_backend() != "gpu":
+        results.append(dict(skipped="skinny_matmul runs only on the GPU (Triton; the CPU tests use the interpreter)"))
+        print("skinny: skipped, GPU only", flush=True)
+        return
+    for rows in ROWS:
+        layer = {}
+        for i, (name, k, n, dtype, norm, residual) in enumerate(PRODUCTS):
+            case = dict(product=name, rows=rows, k=k, n=n, dtype=jnp.dtype(dtype).name, norm=norm, residual=residual)
+            if time.time() > deadline:
+                results.append(dict(case, skipped="time budget"))
+                continue
+            args = product_inputs(rows * 100 + i, rows, k, n, dtype, norm, residual)
+            tiling = SM.default_tiling(k, n)
+            fns = {"kernel": jax.jit(lambda x, w, g, r: SM.skinny_matmul(x, w, norm_weight=g, residual=r)),
+                   "no_split": jax.jit(lambda x, w, g, r, t=tiling._replace(splits=1): SM.skinny_matmul(
+                       x, w, norm_weight=g, residual=r, tiling=t)),
+                   "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r))}
+            try:
+                x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
+                want = SM.skinny_matmul_reference(x32, w32, norm_weight=g32, residual=r32)
+                errors = {v: rel_err(fn(*args), want) for v, fn in fns.items()}
+                t = time_jobs([Job(v, fn, [args]) for v, fn in fns.items()], reps)
+            except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on
+                results.append(dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}"))
+                save()
+                continue
+            bytes_ = (sum(a.size * a.dtype.itemsize for a in args if a is not None)
+                      + rows * n * jnp.dtype(dtype).itemsize)
+            entry = dict(case, tiling=tiling._asdict(), errors=errors, us={v: t[v]["us"] for v in fns},
+                         busy_us={v: t[v].get("busy_us") for v in fns},
+                         device_events={v: t[v].get("device_events") for v in fns},
+                         bandwidth_fraction={v: gb_per_s(bytes_, t[v]["us"]) / ceil["bandwidth_GBps"] for v in fns},
+                         bytes=bytes_)
+            results.append(entry)
+            for v in fns:
+                layer[v] = layer.get(v, 0.0) + t[v]["us"]
+            print(f"skinny {name:11s} M={rows:3d} K={k:5d} N={n:5d} splits {tiling.splits:2d} | "
+                  + " | ".join(f"{v} {t[v]['us']:6.1f} us ({entry['bandwidth_fraction'][v]:5.1%})" for v in fns)
+                  + f" | err {errors['kernel']:.1e} (xla {errors['xla']:.1e})", flush=True)
+            save()
+        if layer:
+            results.append(dict(product="layer", rows=rows, us=layer))
+            print(f"skinny layer M={rows:3d} | " + " | ".join(f"{v} {us:7.1f} us" for v, us in layer.items()),
+                  flush=True)
+            save()

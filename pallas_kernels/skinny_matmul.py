@@ -1,0 +1,182 @@
+"""Products of a few rows by a weight, y = [rmsnorm](x) @ w [+ residual], as Triton kernels whose tiling is fixed by
+the weight's shape alone: the decode step's dense projections (q_a, kv_a, q_b, o_proj, the shared expert, the router,
+the lm_head slice) at M = 1-64 rows.
+
+Why: at M = 1 XLA:GPU turns each of these products into a reduction fusion that read its weight at ~25% of the
+H100's bandwidth in the tp=8 share's profile (~80 us a layer for ~74 MB; experiments/notes/k26.md, "Kernels per
+layer of the share"). Here each program streams a [BK, BN] slab of w per step with tl.dot on 16-row tiles of x;
+split-K gives a narrow N enough programs to cover the SMs, and a second kernel adds the splits in split order.
+
+Fusions: `norm_weight` applies the RMSNorm that feeds the product in the prologue (each program re-reads its rows of
+x, which is small and stays in L2, and takes their sum of squares over K itself); `residual` adds the layer's
+residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w)` does.
+
+Row invariance: the kernels' compile-time parameters are (K, N, dtypes, tiling) and the tiling is `default_tiling(K,
+N)`, never a function of M; x is padded to whole 16-row tiles, so every M runs the same binary and a row's sums run in
+one order (over BK-wide steps of K in increasing order, split partials added in split order) whatever rows share its
+tile. This is the property the exact mode (`DecodeSpec.exact`) needs on the GPU.
+
+`skinny_matmul_reference` is the specification (XLA, f32 accumulation). On the CPU the kernels run in Triton's
+interpreter (tests/test_skinny_matmul_interpreter.py) and lower for sm_90 (tests/test_triton_call.py).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.triton_call import bound_to
+
+BLOCK_M = 16          # rows per program: tl.dot's smallest tile; x is padded to whole tiles
+TARGET_PROGRAMS = 264  # programs a 16-row tile aims for (two per SM of an H200 / H100, 132 SMs)
+LAUNCHER = "ffi"      # typed custom call, command-buffer compatible (triton_call.py); not yet measured against "xla"
+
+
+class Tiling(NamedTuple):
+    block_n: int   # output columns per program
+    block_k: int   # K per step
+    splits: int    # programs along K (1: no partials, no second kernel)
+
+
+def default_tiling(k: int, n: int) -> Tiling:
+    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
+    (64 when K is not a multiple of 128), and the largest split of K into whole steps that keeps programs * splits
+    <= TARGET_PROGRAMS. A function of (K, N) only (the module's row invariance rests on it)."""
+    block_n = 128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64
+    block_k = 128 if k % 128 == 0 else 64
+    if k % block_k:
+        raise ValueError(f"skinny_matmul: K = {k} is not a multiple of 64; pad the weight's rows")
+    steps, programs = k // block_k, triton.cdiv(n, block_n)
+    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= TARGET_PROGRAMS))
+    return Tiling(block_n, block_k, splits)
+
+
+def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
+    """x [M, K] (bf16 / f32), w [K, N] (x's dtype), norm_weight [K] or None, residual [M, N] or None -> [M, N] in
+    out_dtype (default x's): (rmsnorm(x) if norm_weight is given) @ w with f32 accumulation, rounded, plus residual."""
+    out_dtype = out_dtype or x.dtype
+    if norm_weight is not None:
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        x = (x32 * inv * norm_weight.astype(jnp.float32)).astype(x.dtype)
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    if residual is not None:
+        y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_dtype)
+    return y
+
+
+@triton.jit
+def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
+                    EPS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (columns n, rows m, split s): out[s, m's BM rows, n's BN columns] = the f32 sum over the split's K of
+    x' w, x' = x, or with NORM x * rsqrt(mean(x^2) + EPS) * g rounded to x's dtype. x [M_pad, K], w [K, N],
+    g [K], out [SPLITS, M_pad, N] f32 (SPLITS = 1: the caller's dtype; then the whole product)."""
+    n, m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = n * BN + tl.arange(0, BN)
+    cols_ok = cols < N
+    ks = tl.arange(0, BK)
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        squares = tl.zeros((BM,), tl.float32)
+        for k0 in tl.range(0, K, BK):
+            xk = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :]).to(tl.float32)
+            squares += tl.sum(xk * xk, axis=1)
+        inv = 1.0 / tl.sqrt_rn(squares / K + EPS)
+    acc = tl.zeros((BM, BN), tl.float32)
+    steps: tl.constexpr = K // BK // SPLITS
+    for step in tl.range(s * steps, (s + 1) * steps):
+        k = step * BK + ks
+        xk = tl.load(x_ptr + rows[:, None] * K + k[None, :])
+        if NORM:
+            g = tl.load(g_ptr + k).to(tl.float32)
+            xk = (xk.to(tl.float32) * inv[:, None] * g[None, :]).to(dtype)
+        wk = tl.load(w_ptr + k[:, None] * N + cols[None, :], mask=cols_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xk, wk, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, wk, acc)
+    at = out_ptr + (s * tl.num_programs(1) * BM + rows[:, None]) * N + cols[None, :]
+    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=cols_ok[None, :])
+
+
+@triton.jit
+def _splits_kernel(part_ptr, residual_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                   SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, ROWS, N] added in split order,
+    rounded to out's dtype, then (RESIDUAL) residual[r] + that in f32, rounded again."""
+    n, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cols = n * BN + tl.arange(0, BN)
+    ok = cols < N
+    acc = tl.zeros((BN,), tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + (s * ROWS + r) * N + cols, mask=ok, other=0.0)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        y = (tl.load(residual_ptr + r * N + cols, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(
+            out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r * N + cols, y, mask=ok)
+
+
+def check_inputs(x, w, norm_weight, residual, out_dtype):
+    """Raises ValueError naming the mismatch and the fix."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"skinny_matmul takes x [M, K] and w [K, N]; got x {x.shape}, w {w.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32) or w.dtype != x.dtype:
+        raise ValueError(f"skinny_matmul takes x and w of one dtype, bfloat16 or float32; got {x.dtype}, {w.dtype}: "
+                         "cast them first")
+    if norm_weight is not None and norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"skinny_matmul: norm_weight {norm_weight.shape} must be [K] = [{x.shape[1]}]")
+    if residual is not None and residual.shape != (x.shape[0], w.shape[1]):
+        raise ValueError(f"skinny_matmul: residual {residual.shape} must be [M, N] = [{x.shape[0]}, {w.shape[1]}]")
+    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"skinny_matmul writes bfloat16 or float32, not {out_dtype}")
+
+
+def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,
+                tiling: Tiling | None = None):
+    """The host side: check, pad x to whole BLOCK_M tiles, launch through `call(*operands, kernel=, out_shape=, grid=,
+    num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; Triton's interpreter in the tests), and cut the
+    padding off. Shapes as `skinny_matmul_reference`."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    check_inputs(x, w, norm_weight, residual, out_dtype)
+    (m, k), n = x.shape, w.shape[1]
+    tiling = tiling or default_tiling(k, n)
+    row_tiles = triton.cdiv(m, BLOCK_M)
+    rows = row_tiles * BLOCK_M
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    g = (norm_weight if norm_weight is not None else jnp.ones((k,), x.dtype)).astype(x.dtype)
+    fused = tiling.splits == 1 and residual is None
+    out_shape = jax.ShapeDtypeStruct((tiling.splits, rows, n), out_dtype if fused else jnp.float32)
+    part = call(xp, w, g, kernel=_product_kernel, out_shape=out_shape,
+                grid=(triton.cdiv(n, tiling.block_n), row_tiles, tiling.splits), num_warps=4, num_stages=3,
+                K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits,
+                NORM=norm_weight is not None, EPS=float(eps), IEEE=x.dtype == jnp.float32)
+    if fused:
+        return part[0, :m]
+    res = jnp.pad(residual.astype(out_dtype), ((0, rows - m), (0, 0))) if residual is not None else part[0, :, :1]
+    out = call(part, res, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
+               grid=(triton.cdiv(n, 256), rows), num_warps=4, num_stages=1, ROWS=rows, N=n, BN=256,
+               SPLITS=tiling.splits, RESIDUAL=residual is not None)
+    return out[:m]
+
+
+def skinny_matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,
+                  tiling: Tiling | None = None, launcher: str = LAUNCHER):
+    """`skinny_matmul_reference` as Triton kernels on the GPU (shapes and fusions there). tiling: default
+    `default_tiling(K, N)` (another tiling gives other rounding; the row invariance holds for any one tiling)."""
+    return _skinny_matmul(x, w, norm_weight, residual, eps=float(eps),
+                          out_dtype=jnp.dtype(out_dtype or x.dtype), tiling=tiling, launcher=launcher)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "tiling", "launcher"))
+def _skinny_matmul(x, w, norm_weight, residual, *, eps, out_dtype, tiling, launcher):
+    call = bound_to(launcher, interpret=False, op="skinny_matmul.skinny_matmul",
+                    reference="skinny_matmul.skinny_matmul_reference")
+    return run_kernels(call, x, w, norm_weight=norm_weight, eps=eps, residual=residual, out_dtype=out_dtype,
+                       tiling=tiling)
