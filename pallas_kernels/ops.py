@@ -24,6 +24,7 @@ import jax
 from pallas_kernels import int4_moe as _int4_moe
 from pallas_kernels import int4_moe_mgpu as _int4_moe_mgpu
 from pallas_kernels import int4_moe_triton as _int4_moe_triton
+from pallas_kernels import skinny_matmul as _skinny_matmul
 from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
 from pallas_kernels import tree_triton as _tree_triton
@@ -36,6 +37,7 @@ IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 _settings = {"implementation": "auto", "interpret": None}
 _tiling = {"int4_moe_gate_up_splits": None}  # a benchmark's override of the Triton int4_moe's split-K (None: default)
+_dense = {"kernel": False}  # the dense products through skinny_matmul (`set_dense_kernel`; off until measured)
 _registry: dict[str, tuple[Callable, Callable, bool]] = {}
 
 
@@ -203,6 +205,36 @@ def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights, *, route
     reference and routing) and its kernels int4_moe_triton.py / int4_moe_mgpu.py (`int4_moe_backend` picks, with
     routed_experts the experts the ids are drawn from under expert parallelism)."""
     return _call("int4_moe", x, experts, topk_ids, topk_weights, routed_experts=routed_experts)
+
+
+def set_dense_kernel(on: bool = False) -> None:
+    """Run the model's dense products of few rows through `skinny_matmul` (on) or XLA (off, the default until the
+    kernel is measured in the step: bench_k26 --dense_kernel), for calls traced from now on."""
+    _dense["kernel"] = bool(on)
+
+
+def dense_takes(x, w) -> bool:
+    """Whether `dense` runs the kernel for x [..., K] @ w [K, N]: set_dense_kernel(True), kernels running on the GPU,
+    at most MAX_DENSE_ROWS rows, K a multiple of 64, one dtype, and no tp mesh (a Triton call has no GSPMD
+    partitioning: under tp the products stay XLA's)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh is None or mesh.empty else dict(mesh.shape).get("tp", 1)
+    rows = x.size // x.shape[-1]
+    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu" and tp == 1
+            and rows <= MAX_DENSE_ROWS and x.shape[-1] % 64 == 0 and x.dtype == w.dtype)
+
+
+MAX_DENSE_ROWS = 64  # skinny_matmul's range (16-row tiles; past it the weight is re-read per tile)
+
+
+def dense(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
+    """x [..., K] @ w [K, N] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
+    norm_weight [K] in its prologue, residual [..., N] added in its epilogue, out_dtype default x's."""
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
+    flat_residual = None if residual is None else residual.reshape(-1, n)
+    y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, residual=flat_residual,
+                                     out_dtype=out_dtype)
+    return y.reshape(*lead, n)
 
 
 def tree_build(draft_logits, root, budget: int, topk: int | None = None):

@@ -335,3 +335,22 @@ def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
     last = rows - 1
     alone = SM.skinny_matmul(x[last:], w, **dict(kw, residual=None if not residual else kw["residual"][last:]))
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(got[last], np.float32))
+
+
+def test_dense_kernel_forward_matches_xla():
+    """The code target's forward with its dense products through skinny_matmul (`ops.set_dense_kernel(True)`: q_a,
+    kv_a, q_b with its norm, o_proj, the shared expert, the router, the lm_head with the final norm) == with XLA's."""
+    from kdtree_jax.model.transformer import Transformer
+
+    cfg = dataclasses.replace(config_lib.preset("code_target"), dtype="bfloat16")
+    model = Transformer(cfg, nnx.Rngs(3))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    logits = {}
+    for on in (False, True):
+        ops.set_dense_kernel(on)
+        try:
+            logits[on] = nnx.jit(lambda m, t: m.causal(t).logits)(model, tokens)
+        finally:
+            ops.set_dense_kernel(False)
+    assert np.isfinite(np.asarray(logits[True])).all()
+    assert rel_err(logits[True], logits[False]) < 2e-2

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import batch_invariant
+from pallas_kernels import batch_invariant, ops
 
 
 def dtype_of(name: str):
@@ -36,6 +36,19 @@ class RMSNorm(nnx.Module):
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
+    """[norm](x) . w: x [..., K], w [K, *out] -> [..., *out] (f32 accumulation; out_dtype default x's). One
+    `skinny_matmul` kernel with the norm in its prologue where `ops.dense_takes` the rows (`ops.set_dense_kernel`),
+    else XLA's dot over x's last axis and w's first."""
+    w2 = w.reshape(w.shape[0], -1)
+    if ops.dense_takes(x, w2):
+        y = ops.dense(x, w2, norm_weight=None if norm is None else norm.weight[...],
+                      eps=1e-6 if norm is None else norm.eps, out_dtype=out_dtype)
+        return y.reshape(*x.shape[:-1], *w.shape[1:])
+    x = x if norm is None else norm(x)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
 class GatedMLP(nnx.Module):
     """down(silu(x @ gate) * (x @ up)): the dense MLP and the shared expert. Weights [D, I], [D, I], [I, D]."""
 
@@ -53,5 +66,6 @@ class GatedMLP(nnx.Module):
 
 
 def gated_mlp(x, gate, up, down):
-    """x [..., D], gate / up [D, I], down [I, D] -> down(silu(x @ gate) * (x @ up)) [..., D]."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    """x [..., D], gate / up [D, I], down [I, D] -> down(silu(x @ gate) * (x @ up)) [..., D] (`project`'s
+    products)."""
+    return project(jax.nn.silu(project(x, gate)) * project(x, up), down)

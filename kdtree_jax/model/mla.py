@@ -18,7 +18,7 @@ from flax import nnx
 
 from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight
+from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight, project
 from kdtree_jax.model.rope import apply_rope
 from kdtree_jax.model.parallel import head_parallel
 from pallas_kernels import batch_invariant, ops
@@ -50,16 +50,15 @@ class MLA(nnx.Module):
             q = self.q_a_norm(batch_invariant.matmul(x, self.q_a_proj[...]), exact=True) if self.cfg.q_lora_rank else x
             q = heads(q, (self.q_b_proj if self.cfg.q_lora_rank else self.q_proj)[...])
         elif self.cfg.q_lora_rank:
-            q = jnp.einsum("std,dq->stq", x, self.q_a_proj[...])
-            q = jnp.einsum("stq,qhk->sthk", self.q_a_norm(q), self.q_b_proj[...])
+            q = project(project(x, self.q_a_proj[...]), self.q_b_proj[...], norm=self.q_a_norm)
         else:
-            q = jnp.einsum("std,dhk->sthk", x, self.q_proj[...])
+            q = project(x, self.q_proj[...])
         p = self.cfg.qk_nope_head_dim
         return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
 
     def latents(self, x, positions, *, exact: bool = False):
         """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores."""
-        kv = batch_invariant.matmul(x, self.kv_a_proj[...]) if exact else x @ self.kv_a_proj[...]
+        kv = batch_invariant.matmul(x, self.kv_a_proj[...]) if exact else project(x, self.kv_a_proj[...])
         c = self.cfg.kv_lora_rank
         return self.kv_a_norm(kv[..., :c], exact=exact), apply_rope(kv[..., c:], positions, self.cfg)
 
@@ -92,7 +91,8 @@ class MLA(nnx.Module):
         else:
             out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,
                                   block_attention_mask(prefix_len, visible, c_cache.shape[1]), cfg.softmax_scale)
-        out = jnp.einsum("sthv,hvd->std", out.astype(x.dtype), self.o_proj[...])
+        o_proj = self.o_proj[...]                                                       # [H, V, D]
+        out = project(out.astype(x.dtype).reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]))
         return out, c_cache, r_cache
 
     def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight
+from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight, project
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
 from kdtree_jax.model.parallel import expert_parallel
 from pallas_kernels import batch_invariant, ops
@@ -21,7 +21,7 @@ from pallas_kernels.int4_moe import Int4Experts
 def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
     """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32). exact: `batch_invariant.matmul`."""
     x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
-    scores = jax.nn.sigmoid(batch_invariant.matmul(x32, w32) if exact else x32 @ w32)
+    scores = jax.nn.sigmoid(batch_invariant.matmul(x32, w32) if exact else project(x32, w32))
     _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32), cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob:

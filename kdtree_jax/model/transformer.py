@@ -9,7 +9,7 @@ from flax import nnx
 
 from kdtree_jax.cache import KVCache, init_cache
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
+from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight, project
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
 from kdtree_jax.model.parallel import attention_plan, vocab_parallel_embed
@@ -55,12 +55,14 @@ class Transformer(nnx.Module):
         """tokens [S, T] -> [S, T, D] (vocab-parallel under a mesh: `parallel.vocab_parallel_embed`)."""
         return vocab_parallel_embed(self.embed_tokens[...], tokens)
 
-    def logits(self, hidden, *, exact: bool = False):
-        """final-normed hidden [S, T, D] -> logits [S, T, V] in f32."""
+    def logits(self, hidden, *, exact: bool = False, norm: RMSNorm | None = None):
+        """final-normed hidden [S, T, D] -> logits [S, T, V] in f32. norm: applied to hidden first (the forward passes
+        its final norm, which the lm_head's kernel takes in its prologue: `project`)."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         if exact:
-            return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32)
-        return jnp.einsum("std,dv->stv", hidden, w, preferred_element_type=jnp.float32)
+            return batch_invariant.matmul(hidden if norm is None else norm(hidden, exact=True), w,
+                                          out_dtype=jnp.float32)
+        return project(hidden, w, norm=norm, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
                  hidden_layers: tuple = (), exact: bool = False) -> ForwardOutput:
@@ -81,7 +83,7 @@ class Transformer(nnx.Module):
                                           exact)
             if i in hidden_layers:
                 hidden.append(x)
-        logits = self.logits(self.norm(x, exact=exact), exact=exact)
+        logits = self.logits(x, exact=exact, norm=self.norm)
         return ForwardOutput(logits, KVCache(tuple(c_all), tuple(r_all), cache.length), tuple(hidden))
 
     def causal(self, tokens, *, absorbed: bool = True, hidden_layers: tuple = ()) -> ForwardOutput:
