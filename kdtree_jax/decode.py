@@ -525,10 +525,10 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
 
 
 def auto_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
-    """A round of the auto loop (kdtree_jax.budget). When st.auto says so, draft and build at the largest budget
-    and pick the best candidate B > 0 (a `lax.cond` around the draft, whose outputs are small); then one
-    `lax.switch` over the candidates verifies the AR root or a prefix of B + 1 nodes (the caches pass through this
-    one conditional only)."""
+    """A round of the auto loop (kdtree_jax.budget). When st.auto says so, draft and build at the largest budget,
+    pick the best candidate B > 0 and verify a prefix of B + 1 nodes (a `lax.switch` over the candidates); else
+    verify the AR root alone. One `lax.cond` chooses between the two, so an AR round passes one conditional (each
+    costs a read of its predicate by the host on XLA:GPU; decode.md, "Outcome on the GPU") and a drafted round two."""
     candidates = spec.auto_budgets
     spec_at = jnp.asarray(budget_lib.spec_indices(candidates))
     tree_budgets = [b for b in candidates if b > 0]
@@ -539,19 +539,19 @@ def auto_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: Loop
         tree = draft_tree(target, drafter, spec, st)
         expected = budget_lib.expected_accepted(tree.score, st.auto, tree_budgets)  # [S, C']
         k, mean = budget_lib.choose(expected, active, step_costs[spec_at])
-        return tree, spec_at[k], mean
+        verify = [functools.partial(lambda b, t: verify_and_commit(
+            target, drafter, spec, st, tree_lib.prefix_tree(t, b), sub), b) for b in tree_budgets]
+        return tree, spec_at[k], mean, jax.lax.switch(k, verify, tree)
 
     def skipped(st: LoopState):
-        return empty_tree(st.bonus, spec.tree_budget), jnp.int32(0), jnp.zeros(len(tree_budgets), jnp.float32)
+        return (empty_tree(st.bonus, spec.tree_budget), jnp.int32(0), jnp.zeros(len(tree_budgets), jnp.float32),
+                verify_and_commit(target, drafter, spec, st, root_only_tree(st.bonus), sub))
 
     if candidates[0] == 0:
-        tree, branch, mean = jax.lax.cond(st.auto.draft_next, drafted, skipped, st)
+        tree, branch, mean, committed = jax.lax.cond(st.auto.draft_next, drafted, skipped, st)
     else:
-        tree, branch, mean = drafted(st)
-    verify = [functools.partial(lambda b, t: verify_and_commit(
-        target, drafter, spec, st, tree_lib.prefix_tree(t, b) if b else root_only_tree(st.bonus), sub), b)
-        for b in candidates]
-    cache, dcache, verdict, finite = jax.lax.switch(branch, verify, tree)
+        tree, branch, mean, committed = drafted(st)
+    cache, dcache, verdict, finite = committed
 
     chosen = jnp.asarray(candidates, jnp.int32)[branch]
     nodes = jnp.arange(spec.tree_budget + 1)
