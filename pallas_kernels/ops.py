@@ -229,7 +229,7 @@ MAX_DENSE_ROWS = 64  # skinny_matmul's range (16-row tiles; past it the weight i
 
 def dense(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
-    norm_weight [K] in its prologue, residual [..., N] added in its epilogue, out_dtype default x's."""
+    norm_weight [K] fused, residual [..., N] added in its epilogue, out_dtype default x's."""
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
     flat_residual = None if residual is None else residual.reshape(-1, n)
     y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, residual=flat_residual,

@@ -7,9 +7,12 @@ H100's bandwidth in the tp=8 share's profile (~80 us a layer for ~74 MB; experim
 layer of the share"). Here each program streams a [BK, BN] slab of w per step with tl.dot on 16-row tiles of x;
 split-K gives a narrow N enough programs to cover the SMs, and a second kernel adds the splits in split order.
 
-Fusions: `norm_weight` applies the RMSNorm that feeds the product in the prologue (each program re-reads its rows of
-x, which is small and stays in L2, and takes their sum of squares over K itself); `residual` adds the layer's
-residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w)` does.
+Fusions: `norm_weight` applies the RMSNorm that feeds the product: rmsnorm(x) w = rsqrt(mean(x^2) + eps) (x g) w
+per row, so a program multiplies its slab of x by g on the way into the product and sums the slab's squares on the
+same pass, and the row's scale is applied to the f32 sum at the end (after the splits are added). x g is rounded to
+x's dtype where the reference rounds x * scale * g: the results differ by that rounding. `residual` adds the
+layer's residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w)`
+does.
 
 Row invariance: the kernels' compile-time parameters are (K, N, dtypes, tiling) and the tiling is `default_tiling(K,
 N)`, never a function of M; x is padded to whole 16-row tiles, so every M runs the same binary and a row's sums run in
@@ -70,52 +73,60 @@ def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residu
 
 
 @triton.jit
-def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
+def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, squares_ptr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
                     EPS: tl.constexpr, IEEE: tl.constexpr):
-    """Program (columns n, rows m, split s): out[s, m's BM rows, n's BN columns] = the f32 sum over the split's K of
-    x' w, x' = x, or with NORM x * rsqrt(mean(x^2) + EPS) * g rounded to x's dtype. x [M_pad, K], w [K, N],
-    g [K], out [SPLITS, M_pad, N] f32 (SPLITS = 1: the caller's dtype; then the whole product)."""
+    """Program (columns n, rows m, split s), over the split's K: out[s, m's BM rows, n's BN columns] = the f32 sum of
+    x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM).
+    SPLITS = 1 finishes in place: out (the caller's dtype) = that sum times rsqrt(sum of x^2 / K + EPS) with NORM.
+    x [M_pad, K], w [K, N], g [K], out [SPLITS, M_pad, N] (f32 when SPLITS > 1), squares [SPLITS, M_pad] f32."""
     n, m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
     cols = n * BN + tl.arange(0, BN)
     cols_ok = cols < N
     ks = tl.arange(0, BK)
     dtype = x_ptr.dtype.element_ty
-    if NORM:
-        squares = tl.zeros((BM,), tl.float32)
-        for k0 in tl.range(0, K, BK):
-            xk = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :]).to(tl.float32)
-            squares += tl.sum(xk * xk, axis=1)
-        inv = 1.0 / tl.sqrt_rn(squares / K + EPS)
     acc = tl.zeros((BM, BN), tl.float32)
+    squares = tl.zeros((BM,), tl.float32)
     steps: tl.constexpr = K // BK // SPLITS
     for step in tl.range(s * steps, (s + 1) * steps):
         k = step * BK + ks
         xk = tl.load(x_ptr + rows[:, None] * K + k[None, :])
         if NORM:
-            g = tl.load(g_ptr + k).to(tl.float32)
-            xk = (xk.to(tl.float32) * inv[:, None] * g[None, :]).to(dtype)
+            x32 = xk.to(tl.float32)
+            squares += tl.sum(x32 * x32, axis=1)
+            xk = (x32 * tl.load(g_ptr + k).to(tl.float32)[None, :]).to(dtype)
         wk = tl.load(w_ptr + k[:, None] * N + cols[None, :], mask=cols_ok[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(xk, wk, acc, input_precision="ieee")
         else:
             acc = tl.dot(xk, wk, acc)
+    if NORM and SPLITS == 1:
+        acc = acc / tl.sqrt_rn(squares / K + EPS)[:, None]
     at = out_ptr + (s * tl.num_programs(1) * BM + rows[:, None]) * N + cols[None, :]
     tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=cols_ok[None, :])
+    if n == 0:                                           # zeros without NORM (unread)
+        tl.store(squares_ptr + s * tl.num_programs(1) * BM + rows, squares)
 
 
 @triton.jit
-def _splits_kernel(part_ptr, residual_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                   SPLITS: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, ROWS, N] added in split order,
-    rounded to out's dtype, then (RESIDUAL) residual[r] + that in f32, rounded again."""
+def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, ROWS: tl.constexpr, K: tl.constexpr,
+                   N: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+                   RESIDUAL: tl.constexpr):
+    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, ROWS, N] added in split order
+    (with NORM times rsqrt(the squares [SPLITS, ROWS] added in split order / K + EPS)), rounded to out's dtype, then
+    (RESIDUAL) residual[r] + that in f32, rounded again."""
     n, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = n * BN + tl.arange(0, BN)
     ok = cols < N
     acc = tl.zeros((BN,), tl.float32)
+    squares = 0.0
     for s in tl.static_range(SPLITS):
         acc += tl.load(part_ptr + (s * ROWS + r) * N + cols, mask=ok, other=0.0)
+        if NORM:
+            squares += tl.load(squares_ptr + s * ROWS + r)
+    if NORM:
+        acc = acc / tl.sqrt_rn(squares / K + EPS)
     y = acc.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         y = (tl.load(residual_ptr + r * N + cols, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(
@@ -152,17 +163,20 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     g = (norm_weight if norm_weight is not None else jnp.ones((k,), x.dtype)).astype(x.dtype)
     fused = tiling.splits == 1 and residual is None
-    out_shape = jax.ShapeDtypeStruct((tiling.splits, rows, n), out_dtype if fused else jnp.float32)
-    part = call(xp, w, g, kernel=_product_kernel, out_shape=out_shape,
-                grid=(triton.cdiv(n, tiling.block_n), row_tiles, tiling.splits), num_warps=4, num_stages=3,
-                K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits,
-                NORM=norm_weight is not None, EPS=float(eps), IEEE=x.dtype == jnp.float32)
+    norm = norm_weight is not None
+    part, squares = call(
+        xp, w, g, kernel=_product_kernel,
+        out_shape=(jax.ShapeDtypeStruct((tiling.splits, rows, n), out_dtype if fused else jnp.float32),
+                   jax.ShapeDtypeStruct((tiling.splits, rows), jnp.float32)),
+        grid=(triton.cdiv(n, tiling.block_n), row_tiles, tiling.splits), num_warps=4, num_stages=3,
+        K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
+        EPS=float(eps), IEEE=x.dtype == jnp.float32)
     if fused:
         return part[0, :m]
     res = jnp.pad(residual.astype(out_dtype), ((0, rows - m), (0, 0))) if residual is not None else part[0, :, :1]
-    out = call(part, res, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
-               grid=(triton.cdiv(n, 256), rows), num_warps=4, num_stages=1, ROWS=rows, N=n, BN=256,
-               SPLITS=tiling.splits, RESIDUAL=residual is not None)
+    out = call(part, squares, res, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
+               grid=(triton.cdiv(n, 256), rows), num_warps=4, num_stages=1, ROWS=rows, K=k, N=n, BN=256,
+               SPLITS=tiling.splits, NORM=norm and tiling.splits > 1, EPS=float(eps), RESIDUAL=residual is not None)
     return out[:m]
 
 

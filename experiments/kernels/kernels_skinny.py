@@ -21,7 +21,7 @@ from experiments.timing import Job, gb_per_s, rel_err, time_jobs
 from pallas_kernels import skinny_matmul as SM
 
 D, Q, C, R, H_LOCAL, P_R, V, I_LOCAL, E = 7168, 1536, 512, 64, 8, 192, 128, 256, 384
-# (name, K, N, dtype, the norm in its prologue, the residual in its epilogue): one layer of the tp=8 share
+# (name, K, N, dtype, the norm fused, the residual in the epilogue): one layer of the tp=8 share
 PRODUCTS = (("q_a", D, Q, jnp.bfloat16, True, False), ("kv_a", D, C + R, jnp.bfloat16, False, False),
             ("q_b", Q, H_LOCAL * P_R, jnp.bfloat16, True, False),
             ("o_proj", H_LOCAL * V, D, jnp.bfloat16, False, True),

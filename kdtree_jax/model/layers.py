@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
 
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
     """[norm](x) . w: x [..., K], w [K, *out] -> [..., *out] (f32 accumulation; out_dtype default x's). One
-    `skinny_matmul` kernel with the norm in its prologue where `ops.dense_takes` the rows (`ops.set_dense_kernel`),
+    `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`),
     else XLA's dot over x's last axis and w's first."""
     w2 = w.reshape(w.shape[0], -1)
     if ops.dense_takes(x, w2):
