@@ -40,6 +40,7 @@ from kdtree_jax import cli, model_dir, plots, sharding
 from kdtree_jax.data import eval_prompts
 from kdtree_jax.tokenizer import load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
+from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
 MODES = ("check_finite", "exact")  # DecodeSpec switches timed both ways when a flag lists on,off
@@ -75,6 +76,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "(DecodeSpec.check_finite): 'on', 'off', or 'on,off' to time every case both ways, one after the other")
     d(flags.DEFINE_list, "exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
       "'on,off' to time every case both ways")
+    d(flags.DEFINE_bool, "dense_kernel", False, "the target's dense products of few rows through skinny_matmul "
+      "(`ops.set_dense_kernel`; one device, the GPU)")
     d(flags.DEFINE_integer, "seed", 0, "prompt choice and sampling seed")
     d(flags.DEFINE_string, "out", "experiments/results/decode/decode.json", "JSON output")
     d(flags.DEFINE_string, "plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
@@ -148,6 +151,7 @@ def make_spec(policy: str, budget: str, auto_budgets: tuple, **kwargs) -> Decode
 
 def run(f) -> None:
     inputs = check(f)
+    ops.set_dense_kernel(f.dense_kernel)
     mesh = inputs.mesh
     prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
     target = model_dir.load_target(f.target, dtype=f.dtype, mesh=mesh)
@@ -159,6 +163,7 @@ def run(f) -> None:
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
             "max_new_tokens": f.max_new_tokens, "block_size": block,
             "rounds_per_check": f.rounds_per_check, "topk": f.topk, "modes": inputs.mode_sets,
+            "dense_kernel": f.dense_kernel,
             "auto_budgets": list(inputs.auto_budgets),
             "skipped_groups": []}
     rows, start = [], time.monotonic()
