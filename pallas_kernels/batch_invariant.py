@@ -12,14 +12,16 @@ terms by their position in the row. The functions here never let a row's result 
 - `attention`: each query attends over its own sequence in position order, the committed prefix followed by its
   ancestors in the block (a tree node's keys are gathered from the rows where the verify wrote them), padded to the
   cache's capacity: the AR step at the same position sees the same keys at the same indices, and the fixed-shape
-  per-query products run over identical rows (the softmax's sum is one more column of the value product).
-- `routed_experts`: each (token, expert) pair is its own fixed-shape GEMV chain, and a token's k results are added in
-  slot order, whatever the number of tokens sharing an expert.
+  per-query products run over identical rows (the softmax's sum is one more column of the value product); QUERY_TILE
+  queries at a time, as one batched product of fixed shape (a query's result is its own batch entry's).
+- `routed_experts`: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert, each pair a row of its
+  tile's fixed-shape products, and a token's k results added in slot order, whatever the number of tokens sharing
+  an expert.
 
 Every product is `fixed_dot`: its operands and result pass through `lax.optimization_barrier`, so that it compiles
-to the same GEMM wherever it sits. Without them XLA:GPU fused a product with its neighbours differently by context:
-a `lax.map` of one tile (M <= ROW_TILE) is inlined while one of several tiles stays a loop fed by a dynamic slice,
-and the two fusions were autotuned apart (H100: batch 1 bitwise, batch 8 not; decode.md, "Exact mode").
+to the same GEMM wherever it sits. The likely reason an H100 run was bitwise at batch 1 and not at batch 8 (before
+the barriers; decode.md, "Exact mode"): a `lax.map` of one tile (M <= ROW_TILE) is inlined while one of several
+tiles stays a loop fed by a dynamic slice, so XLA:GPU can fuse, and autotune, the same product two ways.
 
 These are the CPU path and the reference of the exact mode (`DecodeSpec.exact`); the invariance of the same fixed
 shapes under XLA:GPU's GEMM autotuning, and kernels with a fixed tile order, are the GPU's part (experiments/notes/
@@ -34,12 +36,16 @@ import jax.numpy as jnp
 from jax import lax
 
 ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is one tile, as is an AR step of 64
+QUERY_TILE = 16  # queries per step of `attention` (each still over its own key sequence: a batched product)
+PAIR_TILE = 16  # (token, expert) pairs of one expert per step of `routed_experts`
 
 
 def fixed_dot(a, b):
-    """a [..., K] . b [K, N] (jnp.dot) -> f32, as a product of its own: no producer or consumer fused into it."""
+    """a [..., K] . b [K, N] (jnp.dot), or a batch of them a [Q, M, K] . b [Q, K, N] (jnp.matmul) -> f32, as a
+    product of its own: no producer or consumer fused into it."""
     a, b = lax.optimization_barrier((a, b))
-    return lax.optimization_barrier(jnp.dot(a, b, preferred_element_type=jnp.float32))
+    product = jnp.matmul if a.ndim == b.ndim == 3 else jnp.dot
+    return lax.optimization_barrier(product(a, b, preferred_element_type=jnp.float32))
 
 
 def matmul(x, w, *, out_dtype=None):
@@ -105,35 +111,62 @@ def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float)
     q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1).reshape(s * t, h, -1)
     keys = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)    # [S, N, C + R]
     stream = jnp.repeat(jnp.arange(s), t)
+    rows = rows.reshape(s * t, -1)
+    queries = s * t
+    tiles = -(-queries // QUERY_TILE)
+    pad = tiles * QUERY_TILE - queries                                      # padding queries see key 0 only
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(tiles, QUERY_TILE, h, -1)
+    stream = jnp.pad(stream, (0, pad)).reshape(tiles, QUERY_TILE)
+    rows = jnp.pad(rows, ((0, pad), (0, 0)), constant_values=-1).at[queries:, 0].set(0).reshape(
+        tiles, QUERY_TILE, -1)
 
-    def one(args):
-        q1, s1, rows1 = args                                                # [H, C + R], (), [N]
-        k1 = keys[s1][jnp.maximum(rows1, 0)]                                # [N, C + R]
-        logits = fixed_dot(q1, k1.T) * scale
-        logits = jnp.where(rows1[None, :] >= 0, logits, -jnp.inf)
+    def tile(args):
+        q1, s1, rows1 = args                                                # [Q, H, C + R], [Q], [Q, N]
+        k1 = keys[s1[:, None], jnp.maximum(rows1, 0)]                       # [Q, N, C + R]
+        logits = fixed_dot(q1, jnp.swapaxes(k1, 1, 2)) * scale             # [Q, H, N]
+        logits = jnp.where(rows1[:, None, :] >= 0, logits, -jnp.inf)
         prob = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).astype(c_kv.dtype)
-        values = jnp.concatenate([k1[:, :c], jnp.ones((k1.shape[0], 1), c_kv.dtype)], axis=-1)  # the sum: a column
-        out = fixed_dot(prob, values)
-        return out[:, :c] / out[:, c:]
+        ones = jnp.ones((*k1.shape[:2], 1), c_kv.dtype)
+        out = fixed_dot(prob, jnp.concatenate([k1[..., :c], ones], axis=-1))  # the sum: a column
+        return out[..., :c] / out[..., c:]
 
-    out = lax.map(one, (q, stream, rows.reshape(s * t, -1)))
+    out = lax.map(tile, (q, stream, rows)).reshape(tiles * QUERY_TILE, h, c)[:queries]
     return out.reshape(s, t, h, c).astype(q_lat.dtype)
 
 
 def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights):
-    """The routed experts, one (token, expert) pair at a time: x [M, D]; expert_weights(e) -> (gate [D, I],
-    up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k]
-    -> [M, D] f32, the k slots added in slot order."""
+    """The routed experts in tiles of PAIR_TILE (token, expert) pairs of one expert: x [M, D]; expert_weights(e) ->
+    (gate [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights
+    [M, k] -> [M, D] f32, the k slots added in slot order. Each pair is one row of its tile's fixed-shape products,
+    so its result does not depend on which pairs share its expert; the tiles (at most P / PAIR_TILE + min(E, P) for
+    P = M k pairs, a static count) run one after another, each expert's weights taken once per tile."""
     m, k = ids.shape
+    pairs = m * k
     ok = (ids >= 0) & (ids < num_experts)
+    expert = jnp.where(ok, ids, num_experts).reshape(-1)                   # [P]; num_experts: no expert here
+    order = jnp.argsort(expert, stable=True)
+    sorted_expert = expert[order]
+    counts = jnp.bincount(expert, length=num_experts + 1)
+    first_pair = jnp.cumsum(counts) - counts                               # [E + 1]
+    tiles_of = -(-counts[:num_experts] // PAIR_TILE)
+    first_tile = jnp.cumsum(tiles_of) - tiles_of                           # [E]
+    num_tiles = -(-pairs // PAIR_TILE) + min(num_experts, pairs)
+    local = sorted_expert < num_experts
+    rank = jnp.arange(pairs) - first_pair[sorted_expert]
+    tile = jnp.where(local, first_tile[jnp.minimum(sorted_expert, num_experts - 1)] + rank // PAIR_TILE, num_tiles)
+    slot = rank % PAIR_TILE
+    tile_rows = jnp.full((num_tiles, PAIR_TILE), m, jnp.int32).at[tile, slot].set(order // k, mode="drop")
+    tile_expert = jnp.zeros((num_tiles,), jnp.int32).at[tile].set(sorted_expert, mode="drop")
+    xs = jnp.pad(x, ((0, 1), (0, 0)))[tile_rows]                            # [tiles, PAIR_TILE, D]; row m: zeros
 
-    def pair(args):
-        x1, e = args                                                        # [1, D], ()
+    def one(args):
+        x1, e = args                                                        # [PAIR_TILE, D], ()
         gate, up, down = expert_weights(e)
-        return fixed_dot((jax.nn.silu(fixed_dot(x1, gate)) * fixed_dot(x1, up)).astype(x.dtype), down)[0]
+        return fixed_dot((jax.nn.silu(fixed_dot(x1, gate)) * fixed_dot(x1, up)).astype(x.dtype), down)
 
-    pairs = jnp.repeat(x, k, axis=0)[:, None, :]                           # [M * k, 1, D]
-    y = lax.map(pair, (pairs, jnp.where(ok, ids, 0).reshape(-1))).reshape(m, k, x.shape[-1])
+    y_tiles = lax.map(one, (xs, tile_expert))                              # [tiles, PAIR_TILE, D]
+    y_sorted = y_tiles.at[tile, slot].get(mode="fill", fill_value=0.0)      # [P, D]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, x.shape[-1])
     w = jnp.where(ok, weights, 0.0).astype(jnp.float32)
     out = jnp.zeros((m, x.shape[-1]), jnp.float32)
     for j in range(k):
