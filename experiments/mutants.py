@@ -60,18 +60,17 @@ MUTANTS = (
            ("tests/test_int4_layout.py", "tests/test_hf_fixtures.py")),
     Mutant("argmax_below_root", "at T > 0 the target's token at every tree node but the root is its argmax",
            "kdtree_jax/decode.py",
-           (("    verdict = ops.tree_accept(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)\n",
-             "    picked = pick_tokens(fwd.logits, spec.temperature, sub)\n"
-             "    picked = picked.at[:, 1:].set(jnp.argmax(fwd.logits[:, 1:], axis=-1).astype(jnp.int32))\n"
-             "    verdict = ops.tree_accept(tree, picked, spec.depth)\n"),),
+           (("    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)\n",
+             "    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)\n"
+             "    picked = picked.at[:, 1:].set(jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32))\n"),),
            ("tests/test_sampling.py",)),
     Mutant("temperature_only_at_the_root", "at T > 0 the nodes below the root sample at T = 1",
            "kdtree_jax/decode.py",
-           (("    verdict = ops.tree_accept(tree, pick_tokens(fwd.logits, spec.temperature, sub), spec.depth)\n",
-             "    picked = pick_tokens(fwd.logits, spec.temperature, sub)\n"
-             "    below = pick_tokens(fwd.logits[:, 1:], 1.0 if spec.temperature else 0.0,\n"
-             "                        jax.vmap(lambda k: jax.random.fold_in(k, 1))(sub))\n"
-             "    verdict = ops.tree_accept(tree, picked.at[:, 1:].set(below), spec.depth)\n"),),
+           (("    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)\n",
+             "    picked = pick_tokens(logits, spec.temperature, keys, tree.depth, spec.depth + 1)\n"
+             "    below = pick_tokens(logits[:, 1:], 1.0 if spec.temperature else 0.0,\n"
+             "                        jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))\n"
+             "    picked = picked.at[:, 1:].set(below)\n"),),
            ("tests/test_sampling.py",)),
     Mutant("attention_kernel_drops_last_prefix_row", "the Triton attention kernel skips the last committed cache row",
            "pallas_kernels/tree_verify_attention_triton.py",
