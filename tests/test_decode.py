@@ -147,6 +147,44 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", auto_budgets=(4, 0), block_size=BLOCK))
 
 
+def _conds(jaxpr) -> list:
+    """The cond equations (lax.cond and lax.switch) of a jaxpr, through its jit calls but not into control flow."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append(eqn)
+        elif eqn.primitive.name in ("jit", "pjit", "closed_call"):
+            found += _conds(eqn.params["jaxpr"].jaxpr)
+    return found
+
+
+def _while_bodies(jaxpr) -> list:
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            found.append(eqn.params["body_jaxpr"].jaxpr)
+        elif eqn.primitive.name in ("jit", "pjit", "closed_call"):
+            found += _while_bodies(eqn.params["jaxpr"].jaxpr)
+    return found
+
+
+def test_an_auto_ar_round_passes_one_conditional(draft_decoder):
+    """The auto loop's round is one cond: the AR branch holds no other conditional, the drafted branch one (the
+    switch over B > 0). On XLA:GPU each conditional costs a host read of its predicate, and an AR round that also
+    passed the budget switch cost 14-16% more than the AR loop's round (decode.md, "Outcome on the GPU")."""
+    spec = DecodeSpec(policy="ddtree", auto_budgets=(0, 2, 8), block_size=BLOCK, max_new_tokens=8)
+    prompts = [p[:2] for p in PROMPTS]
+    cache_len = draft_decoder.default_cache_len(spec, prompts)
+    loop = draft_decoder.compiled_loop(spec, len(prompts), 2, cache_len)
+    args = (draft_decoder.target_params, draft_decoder.drafter_params,
+            *draft_decoder.new_caches(spec, len(prompts), cache_len), jnp.asarray(prompts, jnp.int32),
+            jnp.full((len(prompts),), 2, jnp.int32), jax.random.key(0), draft_decoder.controls(spec, (1.0, 2.0, 3.0)))
+    rounds = [_conds(body) for body in _while_bodies(jax.make_jaxpr(loop)(*args).jaxpr)]
+    rounds = [conds for conds in rounds if conds]
+    assert len(rounds) == 1 and len(rounds[0]) == 1, [len(c) for c in rounds]
+    assert sorted(len(_conds(branch.jaxpr)) for branch in rounds[0][0].params["branches"]) == [0, 1]
+
+
 def test_eos_mid_round(ar_decoder, oracle_decoder):
     decoder, truth = oracle_decoder
     eos = (truth[0][7], truth[1][5])  # two stop tokens, emitted mid-way: a stream stops at the first of either
