@@ -789,11 +789,10 @@ def cases_from_flags(f, max_position: int, data: int) -> list[Case]:
                          f"--prefill_tokens {f.prefill_tokens} passes the model's max_position_embeddings "
                          f"{max_position}; shorten them")
     cases = [Case("prefill", data, f.prefill_tokens, 0)] if f.prefill_tokens else []
+    shapes = [("ar", 1)] + [("verify", b + 1) for b in budgets]
     modes = cli.on_off(f, "exact")
     for s in streams:
-        cases += [Case(kind, s, nodes, f.prefix, exact) for kind, nodes in [("ar", 1)] + [("verify", b + 1)
-                                                                                      for b in budgets]
-                  for exact in modes]
+        cases += [Case(kind, s, nodes, f.prefix, exact) for kind, nodes in shapes for exact in modes]
     return cases
 
 
@@ -881,7 +880,8 @@ def run(f) -> None:
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
-                shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel, moe_gate_up_splits=f.moe_gate_up_splits,
+                shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel,
+                moe_gate_up_splits=f.moe_gate_up_splits,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",

@@ -215,25 +215,21 @@ def set_dense_kernel(on: bool = False) -> None:
 
 def dense_takes(x, w) -> bool:
     """Whether `dense` runs the kernel for x [..., K] @ w [K, N]: set_dense_kernel(True), kernels running on the GPU,
-    at most MAX_DENSE_ROWS rows, K a multiple of 64, one dtype, and no tp mesh (a Triton call has no GSPMD
-    partitioning: under tp the products stay XLA's)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = 1 if mesh is None or mesh.empty else dict(mesh.shape).get("tp", 1)
+    at most MAX_DENSE_ROWS rows, K a multiple of 64 and one dtype. (A Triton call has no GSPMD partitioning: the
+    caller keeps sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
-    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu" and tp == 1
+    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
             and rows <= MAX_DENSE_ROWS and x.shape[-1] % 64 == 0 and x.dtype == w.dtype)
 
 
 MAX_DENSE_ROWS = 64  # skinny_matmul's range (16-row tiles; past it the weight is re-read per tile)
 
 
-def dense(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
+def dense(x, w, *, norm_weight=None, eps: float = 1e-6, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
-    norm_weight [K] fused, residual [..., N] added in its epilogue, out_dtype default x's."""
+    norm_weight [K] fused, out_dtype default x's."""
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
-    flat_residual = None if residual is None else residual.reshape(-1, n)
-    y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, residual=flat_residual,
-                                     out_dtype=out_dtype)
+    y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
     return y.reshape(*lead, n)
 
 

@@ -147,24 +147,15 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", auto_budgets=(4, 0), block_size=BLOCK))
 
 
-def _conds(jaxpr) -> list:
-    """The cond equations (lax.cond and lax.switch) of a jaxpr, through its jit calls but not into control flow."""
+def _eqns(jaxpr, primitive: str) -> list:
+    """The equations of `primitive` ("cond": lax.cond and lax.switch; "while") in a jaxpr, through its jit calls but
+    not into control flow."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
+        if eqn.primitive.name == primitive:
             found.append(eqn)
         elif eqn.primitive.name in ("jit", "pjit", "closed_call"):
-            found += _conds(eqn.params["jaxpr"].jaxpr)
-    return found
-
-
-def _while_bodies(jaxpr) -> list:
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "while":
-            found.append(eqn.params["body_jaxpr"].jaxpr)
-        elif eqn.primitive.name in ("jit", "pjit", "closed_call"):
-            found += _while_bodies(eqn.params["jaxpr"].jaxpr)
+            found += _eqns(eqn.params["jaxpr"].jaxpr, primitive)
     return found
 
 
@@ -179,10 +170,10 @@ def test_an_auto_ar_round_passes_one_conditional(draft_decoder):
     args = (draft_decoder.target_params, draft_decoder.drafter_params,
             *draft_decoder.new_caches(spec, len(prompts), cache_len), jnp.asarray(prompts, jnp.int32),
             jnp.full((len(prompts),), 2, jnp.int32), jax.random.key(0), draft_decoder.controls(spec, (1.0, 2.0, 3.0)))
-    rounds = [_conds(body) for body in _while_bodies(jax.make_jaxpr(loop)(*args).jaxpr)]
-    rounds = [conds for conds in rounds if conds]
+    loops = _eqns(jax.make_jaxpr(loop)(*args).jaxpr, "while")
+    rounds = [conds for conds in (_eqns(w.params["body_jaxpr"].jaxpr, "cond") for w in loops) if conds]
     assert len(rounds) == 1 and len(rounds[0]) == 1, [len(c) for c in rounds]
-    assert sorted(len(_conds(branch.jaxpr)) for branch in rounds[0][0].params["branches"]) == [0, 1]
+    assert sorted(len(_eqns(branch.jaxpr, "cond")) for branch in rounds[0][0].params["branches"]) == [0, 1]
 
 
 def test_eos_mid_round(ar_decoder, oracle_decoder):

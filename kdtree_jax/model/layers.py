@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdtree_jax.model.parallel import tp_size
 from pallas_kernels import batch_invariant, ops
 
 
@@ -38,10 +39,11 @@ class RMSNorm(nnx.Module):
 
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
     """[norm](x) . w: x [..., K], w [K, *out] -> [..., *out] (f32 accumulation; out_dtype default x's). One
-    `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`),
-    else XLA's dot over x's last axis and w's first."""
+    `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`) and no tp
+    mesh shards the product (a Triton call has no GSPMD partitioning), else XLA's dot over x's last axis and w's
+    first."""
     w2 = w.reshape(w.shape[0], -1)
-    if ops.dense_takes(x, w2):
+    if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.dense_takes(x, w2):
         y = ops.dense(x, w2, norm_weight=None if norm is None else norm.weight[...],
                       eps=1e-6 if norm is None else norm.eps, out_dtype=out_dtype)
         return y.reshape(*x.shape[:-1], *w.shape[1:])

@@ -57,7 +57,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden, *, exact: bool = False, norm: RMSNorm | None = None):
         """final-normed hidden [S, T, D] -> logits [S, T, V] in f32. norm: applied to hidden first (the forward passes
-        its final norm, which the lm_head's kernel takes in its prologue: `project`)."""
+        its final norm, which the lm_head's kernel fuses: `project`)."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         if exact:
             return batch_invariant.matmul(hidden if norm is None else norm(hidden, exact=True), w,
