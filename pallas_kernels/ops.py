@@ -215,14 +215,20 @@ def set_dense_kernel(on: bool = False) -> None:
 
 def dense_takes(x, w) -> bool:
     """Whether `dense` runs the kernel for x [..., K] @ w [K, N]: set_dense_kernel(True), kernels running on the GPU,
-    at most MAX_DENSE_ROWS rows, K a multiple of 64 and one dtype. (A Triton call has no GSPMD partitioning: the
-    caller keeps sharded products on XLA.)"""
+    one dtype, and the shapes where it beat XLA's fusion in `bench_kernels --sections=skinny` (H100, tp=8 share's
+    products): at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller
+    keeps sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
     return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
-            and rows <= MAX_DENSE_ROWS and x.shape[-1] % 64 == 0 and x.dtype == w.dtype)
+            and rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K and x.shape[-1] % 64 == 0
+            and x.dtype == w.dtype)
 
 
-MAX_DENSE_ROWS = 64  # skinny_matmul's range (16-row tiles; past it the weight is re-read per tile)
+# One 16-row tile: at M = 1 and 8 the layer's products took 99 us against XLA's 130-156 us; at M = 33 they were
+# even and at 64 the kernel was 1.9x slower (each 16-row tile re-reads the weight). Products with K < 512 (the
+# shared expert's down, K = 256: 8.5 us against 2.6) leave too few K steps to split.
+MAX_DENSE_ROWS = 16
+MIN_DENSE_K = 512
 
 
 def dense(x, w, *, norm_weight=None, eps: float = 1e-6, out_dtype=None):

@@ -337,20 +337,26 @@ def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(got[last], np.float32))
 
 
-def test_dense_kernel_forward_matches_xla():
-    """The code target's forward with its dense products through skinny_matmul (`ops.set_dense_kernel(True)`: q_a,
-    kv_a, q_b with its norm, o_proj, the shared expert, the router, the lm_head with the final norm) == with XLA's."""
+@pytest.mark.parametrize("dtype, first_k_dense, tol", [("float32", 1, 1e-4), ("bfloat16", 8, 2e-2)])
+def test_dense_kernel_forward_matches_xla(dtype, first_k_dense, tol):
+    """The code target widened to hidden 512 (so that q_a, kv_a, the shared expert's gate and up, the router and the
+    lm_head with the final norm reach `ops.dense_takes`' K >= 512) with its dense products through skinny_matmul
+    (`ops.set_dense_kernel(True)`) == with XLA's: in f32 at highest precision with its MoE layers, and in bf16 with
+    every layer dense (in bf16 a rounding flips the random router's top-k, and the logits with it: 0.18 apart on
+    the H100 with MoE layers)."""
     from kdtree_jax.model.transformer import Transformer
 
-    cfg = dataclasses.replace(config_lib.preset("code_target"), dtype="bfloat16")
+    cfg = dataclasses.replace(config_lib.preset("code_target"), hidden_size=512, dtype=dtype,
+                              first_k_dense=first_k_dense)
     model = Transformer(cfg, nnx.Rngs(3))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
     logits = {}
     for on in (False, True):
         ops.set_dense_kernel(on)
         try:
-            logits[on] = nnx.jit(lambda m, t: m.causal(t).logits)(model, tokens)
+            with jax.default_matmul_precision("highest"):
+                logits[on] = nnx.jit(lambda m, t: m.causal(t).logits)(model, tokens)
         finally:
             ops.set_dense_kernel(False)
     assert np.isfinite(np.asarray(logits[True])).all()
-    assert rel_err(logits[True], logits[False]) < 2e-2
+    assert rel_err(logits[True], logits[False]) < tol
