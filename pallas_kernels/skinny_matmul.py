@@ -45,16 +45,16 @@ class Tiling(NamedTuple):
     splits: int    # programs along K (1: no partials, no second kernel)
 
 
-def default_tiling(k: int, n: int) -> Tiling:
-    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
+def default_tiling(k: int, n: int, target_programs: int = TARGET_PROGRAMS) -> Tiling:
+    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives target_programs), 128-deep steps
     (64 when K is not a multiple of 128), and the largest split of K into whole steps that keeps programs * splits
-    <= TARGET_PROGRAMS. A function of (K, N) only (the module's row invariance rests on it)."""
-    block_n = 128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64
+    <= target_programs. A function of (K, N) only (the module's row invariance rests on it)."""
+    block_n = 128 if triton.cdiv(n, 128) >= target_programs else 64
     block_k = 128 if k % 128 == 0 else 64
     if k % block_k:
         raise ValueError(f"skinny_matmul: K = {k} is not a multiple of 64; pad the weight's rows")
     steps, programs = k // block_k, triton.cdiv(n, block_n)
-    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= TARGET_PROGRAMS))
+    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= target_programs))
     return Tiling(block_n, block_k, splits)
 
 

@@ -5,7 +5,8 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
 
     cases      PRODUCTS: q_a (with input_layernorm), kv_a, q_b (with q_a_norm), o_proj (with the residual add), the
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
-    variants   kernel (default_tiling), no_split (the same without split-K), xla
+    variants   kernel (default_tiling), programs_528 / programs_1056 (default_tiling aiming at 4 and 8 programs an
+               SM), no_split (the default without split-K), xla
     bytes      w, x and the output (and residual) once -> fraction of the copy bandwidth
     layer row  per M, the sum over PRODUCTS of each variant's time: what the layer's dense products cost
 """
@@ -29,6 +30,7 @@ PRODUCTS = (("q_a", D, Q, jnp.bfloat16, True, False), ("kv_a", D, C + R, jnp.bfl
             ("shared_up", D, I_LOCAL, jnp.bfloat16, True, False),
             ("shared_down", I_LOCAL, D, jnp.bfloat16, False, False), ("router", D, E, jnp.float32, False, False))
 ROWS = (1, 8, 33, 64)
+WIDER_GRIDS = (528, 1056)  # target_programs of two more tilings timed beside the default's (4 and 8 per SM)
 
 
 def product_inputs(seed: int, rows: int, k: int, n: int, dtype, norm: bool, residual: bool):
@@ -59,6 +61,8 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
             fns = {"kernel": jax.jit(lambda x, w, g, r: SM.skinny_matmul(x, w, norm_weight=g, residual=r)),
                    "no_split": jax.jit(lambda x, w, g, r, t=tiling._replace(splits=1): SM.skinny_matmul(
                        x, w, norm_weight=g, residual=r, tiling=t)),
+                   **{f"programs_{p}": jax.jit(lambda x, w, g, r, t=SM.default_tiling(k, n, p): SM.skinny_matmul(
+                       x, w, norm_weight=g, residual=r, tiling=t)) for p in WIDER_GRIDS},
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r))}
             try:
                 x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
