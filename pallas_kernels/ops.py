@@ -208,25 +208,26 @@ def int4_moe(x, experts: _int4_moe.Int4Experts, topk_ids, topk_weights, *, route
 
 
 def set_dense_kernel(on: bool = False) -> None:
-    """Run the model's dense products of few rows through `skinny_matmul` (on) or XLA (off, the default until the
-    kernel is measured in the step: bench_k26 --dense_kernel), for calls traced from now on."""
+    """Run the model's dense products of few rows through `skinny_matmul` (on) or XLA (off, the default: faster in
+    the step so far, bench_k26 --dense_kernel), for calls traced from now on."""
     _dense["kernel"] = bool(on)
 
 
 def dense_takes(x, w) -> bool:
     """Whether `dense` runs the kernel for x [..., K] @ w [K, N]: set_dense_kernel(True), kernels running on the GPU,
-    one dtype, and the shapes where it beat XLA's fusion in `bench_kernels --sections=skinny` (H100, tp=8 share's
-    products): at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller
-    keeps sharded products on XLA.)"""
+    one dtype, and the shapes the kernel is built for (`bench_kernels --sections=skinny`, the tp=8 share's products):
+    at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller keeps
+    sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
     return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
             and rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K and x.shape[-1] % 64 == 0
             and x.dtype == w.dtype)
 
 
-# One 16-row tile: at M = 1 and 8 the layer's products took 99 us against XLA's 130-156 us; at M = 33 they were
-# even and at 64 the kernel was 1.9x slower (each 16-row tile re-reads the weight). Products with K < 512 (the
-# shared expert's down, K = 256: 8.5 us against 2.6) leave too few K steps to split.
+# One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at
+# M = 1 and 8, 146 at 33, 155 at 64), and products with K < 512 (the shared expert's down, K = 256) leave too few K
+# steps to split. Off by default: in device time XLA's fusions were faster (54 and 42 us at M = 1 and 8), and the
+# share at 61 layers 2.3 ms slower with the kernel (experiments/notes/k26.md, "skinny_matmul in the step").
 MAX_DENSE_ROWS = 16
 MIN_DENSE_K = 512
 

@@ -14,10 +14,16 @@ x's dtype where the reference rounds x * scale * g: the results differ by that r
 layer's residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w)`
 does.
 
-Row invariance: the kernels' compile-time parameters are (K, N, dtypes, tiling) and the tiling is `default_tiling(K,
-N)`, never a function of M; x is padded to whole 16-row tiles, so every M runs the same binary and a row's sums run in
-one order (over BK-wide steps of K in increasing order, split partials added in split order) whatever rows share its
-tile. This is the property the exact mode (`DecodeSpec.exact`) needs on the GPU.
+Row invariance: the tiling is `default_tiling(K, N)`, never a function of M, and every program multiplies a whole
+16-row tile of x (rows past M load as zeros, through a mask: no padded copy of x), so a row's sums run in one order
+(over BK-wide steps of K in increasing order, split partials added in split order) whatever M and whatever rows
+share its tile. M is a compile-time constant of the kernels (it sets the masks and the output's shape); the
+instruction sequence along K does not depend on it (tests/test_kernels_gpu.py checks a row alone against the same
+row among others, bitwise). This is the property the exact mode (`DecodeSpec.exact`) needs on the GPU.
+
+Launches: the product kernel alone without split-K (the norm, the scale and the residual in it), the splits kernel
+after it with; nothing around them (a first version padded x, sliced the output and cast the norm's weight: five or
+six launches a product, whose glue kernels cost about as much as the products in the step; k26.md).
 
 `skinny_matmul_reference` is the specification (XLA, f32 accumulation). On the CPU the kernels run in Triton's
 interpreter (tests/test_skinny_matmul_interpreter.py) and lower for sm_90 (tests/test_triton_call.py).
@@ -34,8 +40,9 @@ import triton.language as tl
 
 from pallas_kernels.triton_call import bound_to
 
-BLOCK_M = 16          # rows per program: tl.dot's smallest tile; x is padded to whole tiles
+BLOCK_M = 16          # rows per program: tl.dot's smallest tile; rows past M are masked
 TARGET_PROGRAMS = 264  # programs a 16-row tile aims for (two per SM of an H200 / H100, 132 SMs)
+FLOATS = (jnp.bfloat16, jnp.float32)  # the dtypes of x, w, norm_weight, residual and the output
 LAUNCHER = "ffi"      # typed custom call, command-buffer compatible (triton_call.py); not yet measured against "xla"
 
 
@@ -45,14 +52,16 @@ class Tiling(NamedTuple):
     splits: int    # programs along K (1: no partials, no second kernel)
 
 
-def default_tiling(k: int, n: int, target_programs: int = TARGET_PROGRAMS) -> Tiling:
+def default_tiling(k: int, n: int, target_programs: int = TARGET_PROGRAMS, block_n: int | None = None,
+                   block_k: int | None = None) -> Tiling:
     """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives target_programs), 128-deep steps
     (64 when K is not a multiple of 128), and the largest split of K into whole steps that keeps programs * splits
-    <= target_programs. A function of (K, N) only (the module's row invariance rests on it)."""
-    block_n = 128 if triton.cdiv(n, 128) >= target_programs else 64
-    block_k = 128 if k % 128 == 0 else 64
+    <= target_programs. A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
+    replace the first two choices (the benchmark's variants)."""
+    block_n = block_n or (128 if triton.cdiv(n, 128) >= target_programs else 64)
+    block_k = block_k or (128 if k % 128 == 0 else 64)
     if k % block_k:
-        raise ValueError(f"skinny_matmul: K = {k} is not a multiple of 64; pad the weight's rows")
+        raise ValueError(f"skinny_matmul: K = {k} is not a multiple of {block_k}; pad the weight's rows")
     steps, programs = k // block_k, triton.cdiv(n, block_n)
     splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= target_programs))
     return Tiling(block_n, block_k, splits)
@@ -73,15 +82,18 @@ def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residu
 
 
 @triton.jit
-def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, squares_ptr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
-                    EPS: tl.constexpr, IEEE: tl.constexpr):
-    """Program (columns n, rows m, split s), over the split's K: out[s, m's BM rows, n's BN columns] = the f32 sum of
-    x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM).
-    SPLITS = 1 finishes in place: out (the caller's dtype) = that sum times rsqrt(sum of x^2 / K + EPS) with NORM.
-    x [M_pad, K], w [K, N], g [K], out [SPLITS, M_pad, N] (f32 when SPLITS > 1), squares [SPLITS, M_pad] f32."""
+def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: tl.constexpr, K: tl.constexpr,
+                    N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (columns n, row tile m, split s), over the split's K: out[s, m's rows, n's BN columns] = the f32 sum of
+    x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM);
+    rows past M read as zeros and are not written. SPLITS = 1 finishes in place: out (the caller's dtype) = that sum
+    times rsqrt(sum of x^2 / K + EPS) with NORM, rounded, then with RESIDUAL residual + it in f32, rounded again.
+    x [M, K], w [K, N], g [K] (any float dtype), residual [M, N], out [SPLITS, M, N] (f32 when SPLITS > 1), squares
+    [SPLITS, M] f32; g and residual are not read without NORM / RESIDUAL."""
     n, m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+    rows_ok = rows < M
     cols = n * BN + tl.arange(0, BN)
     cols_ok = cols < N
     ks = tl.arange(0, BK)
@@ -91,7 +103,7 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, squares_ptr, K: tl.constexpr, 
     steps: tl.constexpr = K // BK // SPLITS
     for step in tl.range(s * steps, (s + 1) * steps):
         k = step * BK + ks
-        xk = tl.load(x_ptr + rows[:, None] * K + k[None, :])
+        xk = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rows_ok[:, None], other=0.0)
         if NORM:
             x32 = xk.to(tl.float32)
             squares += tl.sum(x32 * x32, axis=1)
@@ -101,20 +113,27 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, out_ptr, squares_ptr, K: tl.constexpr, 
             acc = tl.dot(xk, wk, acc, input_precision="ieee")
         else:
             acc = tl.dot(xk, wk, acc)
-    if NORM and SPLITS == 1:
-        acc = acc / tl.sqrt_rn(squares / K + EPS)[:, None]
-    at = out_ptr + (s * tl.num_programs(1) * BM + rows[:, None]) * N + cols[None, :]
-    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=cols_ok[None, :])
-    if n == 0:                                           # zeros without NORM (unread)
-        tl.store(squares_ptr + s * tl.num_programs(1) * BM + rows, squares)
+    ok = rows_ok[:, None] & cols_ok[None, :]
+    if SPLITS == 1:
+        if NORM:
+            acc = acc / tl.sqrt_rn(squares / K + EPS)[:, None]
+        y = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:
+            r = tl.load(residual_ptr + rows[:, None] * N + cols[None, :], mask=ok, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=ok)
+    else:
+        tl.store(out_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+        if NORM and n == 0:
+            tl.store(squares_ptr + s * M + rows, squares, mask=rows_ok)
 
 
 @triton.jit
-def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, ROWS: tl.constexpr, K: tl.constexpr,
+def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr,
                    N: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
                    RESIDUAL: tl.constexpr):
-    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, ROWS, N] added in split order
-    (with NORM times rsqrt(the squares [SPLITS, ROWS] added in split order / K + EPS)), rounded to out's dtype, then
+    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, M, N] added in split order
+    (with NORM times rsqrt(the squares [SPLITS, M] added in split order / K + EPS)), rounded to out's dtype, then
     (RESIDUAL) residual[r] + that in f32, rounded again."""
     n, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = n * BN + tl.arange(0, BN)
@@ -122,9 +141,9 @@ def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, ROWS: tl.conste
     acc = tl.zeros((BN,), tl.float32)
     squares = 0.0
     for s in tl.static_range(SPLITS):
-        acc += tl.load(part_ptr + (s * ROWS + r) * N + cols, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + (s * M + r) * N + cols, mask=ok, other=0.0)
         if NORM:
-            squares += tl.load(squares_ptr + s * ROWS + r)
+            squares += tl.load(squares_ptr + s * M + r)
     if NORM:
         acc = acc / tl.sqrt_rn(squares / K + EPS)
     y = acc.to(out_ptr.dtype.element_ty)
@@ -138,46 +157,47 @@ def check_inputs(x, w, norm_weight, residual, out_dtype):
     """Raises ValueError naming the mismatch and the fix."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"skinny_matmul takes x [M, K] and w [K, N]; got x {x.shape}, w {w.shape}")
-    if x.dtype not in (jnp.bfloat16, jnp.float32) or w.dtype != x.dtype:
+    if x.dtype not in FLOATS or w.dtype != x.dtype:
         raise ValueError(f"skinny_matmul takes x and w of one dtype, bfloat16 or float32; got {x.dtype}, {w.dtype}: "
                          "cast them first")
-    if norm_weight is not None and norm_weight.shape != (x.shape[1],):
-        raise ValueError(f"skinny_matmul: norm_weight {norm_weight.shape} must be [K] = [{x.shape[1]}]")
-    if residual is not None and residual.shape != (x.shape[0], w.shape[1]):
-        raise ValueError(f"skinny_matmul: residual {residual.shape} must be [M, N] = [{x.shape[0]}, {w.shape[1]}]")
-    if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
+    if x.shape[0] == 0:
+        raise ValueError("skinny_matmul: x has no rows; skip the call")
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype not in FLOATS):
+        raise ValueError(f"skinny_matmul: norm_weight {norm_weight.shape} {norm_weight.dtype} must be [K] = "
+                         f"[{x.shape[1]}], bfloat16 or float32")
+    if residual is not None and (residual.shape != (x.shape[0], w.shape[1]) or residual.dtype not in FLOATS):
+        raise ValueError(f"skinny_matmul: residual {residual.shape} {residual.dtype} must be [M, N] = "
+                         f"[{x.shape[0]}, {w.shape[1]}], bfloat16 or float32")
+    if jnp.dtype(out_dtype) not in FLOATS:
         raise ValueError(f"skinny_matmul writes bfloat16 or float32, not {out_dtype}")
 
 
 def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,
                 tiling: Tiling | None = None):
-    """The host side: check, pad x to whole BLOCK_M tiles, launch through `call(*operands, kernel=, out_shape=, grid=,
-    num_warps=, num_stages=, **constexprs)` (`triton_call` on the GPU; Triton's interpreter in the tests), and cut the
-    padding off. Shapes as `skinny_matmul_reference`."""
+    """The host side: check, then launch through `call(*operands, kernel=, out_shape=, grid=, num_warps=,
+    num_stages=, **constexprs)` (`triton_call` on the GPU; Triton's interpreter in the tests): the product kernel
+    alone without split-K, the splits kernel after it with. No padding, slicing or casting around them: one or two
+    launches a product. Shapes as `skinny_matmul_reference`."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     check_inputs(x, w, norm_weight, residual, out_dtype)
     (m, k), n = x.shape, w.shape[1]
     tiling = tiling or default_tiling(k, n)
-    row_tiles = triton.cdiv(m, BLOCK_M)
-    rows = row_tiles * BLOCK_M
-    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    g = (norm_weight if norm_weight is not None else jnp.ones((k,), x.dtype)).astype(x.dtype)
-    fused = tiling.splits == 1 and residual is None
-    norm = norm_weight is not None
+    norm, add = norm_weight is not None, residual is not None
+    g = norm_weight if norm else x                      # unread without NORM / RESIDUAL: any operand will do
+    r = residual if add else x
+    split = tiling.splits > 1
     part, squares = call(
-        xp, w, g, kernel=_product_kernel,
-        out_shape=(jax.ShapeDtypeStruct((tiling.splits, rows, n), out_dtype if fused else jnp.float32),
-                   jax.ShapeDtypeStruct((tiling.splits, rows), jnp.float32)),
-        grid=(triton.cdiv(n, tiling.block_n), row_tiles, tiling.splits), num_warps=4, num_stages=3,
-        K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
-        EPS=float(eps), IEEE=x.dtype == jnp.float32)
-    if fused:
-        return part[0, :m]
-    res = jnp.pad(residual.astype(out_dtype), ((0, rows - m), (0, 0))) if residual is not None else part[0, :, :1]
-    out = call(part, squares, res, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
-               grid=(triton.cdiv(n, 256), rows), num_warps=4, num_stages=1, ROWS=rows, K=k, N=n, BN=256,
-               SPLITS=tiling.splits, NORM=norm and tiling.splits > 1, EPS=float(eps), RESIDUAL=residual is not None)
-    return out[:m]
+        x, w, g, r, kernel=_product_kernel,
+        out_shape=(jax.ShapeDtypeStruct((tiling.splits, m, n), jnp.float32 if split else out_dtype),
+                   jax.ShapeDtypeStruct((tiling.splits, m), jnp.float32)),
+        grid=(triton.cdiv(n, tiling.block_n), triton.cdiv(m, BLOCK_M), tiling.splits), num_warps=4, num_stages=3,
+        M=m, K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
+        RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32)
+    if not split:
+        return part.reshape(m, n)
+    return call(part, squares, r, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+                grid=(triton.cdiv(n, 256), m), num_warps=4, num_stages=1, M=m, K=k, N=n, BN=256,
+                SPLITS=tiling.splits, NORM=norm, EPS=float(eps), RESIDUAL=add)
 
 
 def skinny_matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,

@@ -320,10 +320,11 @@ def test_tree_build_and_accept_k26(budget):
 @pytest.mark.parametrize("rows,k,n,norm,residual,dtype", [
     (1, 7168, 1536, True, False, jnp.bfloat16), (9, 7168, 576, False, False, jnp.bfloat16),
     (33, 1024, 7168, False, True, jnp.bfloat16), (64, 7168, 256, True, False, jnp.bfloat16),
-    (1, 7168, 384, False, False, jnp.float32)])
+    (1, 7168, 384, False, False, jnp.float32), (9, 512, 16896, True, True, jnp.bfloat16)])
 def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
     """skinny_matmul at the tp=8 share's shapes (q_a with its norm, kv_a, o_proj with the residual, the shared
-    expert, the f32 router) == the reference, and each row's result bitwise the same computed alone."""
+    expert, the f32 router; and one product without split-K, the norm and the residual in its one kernel) == the
+    reference, and the last row's result bitwise the same computed alone (another M, another place in the tile)."""
     rng = np.random.default_rng(rows * n)
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)

@@ -41,7 +41,7 @@ def _inputs(seed, m, k, n, dtype):
     (17, 384, 100, True, True, SM.Tiling(64, 128, 3)),
     (9, 512, 96, False, False, SM.Tiling(64, 64, 2)),    # 64-deep steps
     (4, 256, 96, True, False, SM.Tiling(64, 128, 1)),    # no split: the product kernel writes the output
-    (6, 256, 70, True, True, SM.Tiling(64, 128, 1)),     # no split: norm in place, the residual in the second kernel
+    (6, 256, 70, True, True, SM.Tiling(64, 128, 1)),     # no split: the norm and the residual in the one kernel
 ])
 def test_kernels_match_the_reference(m, k, n, norm, residual, tiling):
     from triton_interpreter import interpreter_call

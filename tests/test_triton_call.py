@@ -100,18 +100,21 @@ def test_int4_moe_lowers_inside_the_expert_parallel_shard_map(launcher, target):
 
 
 @pytest.mark.parametrize("rows,k,n,norm,residual", [(1, D, 1536, True, False), (8, D, 576, False, False),
-                                                    (33, 1024, D, False, True), (1, D, 384, False, False)])
+                                                    (33, 1024, D, False, True), (1, D, 384, False, False),
+                                                    (2, 512, 16896, True, True)])
 def test_skinny_matmul_lowers_to_ffi_launches_of_triton_cubins(rows, k, n, norm, residual):
     """skinny_matmul at the tp=8 share's shapes (q_a with its norm, kv_a split over K, o_proj with the residual add,
-    the f32 router), compiled by Triton for sm_90: the product kernel, and the splits kernel where K is split or a
-    residual is added."""
+    the f32 router) and one wide enough not to split (264 column blocks: the norm and the residual in the one
+    kernel), compiled by Triton for sm_90: the product kernel, the splits kernel after it where K is split, and
+    nothing else (no padding, slicing or casting around them)."""
     dtype = F32 if n == 384 else BF16
     text = lower_for_h200(lambda x, w, g, r: SM.skinny_matmul(x, w, norm_weight=g, residual=r), spec((rows, k), dtype),
                           spec((k, n), dtype), spec((k,), dtype) if norm else None,
                           spec((rows, n), dtype) if residual else None)
-    second = SM.default_tiling(k, n).splits > 1 or residual
+    second = SM.default_tiling(k, n).splits > 1
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 + second and text.count('cubin = "\\7FELF') == 1 + second
     assert 'name = "_product_kernel"' in text and ('name = "_splits_kernel"' in text) == second
+    assert not any(op in text for op in ("stablehlo.pad", "stablehlo.slice", "stablehlo.convert"))
 
 
 def test_tree_kernels_lower_to_one_xla_triton_call_each():

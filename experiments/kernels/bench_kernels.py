@@ -212,11 +212,11 @@ def plot_results(results: dict, path: str) -> None:
             ax.set_title("int4_moe, K2.6 experts", fontsize=9)
         elif name == "skinny_matmul":
             m = [r["rows"] for r in rows]
-            for variant in rows[0]["us"]:
-                ax.plot(m, [r["us"][variant] for r in rows], "o-", label=variant)
+            for variant in rows[0]["busy_us"]:
+                ax.plot(m, [r["busy_us"][variant] for r in rows], "o-", label=variant)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("rows M")
-            ax.set_title("one layer's dense products, tp=8 share (sum of 8)", fontsize=9)
+            ax.set_title("one layer's dense products, tp=8 share (device busy, sum of 8)", fontsize=9)
         else:
             b = [r["budget"] for r in rows]
             for key, label in (("kernel_from_topk_us", "build kernel (from top-K)"),

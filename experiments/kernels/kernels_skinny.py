@@ -5,10 +5,16 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
 
     cases      PRODUCTS: q_a (with input_layernorm), kv_a, q_b (with q_a_norm), o_proj (with the residual add), the
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
-    variants   kernel (default_tiling), programs_528 / programs_1056 (default_tiling aiming at 4 and 8 programs an
-               SM), no_split (the default without split-K), xla
-    bytes      w, x and the output (and residual) once -> fraction of the copy bandwidth
-    layer row  per M, the sum over PRODUCTS of each variant's time: what the layer's dense products cost
+    variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
+               contiguous runs of each weight row per load), xla. Timed and dropped: wider grids (default_tiling
+               aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
+    times      `busy_us` (the sum of the call's device events) is what a product costs inside the decode step, where
+               the calls run back to back; `us` (the device span of a call alone) adds the launch gaps between a
+               call's events, which made XLA's 2-4 events a product look 2-3x slower than they are in the step
+               (k26.md, "skinny_matmul in the step"); `kernels_us` names the events
+    bytes      w, x and the output (and residual) once -> fraction of the copy bandwidth (by busy time)
+    layer row  per M, the sums over PRODUCTS of each variant's busy time and span: what the layer's dense products
+               cost
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ PRODUCTS = (("q_a", D, Q, jnp.bfloat16, True, False), ("kv_a", D, C + R, jnp.bfl
             ("shared_up", D, I_LOCAL, jnp.bfloat16, True, False),
             ("shared_down", I_LOCAL, D, jnp.bfloat16, False, False), ("router", D, E, jnp.float32, False, False))
 ROWS = (1, 8, 33, 64)
-WIDER_GRIDS = (528, 1056)  # target_programs of two more tilings timed beside the default's (4 and 8 per SM)
+BLOCK_VARIANTS = {"n128": (128, None), "n256_k64": (256, 64)}  # variant: (block_n, block_k) for default_tiling
 
 
 def product_inputs(seed: int, rows: int, k: int, n: int, dtype, norm: bool, residual: bool):
@@ -58,11 +64,10 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                 continue
             args = product_inputs(rows * 100 + i, rows, k, n, dtype, norm, residual)
             tiling = SM.default_tiling(k, n)
-            fns = {"kernel": jax.jit(lambda x, w, g, r: SM.skinny_matmul(x, w, norm_weight=g, residual=r)),
-                   "no_split": jax.jit(lambda x, w, g, r, t=tiling._replace(splits=1): SM.skinny_matmul(
-                       x, w, norm_weight=g, residual=r, tiling=t)),
-                   **{f"programs_{p}": jax.jit(lambda x, w, g, r, t=SM.default_tiling(k, n, p): SM.skinny_matmul(
-                       x, w, norm_weight=g, residual=r, tiling=t)) for p in WIDER_GRIDS},
+            tilings = {"kernel": tiling, **{v: SM.default_tiling(k, n, block_n=bn, block_k=bk)
+                                            for v, (bn, bk) in BLOCK_VARIANTS.items()}}
+            fns = {**{v: jax.jit(lambda x, w, g, r, t=t: SM.skinny_matmul(x, w, norm_weight=g, residual=r, tiling=t))
+                      for v, t in tilings.items()},
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r))}
             try:
                 x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
@@ -75,20 +80,26 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                 continue
             bytes_ = (sum(a.size * a.dtype.itemsize for a in args if a is not None)
                       + rows * n * jnp.dtype(dtype).itemsize)
-            entry = dict(case, tiling=tiling._asdict(), errors=errors, us={v: t[v]["us"] for v in fns},
-                         busy_us={v: t[v].get("busy_us") for v in fns},
+            busy = {v: t[v].get("busy_us") or t[v]["us"] for v in fns}
+            entry = dict(case, tilings={v: ti._asdict() for v, ti in tilings.items()}, errors=errors,
+                         busy_us=busy, us={v: t[v]["us"] for v in fns},
                          device_events={v: t[v].get("device_events") for v in fns},
-                         bandwidth_fraction={v: gb_per_s(bytes_, t[v]["us"]) / ceil["bandwidth_GBps"] for v in fns},
+                         kernels_us={v: t[v].get("kernels_us") for v in fns},
+                         bandwidth_fraction={v: gb_per_s(bytes_, busy[v]) / ceil["bandwidth_GBps"] for v in fns},
                          bytes=bytes_)
             results.append(entry)
             for v in fns:
-                layer[v] = layer.get(v, 0.0) + t[v]["us"]
-            print(f"skinny {name:11s} M={rows:3d} K={k:5d} N={n:5d} splits {tiling.splits:2d} | "
-                  + " | ".join(f"{v} {t[v]['us']:6.1f} us ({entry['bandwidth_fraction'][v]:5.1%})" for v in fns)
+                layer.setdefault(v, {"busy_us": 0.0, "us": 0.0})
+                layer[v]["busy_us"] += busy[v]
+                layer[v]["us"] += t[v]["us"]
+            print(f"skinny {name:11s} M={rows:3d} K={k:5d} N={n:5d} splits {tiling.splits:2d} | busy "
+                  + " | ".join(f"{v} {busy[v]:6.1f} us ({entry['bandwidth_fraction'][v]:5.1%}, "
+                               f"{entry['device_events'][v] or 0:.0f} ev)" for v in fns)
                   + f" | err {errors['kernel']:.1e} (xla {errors['xla']:.1e})", flush=True)
             save()
         if layer:
-            results.append(dict(product="layer", rows=rows, us=layer))
-            print(f"skinny layer M={rows:3d} | " + " | ".join(f"{v} {us:7.1f} us" for v, us in layer.items()),
-                  flush=True)
+            results.append(dict(product="layer", rows=rows, busy_us={v: x["busy_us"] for v, x in layer.items()},
+                                us={v: x["us"] for v, x in layer.items()}))
+            print(f"skinny layer M={rows:3d} | busy (span) " + " | ".join(
+                f"{v} {x['busy_us']:7.1f} ({x['us']:7.1f}) us" for v, x in layer.items()), flush=True)
             save()
