@@ -21,12 +21,12 @@ accepted path or not), at greedy and sampled decoding alike.
 AR rounds skip the draft, so whether to draft is decided before the round from what the loop already knows: after
 every drafted round, a forecast of E_B (mean over active streams, a running average: FORECAST_WEIGHT) gives the
 best speculative rate max_B (F_B + 1) / c_B, compared with an AR round's 1 / c_0; when AR wins, the loop runs AR
-rounds and drafts again (a probe, the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap
-doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
-cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). Once
-drafted, the round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a
-few verify rows. The choice is per batch, not per stream:
-the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
+rounds, AR_BURST at a time (one decision, one conditional on the device, for a burst), and drafts again (a probe,
+the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap doubling up to PROBE_MAX_GAP while
+AR keeps winning, and never shorter than what keeps a probe's extra cost (the cheapest drafted round over an AR
+round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`); gaps are whole bursts. Once drafted, the
+round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a few verify
+rows. The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
 that size every stream accepts the most from all of its B + 1 nodes.
 
 Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores and past rounds only; the
@@ -52,6 +52,7 @@ NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.5  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
+AR_BURST = 8  # AR rounds run back to back per decision once AR wins (one conditional for all of them)
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
@@ -261,8 +262,8 @@ def plan_after_draft(state: BudgetState, mean_expected, candidates, step_costs) 
     forecast = (1 - weight) * state.forecast + weight * mean_expected
     draft = _spec_rate(forecast, candidates, step_costs) >= _ar_rate(candidates, step_costs)
     floor = probe_gap_floor(candidates, step_costs)
-    return state._replace(forecast=forecast, drafted_rounds=n, draft_next=draft,
-                          ar_left=jnp.where(draft, 0, jnp.maximum(state.probe_gap, floor)),
+    gap = -(-jnp.maximum(state.probe_gap, floor) // AR_BURST) * AR_BURST  # whole bursts
+    return state._replace(forecast=forecast, drafted_rounds=n, draft_next=draft, ar_left=jnp.where(draft, 0, gap),
                           probe_gap=jnp.where(draft, PROBE_FIRST_GAP,
                                               jnp.minimum(2 * state.probe_gap, jnp.maximum(PROBE_MAX_GAP, floor))))
 

@@ -457,7 +457,8 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     out = jnp.zeros((s, spec.max_new_tokens + spec.block_size), jnp.int32).at[:, 0].set(first)
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
-    max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
+    burst = budget_lib.AR_BURST if spec.auto and spec.auto_budgets[0] == 0 else 1   # rounds a loop step may run
+    max_rounds = spec.max_new_tokens + spec.rounds_per_check * burst - 1  # at most max_new - 1 rounds emit tokens
     auto = budget_lib.init_state(spec.auto_budgets, step_costs, spec.depth) if spec.auto else None
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
@@ -525,52 +526,48 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
 
 
 def auto_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
-    """A round of the auto loop (kdtree_jax.budget). When st.auto says so, draft and build at the largest budget,
-    pick the best candidate B > 0 and verify a prefix of B + 1 nodes (a `lax.switch` over the candidates); else
-    verify the AR root alone. One `lax.cond` chooses between the two, so an AR round passes one conditional (each
-    costs a read of its predicate by the host on XLA:GPU; decode.md, "Outcome on the GPU") and a drafted round two."""
+    """A step of the auto loop (kdtree_jax.budget): when st.auto says so, one drafted round (`drafted_round`), else
+    AR_BURST AR rounds back to back (`ar_round`, in a loop of fixed trip count). One `lax.cond` chooses, once per
+    drafted round or burst: on XLA:GPU the host reads a conditional's predicate before its branch launches, and an
+    AR round that passed one cost 14-16% more than the AR loop's own (decode.md, "Outcome on the GPU")."""
+    if spec.auto_budgets[0] != 0:
+        return drafted_round(target, drafter, spec, st, step_costs)
+    burst = lambda st: jax.lax.fori_loop(0, budget_lib.AR_BURST,
+                                         lambda _, s: ar_round(target, drafter, spec, s, step_costs), st)
+    return jax.lax.cond(st.auto.draft_next, functools.partial(drafted_round, target, drafter, spec,
+                                                              step_costs=step_costs), burst, st)
+
+
+def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
+    """Draft and build at the largest budget, pick the best candidate B > 0 (`budget.choose`) and verify a prefix of
+    B + 1 nodes (a `lax.switch` over the candidates); fold the outcome into the calibration."""
     candidates = spec.auto_budgets
-    spec_at = jnp.asarray(budget_lib.spec_indices(candidates))
     tree_budgets = [b for b in candidates if b > 0]
     keys, sub = split_each(st.keys)
     active = ~st.done
-
-    def drafted(st: LoopState):
-        tree = draft_tree(target, drafter, spec, st)
-        expected = budget_lib.expected_accepted(tree.score, st.auto, tree_budgets)  # [S, C']
-        k, mean = budget_lib.choose(expected, active, step_costs[spec_at])
-        verify = [functools.partial(lambda b, t: verify_and_commit(
-            target, drafter, spec, st, tree_lib.prefix_tree(t, b), sub), b) for b in tree_budgets]
-        return tree, spec_at[k], mean, jax.lax.switch(k, verify, tree)
-
-    def skipped(st: LoopState):
-        return (empty_tree(st.bonus, spec.tree_budget), jnp.int32(0), jnp.zeros(len(tree_budgets), jnp.float32),
-                verify_and_commit(target, drafter, spec, st, root_only_tree(st.bonus), sub))
-
-    if candidates[0] == 0:
-        tree, branch, mean, committed = jax.lax.cond(st.auto.draft_next, drafted, skipped, st)
-    else:
-        tree, branch, mean, committed = drafted(st)
-    cache, dcache, verdict, finite = committed
-
-    chosen = jnp.asarray(candidates, jnp.int32)[branch]
+    tree = draft_tree(target, drafter, spec, st)
+    expected = budget_lib.expected_accepted(tree.score, st.auto, tree_budgets)  # [S, C']
+    k, mean = budget_lib.choose(expected, active, step_costs[jnp.asarray(budget_lib.spec_indices(candidates))])
+    verify = [functools.partial(lambda b, t: verify_and_commit(
+        target, drafter, spec, st, tree_lib.prefix_tree(t, b), sub), b) for b in tree_budgets]
+    cache, dcache, verdict, finite = jax.lax.switch(k, verify, tree)
+    chosen = jnp.asarray(tree_budgets, jnp.int32)[k]
     nodes = jnp.arange(spec.tree_budget + 1)
     on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, B_max + 1]
     verified = (nodes >= 1) & (nodes <= chosen) & active[:, None] & jnp.isfinite(tree.score)
-    after_draft = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), mean,
-                                              candidates, step_costs)
-    after_ar = budget_lib.plan_after_ar(st.auto, candidates, step_costs, spec.depth)
-    auto = jax.tree.map(lambda a, b: jnp.where(chosen > 0, a, b), after_draft, after_ar)
+    auto = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), mean,
+                                       candidates, step_costs)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, chosen, auto, finite)
 
 
-def empty_tree(root, budget: int) -> tree_lib.TreeArrays:
-    """B + 1 slots of padding after each root (root [S]): the auto loop's tree in a round that does not draft."""
-    s, n = root.shape[0], budget + 1
-    minus = jnp.full((s, n), -1, jnp.int32)
-    return tree_lib.TreeArrays(jnp.zeros((s, n), jnp.int32).at[:, 0].set(root), minus, jnp.zeros((s, n), jnp.int32),
-                               minus, minus, jnp.broadcast_to(jnp.eye(n, dtype=bool), (s, n, n)),
-                               jnp.ones((s,), jnp.int32), jnp.full((s, n), -jnp.inf).at[:, 0].set(0.0))
+def ar_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
+    """An AR round of the auto loop: the root alone verified (the drafter's context extended by it), and the count
+    down to the next probe."""
+    keys, sub = split_each(st.keys)
+    tree = root_only_tree(st.bonus)
+    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree, sub)
+    auto = budget_lib.plan_after_ar(st.auto, spec.auto_budgets, step_costs, spec.depth)
+    return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, 0, auto, finite)
 
 
 def finish_round(spec: DecodeSpec, st: LoopState, tree_tokens, verdict, cache, dcache, keys, budget,

@@ -42,8 +42,8 @@ def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
 
 def test_drafting_against_ar_and_the_probes():
     """After a drafted round: draft again iff the best forecast rate beats AR's 1 / 1.0; once AR wins, probe after
-    PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets, the gap doubling while AR keeps winning, back to the
-    first gap when drafting wins."""
+    PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets (rounded up to whole AR bursts), the gap doubling
+    while AR keeps winning, back to the first gap when drafting wins."""
     state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)
     assert bool(state.draft_next)  # 16 tokens / 1.5 s beats AR
     win = budget.plan_after_draft(state, jnp.asarray([1.0, 1.5]), CANDIDATES, COSTS)  # 2 / 1.5 > 1
@@ -51,12 +51,13 @@ def test_drafting_against_ar_and_the_probes():
     # a probe costs 0.5 AR rounds more here, at most PROBE_SHARE = 3% of the AR rounds: at least 17 rounds apart
     assert int(budget.probe_gap_floor(CANDIDATES, COSTS)) == 17
     lose = budget.plan_after_draft(state, jnp.asarray([0.2, 0.3]), CANDIDATES, COSTS)  # 1.2 / 1.5 < 1
-    assert not bool(lose.draft_next) and int(lose.ar_left) == 17
+    bursts = lambda rounds: -(-rounds // budget.AR_BURST) * budget.AR_BURST
+    assert not bool(lose.draft_next) and int(lose.ar_left) == bursts(17) == 24
     assert int(lose.probe_gap) == 2 * budget.PROBE_FIRST_GAP
     costly = budget.plan_after_draft(state, jnp.asarray([0.0, 0.0]), CANDIDATES, COSTS * jnp.asarray([1, 4, 4]))
     floor = int(np.ceil(5.0 / budget.PROBE_SHARE))  # a drafted round costs 6 AR rounds: 5 more
-    assert int(costly.ar_left) == floor and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
-    for _ in range(17 - 1):
+    assert int(costly.ar_left) == bursts(floor) and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
+    for _ in range(24 - 1):
         lose = budget.plan_after_ar(lose, CANDIDATES, COSTS, 15)
         assert not bool(lose.draft_next)
     assert bool(budget.plan_after_ar(lose, CANDIDATES, COSTS, 15).draft_next)  # the probe

@@ -159,10 +159,10 @@ def _eqns(jaxpr, primitive: str) -> list:
     return found
 
 
-def test_an_auto_ar_round_passes_one_conditional(draft_decoder):
-    """The auto loop's round is one cond: the AR branch holds no other conditional, the drafted branch one (the
-    switch over B > 0). On XLA:GPU each conditional costs a host read of its predicate, and an AR round that also
-    passed the budget switch cost 14-16% more than the AR loop's round (decode.md, "Outcome on the GPU")."""
+def test_auto_ar_rounds_pass_one_conditional_a_burst(draft_decoder):
+    """The auto loop's step is one cond: the AR branch is a loop of AR_BURST rounds holding no conditional, the
+    drafted branch holds one (the switch over B > 0). On XLA:GPU each conditional costs a host read of its predicate,
+    and an AR round that passed one cost 14-16% more than the AR loop's round (decode.md, "Outcome on the GPU")."""
     spec = DecodeSpec(policy="ddtree", auto_budgets=(0, 2, 8), block_size=BLOCK, max_new_tokens=8)
     prompts = [p[:2] for p in PROMPTS]
     cache_len = draft_decoder.default_cache_len(spec, prompts)
@@ -173,7 +173,10 @@ def test_an_auto_ar_round_passes_one_conditional(draft_decoder):
     loops = _eqns(jax.make_jaxpr(loop)(*args).jaxpr, "while")
     rounds = [conds for conds in (_eqns(w.params["body_jaxpr"].jaxpr, "cond") for w in loops) if conds]
     assert len(rounds) == 1 and len(rounds[0]) == 1, [len(c) for c in rounds]
-    assert sorted(len(_eqns(branch.jaxpr, "cond")) for branch in rounds[0][0].params["branches"]) == [0, 1]
+    ar, drafted = rounds[0][0].params["branches"]           # lax.cond: branches (false, true); true = draft
+    assert len(_eqns(drafted.jaxpr, "cond")) == 1 and not _eqns(ar.jaxpr, "cond")
+    (burst,) = _eqns(ar.jaxpr, "scan")
+    assert burst.params["length"] == budget.AR_BURST and not _eqns(burst.params["jaxpr"].jaxpr, "cond")
 
 
 def test_eos_mid_round(ar_decoder, oracle_decoder):
