@@ -78,6 +78,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "'on,off' to time every case both ways")
     d(flags.DEFINE_bool, "dense_kernel", False, "the target's dense products of few rows through skinny_matmul "
       "(`ops.set_dense_kernel`; one device, the GPU)")
+    d(flags.DEFINE_bool, "router_kernel", False, "the target's MoE router (sigmoid, top-k, weights) as one Triton "
+      "kernel (`ops.set_router_kernel`; one device, the GPU)")
     d(flags.DEFINE_integer, "seed", 0, "prompt choice and sampling seed")
     d(flags.DEFINE_string, "out", "experiments/results/decode/decode.json", "JSON output")
     d(flags.DEFINE_string, "plot", "experiments/results/decode/decode.png", "PNG of tau and speedup vs B ('' to skip)")
@@ -152,6 +154,7 @@ def make_spec(policy: str, budget: str, auto_budgets: tuple, **kwargs) -> Decode
 def run(f) -> None:
     inputs = check(f)
     ops.set_dense_kernel(f.dense_kernel)
+    ops.set_router_kernel(f.router_kernel)
     mesh = inputs.mesh
     prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
     target = model_dir.load_target(f.target, dtype=f.dtype, mesh=mesh)
@@ -164,6 +167,7 @@ def run(f) -> None:
             "max_new_tokens": f.max_new_tokens, "block_size": block,
             "rounds_per_check": f.rounds_per_check, "topk": f.topk, "modes": inputs.mode_sets,
             "dense_kernel": f.dense_kernel,
+            "router_kernel": f.router_kernel,
             "auto_budgets": list(inputs.auto_budgets),
             "skipped_groups": []}
     rows, start = [], time.monotonic()

@@ -768,6 +768,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_bool("dense_kernel", False, "the dense products of few rows through skinny_matmul "
                       "(`ops.set_dense_kernel`: q_a, kv_a, q_b with its norm, o_proj, the shared expert, the router, "
                       "the lm_head with the final norm) instead of XLA", flag_values=fv)
+    flags.DEFINE_bool("router_kernel", False, "the MoE router's sigmoid, top-k and weights as one Triton kernel "
+                      "(`ops.set_router_kernel`) instead of XLA's ops", flag_values=fv)
     flags.DEFINE_list("exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
                       "'on,off' to time every AR and verify case both ways, one after the other", flag_values=fv)
     flags.DEFINE_bool("loop_only", False, "time each case only inside the while loop (`step_ms_in_loop`; one "
@@ -871,6 +873,7 @@ def run(f) -> None:
     int4_moe_triton.set_default_launcher(f.moe_launcher)
     ops.set_int4_moe_gate_up_splits(f.moe_gate_up_splits or None)
     ops.set_dense_kernel(f.dense_kernel)
+    ops.set_router_kernel(f.router_kernel)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
                compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
                loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
@@ -881,7 +884,7 @@ def run(f) -> None:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
                 shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel,
-                moe_gate_up_splits=f.moe_gate_up_splits,
+                router_kernel=f.router_kernel, moe_gate_up_splits=f.moe_gate_up_splits,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",

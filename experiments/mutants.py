@@ -102,7 +102,7 @@ MUTANTS = (
              "        return self.qk_head_dim ** -0.5 * self.yarn_mscale\n"),),
            ("tests/test_hf_fixtures.py",)),
     Mutant("routing_weights_biased", "the routing weights include e_score_correction_bias (selection only in V3)",
-           "kdtree_jax/model/moe.py",
+           "pallas_kernels/router_topk.py",
            (("    weights = jnp.take_along_axis(scores, ids, axis=-1)\n",
              "    weights = jnp.take_along_axis(scores + bias.astype(jnp.float32), ids, axis=-1)\n"),),
            ("tests/test_hf_fixtures.py",)),

@@ -24,6 +24,7 @@ import jax
 from pallas_kernels import int4_moe as _int4_moe
 from pallas_kernels import int4_moe_mgpu as _int4_moe_mgpu
 from pallas_kernels import int4_moe_triton as _int4_moe_triton
+from pallas_kernels import router_topk as _router_topk
 from pallas_kernels import skinny_matmul as _skinny_matmul
 from pallas_kernels import tree_accept as _tree_accept
 from pallas_kernels import tree_build as _tree_build
@@ -38,6 +39,7 @@ IMPLEMENTATIONS = ("auto", "kernel", "reference")
 _settings = {"implementation": "auto", "interpret": None}
 _tiling = {"int4_moe_gate_up_splits": None}  # a benchmark's override of the Triton int4_moe's split-K (None: default)
 _dense = {"kernel": False}  # the dense products through skinny_matmul (`set_dense_kernel`; off until measured)
+_router = {"kernel": False}  # the router's top-k through router_topk (`set_router_kernel`; off until measured)
 _registry: dict[str, tuple[Callable, Callable, bool]] = {}
 
 
@@ -238,6 +240,24 @@ def dense(x, w, *, norm_weight=None, eps: float = 1e-6, out_dtype=None):
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
     y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
     return y.reshape(*lead, n)
+
+
+def set_router_kernel(on: bool = False) -> None:
+    """Run the MoE router's sigmoid, top-k and weights as one `router_topk` kernel (on) or XLA's ops (off, the default
+    until the kernel is measured in the step: bench_k26 --router_kernel), for calls traced from now on."""
+    _router["kernel"] = bool(on)
+
+
+def router_takes() -> bool:
+    """Whether the router runs `router_topk`: set_router_kernel(True) and kernels running on the GPU. (A Triton call
+    has no GSPMD partitioning: the caller keeps a tp-sharded router on XLA.)"""
+    return _router["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
+
+
+def router_topk(logits, bias, k: int, *, normalize: bool, scale: float):
+    """logits [M, E] f32 (the router's product), bias [E] f32 -> (ids [M, k] int32, weights [M, k] f32) as one
+    Triton kernel (call where `router_takes`). See pallas_kernels/router_topk.py."""
+    return _router_topk.router_topk(logits, bias, k, normalize=normalize, scale=scale)
 
 
 def tree_build(draft_logits, root, budget: int, topk: int | None = None):

@@ -25,6 +25,7 @@ from pallas_kernels import int4_matmul_mgpu as MM
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_mgpu as MMOE
 from pallas_kernels import int4_moe_triton as MT
+from pallas_kernels import router_topk as RT
 from pallas_kernels import skinny_matmul as SM
 from pallas_kernels import tree_triton as TT
 from pallas_kernels.triton_call import LAUNCHERS
@@ -338,6 +339,25 @@ def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
     np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(got[last], np.float32))
 
 
+def forward_off_and_on(cfg, switch, seed: int) -> dict:
+    """{False: logits, True: logits} of a random model of cfg on random tokens [2, 7], at highest matmul precision,
+    with `switch` (an `ops.set_*_kernel`) off and on; left off after."""
+    from kdtree_jax.model.transformer import Transformer
+
+    model = Transformer(cfg, nnx.Rngs(seed))
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    logits = {}
+    for on in (False, True):
+        switch(on)
+        try:
+            with jax.default_matmul_precision("highest"):
+                logits[on] = nnx.jit(lambda m, t: m.causal(t).logits)(model, tokens)
+        finally:
+            switch(False)
+    assert np.isfinite(np.asarray(logits[True])).all()
+    return logits
+
+
 @pytest.mark.parametrize("dtype, first_k_dense, tol", [("float32", 1, 1e-4), ("bfloat16", 8, 2e-2)])
 def test_dense_kernel_forward_matches_xla(dtype, first_k_dense, tol):
     """The code target widened to hidden 512 (so that q_a, kv_a, the shared expert's gate and up, the router and the
@@ -345,19 +365,30 @@ def test_dense_kernel_forward_matches_xla(dtype, first_k_dense, tol):
     (`ops.set_dense_kernel(True)`) == with XLA's: in f32 at highest precision with its MoE layers, and in bf16 with
     every layer dense (in bf16 a rounding flips the random router's top-k, and the logits with it: 0.18 apart on
     the H100 with MoE layers)."""
-    from kdtree_jax.model.transformer import Transformer
-
     cfg = dataclasses.replace(config_lib.preset("code_target"), hidden_size=512, dtype=dtype,
                               first_k_dense=first_k_dense)
-    model = Transformer(cfg, nnx.Rngs(3))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
-    logits = {}
-    for on in (False, True):
-        ops.set_dense_kernel(on)
-        try:
-            with jax.default_matmul_precision("highest"):
-                logits[on] = nnx.jit(lambda m, t: m.causal(t).logits)(model, tokens)
-        finally:
-            ops.set_dense_kernel(False)
-    assert np.isfinite(np.asarray(logits[True])).all()
+    logits = forward_off_and_on(cfg, ops.set_dense_kernel, 3)
     assert rel_err(logits[True], logits[False]) < tol
+
+
+@pytest.mark.parametrize("rows", [1, 264])
+def test_router_topk_k26(rows):
+    """K2.6's router after its product (384 experts, top 8, scaled by 2.827) at AR and a B=32 verify of 8 streams ==
+    the reference (the same ids; weights to the sigmoid's rounding), the last row bitwise the same alone."""
+    rng = np.random.default_rng(rows)
+    logits = jnp.asarray(2.0 * rng.standard_normal((rows, 384)), jnp.float32)
+    bias = jnp.asarray(0.3 * rng.standard_normal(384), jnp.float32)
+    ids, weights = RT.router_topk(logits, bias, 8, scale=2.827)
+    want_ids, want_weights = RT.router_topk_reference(logits, bias, 8, scale=2.827)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    assert rel_err(weights, want_weights) < 1e-6
+    alone = RT.router_topk(logits[-1:], bias, 8, scale=2.827)
+    np.testing.assert_array_equal(np.asarray(alone[1][0]), np.asarray(weights[-1]))
+
+
+def test_router_kernel_forward_matches_xla():
+    """The code target (f32, highest precision) with its routers through router_topk (`ops.set_router_kernel(True)`)
+    == with XLA's ops."""
+    cfg = dataclasses.replace(config_lib.preset("code_target"), dtype="float32")
+    logits = forward_off_and_on(cfg, ops.set_router_kernel, 4)
+    assert rel_err(logits[True], logits[False]) < 1e-5

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4_moe as M
 from pallas_kernels import int4_moe_triton as MT
+from pallas_kernels import router_topk as RT
 from pallas_kernels import skinny_matmul as SM
 from pallas_kernels import tree_triton as TT
 from pallas_kernels import tree_verify_attention as A
@@ -115,6 +116,16 @@ def test_skinny_matmul_lowers_to_ffi_launches_of_triton_cubins(rows, k, n, norm,
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 + second and text.count('cubin = "\\7FELF') == 1 + second
     assert 'name = "_product_kernel"' in text and ('name = "_splits_kernel"' in text) == second
     assert not any(op in text for op in ("stablehlo.pad", "stablehlo.slice", "stablehlo.convert"))
+
+
+def test_router_topk_lowers_to_one_triton_call():
+    """K2.6's router after its product (384 experts, top 8) at a B=32 verify of 8 streams: one Triton call (XLA's,
+    the default launcher), no sort; and compiled by Triton for sm_90 (the "ffi" launcher's cubin)."""
+    args = spec((264, 384), F32), spec((384,), F32)
+    text = lower_for_h200(lambda lg, b: RT.router_topk(lg, b, 8, scale=2.827), *args)
+    assert text.count(XLA_TRITON_TARGET) == 1 and "stablehlo.sort" not in text
+    text = lower_for_h200(lambda lg, b: RT.router_topk(lg, b, 8, scale=2.827, launcher="ffi"), *args)
+    assert text.count('cubin = "\\7FELF') == 1 and 'name = "_router_kernel"' in text
 
 
 def test_tree_kernels_lower_to_one_xla_triton_call_each():

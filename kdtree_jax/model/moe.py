@@ -13,21 +13,23 @@ from flax import nnx
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight, project
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from kdtree_jax.model.parallel import expert_parallel
+from kdtree_jax.model.parallel import expert_parallel, tp_size
 from pallas_kernels import batch_invariant, ops
 from pallas_kernels.int4_moe import Int4Experts
+from pallas_kernels.router_topk import router_topk_reference
 
 
 def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
-    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32). exact: `batch_invariant.matmul`."""
+    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32): the product in f32 (exact:
+    `batch_invariant.matmul`), then the sigmoid, the top-k and the weights (`router_topk_reference`, or its one-kernel
+    form where `ops.router_takes` and no tp mesh shards the call)."""
     x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
-    scores = jax.nn.sigmoid(batch_invariant.matmul(x32, w32) if exact else project(x32, w32))
-    _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32), cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        total = batch_invariant.slot_sum(weights)[..., None] if exact else jnp.sum(weights, axis=-1, keepdims=True)
-        weights = weights / (total + 1e-20)
-    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+    logits = batch_invariant.matmul(x32, w32) if exact else project(x32, w32)
+    args = (logits, bias.astype(jnp.float32), cfg.num_experts_per_tok)
+    kw = dict(normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+    if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.router_takes():
+        return ops.router_topk(*args, **kw)
+    return router_topk_reference(*args, **kw)
 
 
 def routed_experts(x, w_gate, w_up, w_down, ids, weights):
