@@ -56,6 +56,7 @@ AR_BURST = 8  # AR rounds run back to back per decision once AR wins (one condit
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
+REFIT_PRIOR = 0.25  # `refit`: the calibrated cost weighs as a quarter of one run spent wholly at its budget
 
 
 def check_candidates(candidates, check_budget) -> tuple[int, ...]:
@@ -170,6 +171,39 @@ def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | 
     prefill_s = min(times[0])
     seconds = [max(min(t) - prefill_s, 1e-9) / max(n, 1) for t, n in zip(times[1:], done[1:])]
     return StepCosts(tuple(candidates), tuple(seconds), key or {}, prefill_s=prefill_s)
+
+
+def rounds_by_candidate(budgets, candidates) -> np.ndarray:
+    """budgets [R] (the B each round verified; `LoopState.budgets`) -> [C] float: rounds run at each candidate."""
+    index = np.searchsorted(np.asarray(candidates), np.asarray(budgets))
+    return np.bincount(index, minlength=len(candidates)).astype(np.float64)
+
+
+def refit(prior: StepCosts, runs) -> StepCosts:
+    """The step costs refitted to the loop's own runs since `prior` was calibrated: runs = [(rounds [C] at each
+    candidate, seconds those rounds took (a call's time less the prefill))].
+
+    Each cost moves by a relative correction d_B, c_B = prior_B (1 + d_B), the d minimising
+    sum over runs ((sum_B rounds_B c_B - seconds) / seconds)^2 + REFIT_PRIOR * sum_B d_B^2: a run spent wholly at
+    one budget moves that budget's cost 1 / (1 + REFIT_PRIOR) of the way to what the run measured; budgets no run
+    used keep their calibrated cost, as do infinite ones. Why: the calibration's forced rounds ran right after the
+    prompts and cost ~12% less than the decode's own at T = 1, batch 8 on an H100, enough to rank B=32 above AR
+    where AR won (experiments/notes/decode.md, "Outcome on the GPU")."""
+    p = np.asarray(prior.seconds, np.float64)
+    if not runs:
+        return prior
+    n = np.stack([np.asarray(rounds, np.float64) for rounds, _ in runs])        # [R, C]
+    t = np.asarray([seconds for _, seconds in runs], np.float64)                # [R]
+    used = np.isfinite(p) & (n.sum(axis=0) > 0)
+    if not used.any():
+        return prior
+    a = n[:, used] * p[used] / t[:, None]      # [R, U]: each used budget's predicted share of the run's time
+    e = (t - n[:, used] @ p[used]) / t          # [R]: the run's relative miss
+    d = np.linalg.solve(a.T @ a + REFIT_PRIOR * np.eye(a.shape[1]), a.T @ e)
+    seconds = p.copy()
+    seconds[used] = p[used] * (1.0 + np.clip(d, -0.5, 2.0))
+    return dataclasses.replace(prior, seconds=tuple(float(c) for c in seconds),
+                               how=f"{prior.how}, refitted to {len(runs)} run(s) of the loop")
 
 
 # ------------------------------------------------------------------------------------------------------ on device

@@ -205,7 +205,8 @@ class Decoder:
             self.target_params = sharding.shard_params(self.target_params, mesh)
             self.drafter_params = sharding.replicate(self.drafter_params, mesh)
         self._compiled = {}
-        self._costs = {}
+        self._costs = {}  # (spec, streams, prompt length, cache rows) -> StepCosts calibrated by `step_costs`
+        self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -238,15 +239,19 @@ class Decoder:
     def generate(self, prompts, spec: DecodeSpec, seed: int = 0, cache_len: int | None = None,
                  costs: budget_lib.StepCosts | None = None) -> GenerateResult:
         """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop. costs: the step costs an
-        auto loop chooses by (default: `step_costs`, calibrated once per loop and batch shape)."""
+        auto loop chooses by (default: `step_costs`, calibrated once per loop and batch shape, then refitted to
+        every run of that loop: `budget.refit`)."""
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
+        refits = spec.auto and costs is None
         if spec.auto:
             costs = costs or self.step_costs(spec, prompts, cache_len)
             self.check_costs(spec, costs)
         state, seconds = self._loop_runner(spec, prompts, cache_len, seed)(self.controls(spec, costs))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
+        if refits:
+            self._observe(self._cost_cache_key(spec, prompts, cache_len), state, seconds)
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
         budgets = np.asarray(state.budgets)[:int(state.rounds)][emitted]
@@ -295,12 +300,12 @@ class Decoder:
     def step_costs(self, spec: DecodeSpec, prompts, cache_len: int | None = None, rounds: int = 6,
                    reps: int = 3) -> budget_lib.StepCosts:
         """The auto loop's step costs for this batch shape: `budget.calibrate` on these prompts with the compiled
-        loop itself (cached per loop and shape; ~ (C + 1) x (reps + 1) loops of `rounds` rounds). Across processes
-        (jax.distributed), process 0's."""
+        loop itself (once per loop and shape; ~ (C + 1) x (reps + 1) loops of `rounds` rounds), refitted to the runs
+        of that loop `generate` made since (`budget.refit`). Across processes (jax.distributed), process 0's."""
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
-        s, longest = len(prompts), max(len(p) for p in prompts)
-        key = (spec, s, longest, cache_len)
+        s = len(prompts)
+        key = self._cost_cache_key(spec, prompts, cache_len)
         if key not in self._costs:
             run = self._loop_runner(spec, prompts, cache_len, seed=0)
 
@@ -309,13 +314,26 @@ class Decoder:
                 return seconds, int(state.rounds)
             costs = budget_lib.calibrate(run_rounds, spec.auto_budgets, rounds=rounds, reps=reps,
                                          key=self.cost_key(spec, s, cache_len))
-            if jax.process_count() > 1:  # every process must choose alike (one SPMD program): process 0's times
-                from jax.experimental import multihost_utils
-                seconds = multihost_utils.broadcast_one_to_all(np.asarray(costs.seconds + (costs.prefill_s,)))
-                costs = dataclasses.replace(costs, seconds=tuple(float(t) for t in seconds[:-1]),
-                                            prefill_s=float(seconds[-1]))
+            seconds = process0_values(costs.seconds + (costs.prefill_s,))  # every process must choose alike
+            costs = dataclasses.replace(costs, seconds=tuple(float(t) for t in seconds[:-1]),
+                                        prefill_s=float(seconds[-1]))
             self._costs[key] = costs
-        return self._costs[key]
+            self._runs[key] = []
+        return budget_lib.refit(self._costs[key], self._runs[key])
+
+    @staticmethod
+    def _cost_cache_key(spec: DecodeSpec, prompts, cache_len: int) -> tuple:
+        return spec, len(prompts), max(len(p) for p in prompts), cache_len
+
+    def _observe(self, key: tuple, state: LoopState, seconds: float) -> None:
+        """Record a run of the auto loop calibrated under `key` (warm: `step_costs` ran it) for `budget.refit`: its
+        rounds at each candidate and their seconds (the call's, less the calibrated prefill). Across processes
+        every process records process 0's seconds, so that all refit alike."""
+        spec, costs = key[0], self._costs[key]
+        rounds = budget_lib.rounds_by_candidate(np.asarray(state.budgets)[:int(state.rounds)], spec.auto_budgets)
+        seconds = float(process0_values((seconds,))[0])
+        if rounds.sum() > 0 and seconds > costs.prefill_s:
+            self._runs[key].append((rounds, seconds - costs.prefill_s))
 
     @staticmethod
     def check_costs(spec: DecodeSpec, costs: budget_lib.StepCosts) -> None:
@@ -375,6 +393,15 @@ class Decoder:
             rounds = one_round
         limit = jnp.minimum(controls.round_limit, spec.max_new_tokens)
         return jax.lax.while_loop(functools.partial(running, spec, limit), rounds, state)
+
+
+def process0_values(values) -> np.ndarray:
+    """values (floats) as process 0 has them, on every process (jax.distributed: the processes of one SPMD program
+    must make the same choices); the values themselves in one process."""
+    if jax.process_count() == 1:
+        return np.asarray(values, np.float64)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values, np.float64)))
 
 
 def running(spec: DecodeSpec, limit, st: LoopState):
@@ -641,5 +668,5 @@ def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, s
            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
            "budget_hist": budget_counts(np.concatenate(budgets)), "setup_s": setup_s, "tokens": tokens}
     if spec.auto:
-        row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict())
+        row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict(), costs_last=res.costs.as_dict())
     return row

@@ -70,6 +70,23 @@ def test_drafting_against_ar_and_the_probes():
     assert not bool(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).draft_next)
 
 
+def test_step_costs_refit_to_the_loops_own_runs():
+    """A run of 10 rounds at B=4 taking 20 s (2.0 s a round against the calibrated 1.5) moves B=4's cost
+    a / (a^2 + REFIT_PRIOR) of the relative miss (a = 0.75, the prior's share of the run) and no other; runs mixing
+    AR and B=16 rounds at true costs 1.2 and 3.0 recover both; a budget never run and an infinite one stay."""
+    prior = budget.StepCosts(CANDIDATES, (1.0, 1.5, 2.5), how="calibrated")
+    assert budget.refit(prior, []) is prior
+    np.testing.assert_array_equal(budget.rounds_by_candidate([0, 4, 4, 16, 0, 0], CANDIDATES), [3, 2, 1])
+    one = budget.refit(prior, [(np.asarray([0.0, 10.0, 0.0]), 20.0)])
+    a, e = 0.75, 0.25
+    np.testing.assert_allclose(one.seconds, [1.0, 1.5 * (1 + a * e / (a * a + budget.REFIT_PRIOR)), 2.5])
+    assert "refitted to 1 run" in one.how
+    runs = [(np.asarray([n0, 0.0, n16]), 1.2 * n0 + 3.0 * n16) for n0, n16 in [(30, 5), (10, 12), (0, 20), (25, 0)]]
+    np.testing.assert_allclose(budget.refit(prior, runs * 5).seconds, [1.2, 1.5, 3.0], rtol=0.02)
+    forced = budget.StepCosts(CANDIDATES, (np.inf, 1.5, 2.5))
+    assert budget.refit(forced, [(np.asarray([0.0, 0.0, 4.0]), 12.0)]).seconds[0] == np.inf
+
+
 def test_calibration_scales_the_drafter_by_observed_acceptance():
     """Nodes of path probability 0.8 (bin 0) accepted half the time, 0.1 (bin 3) always: after one round the
     expectation of a node is p * (accepted + PRIOR) / (predicted + PRIOR) in its bin, capped at 1."""

@@ -136,11 +136,16 @@ def test_greedy_auto_equals_ar(oracle_decoder, costs, mixed):
 
 
 def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decoder):
-    """A random drafter, the step costs calibrated on this machine (a few rounds of the loop itself per budget)."""
+    """A random drafter, the step costs calibrated on this machine (a few rounds of the loop itself per budget), then
+    refitted to each run of the loop (`budget.refit`)."""
     spec = DecodeSpec(policy="ddtree", auto_budgets=(0, 4), block_size=BLOCK, max_new_tokens=14)
     costs = draft_decoder.step_costs(spec, PROMPTS, rounds=2, reps=1)
     assert costs.candidates == (0, 4) and all(c > 0 for c in costs.seconds) and costs.key["streams"] == len(PROMPTS)
-    assert draft_decoder.generate(PROMPTS, spec).tokens == ar_tokens(ar_decoder, PROMPTS, 14)
+    first = draft_decoder.generate(PROMPTS, spec)
+    assert first.tokens == ar_tokens(ar_decoder, PROMPTS, 14) and first.costs == costs
+    refitted = draft_decoder.step_costs(spec, PROMPTS)
+    assert "refitted to 1 run" in refitted.how and all(c > 0 for c in refitted.seconds)
+    assert draft_decoder.generate(PROMPTS, spec).costs == refitted
     with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
     with pytest.raises(ValueError, match="auto budgets"):
