@@ -57,6 +57,9 @@ PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once A
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
 REFIT_PRIOR = 0.25  # `refit`: the calibrated cost weighs as a quarter of one run spent wholly at its budget
+AR_LOOP_SHARE = 0.9  # `ArHandover`: a call whose rounds were this share AR hands the next calls to the AR loop
+AR_LOOP_FIRST_GAP = 2  # calls on the AR loop before the auto loop runs again, doubling while AR keeps winning
+AR_LOOP_MAX_GAP = 16
 
 
 def check_candidates(candidates, check_budget) -> tuple[int, ...]:
@@ -204,6 +207,36 @@ def refit(prior: StepCosts, runs) -> StepCosts:
     seconds[used] = p[used] * (1.0 + np.clip(d, -0.5, 2.0))
     return dataclasses.replace(prior, seconds=tuple(float(c) for c in seconds),
                                how=f"{prior.how}, refitted to {len(runs)} run(s) of the loop")
+
+
+@dataclasses.dataclass
+class ArHandover:
+    """Whether a `generate` of the auto loop runs the plain AR loop instead (host side, between calls).
+
+    An AR round inside the auto loop costs more than one of the AR loop (the verify keeps the drafter's hidden
+    layers, the bookkeeping is sized for a tree, the conditionals: +6% on the CPU, +14% on an H100 before AR bursts;
+    decode.md), so when the auto loop itself ran AR in at least AR_LOOP_SHARE of a call's rounds, the next calls
+    run the AR loop; every so many calls (AR_LOOP_FIRST_GAP, doubling up to AR_LOOP_MAX_GAP while AR keeps
+    winning) the auto loop runs again to see whether speculation pays now. Lossless either way: both loops emit the
+    target's own tokens."""
+    calls_left: int = 0  # calls still to run on the AR loop
+    gap: int = 0  # the AR calls before the next auto call, once AR wins again (0: AR has not won yet)
+
+    def use_ar_loop(self) -> bool:
+        """Whether this call runs the AR loop; counts it."""
+        if self.calls_left <= 0:
+            return False
+        self.calls_left -= 1
+        return True
+
+    def after_auto(self, budgets) -> None:
+        """After a call of the auto loop that verified `budgets` [R] (0: an AR round)."""
+        budgets = np.asarray(budgets)
+        if budgets.size and np.mean(budgets == 0) >= AR_LOOP_SHARE:
+            self.gap = min(2 * self.gap, AR_LOOP_MAX_GAP) if self.gap else AR_LOOP_FIRST_GAP
+            self.calls_left = self.gap
+        else:
+            self.gap = self.calls_left = 0
 
 
 # ------------------------------------------------------------------------------------------------------ on device

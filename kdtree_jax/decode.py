@@ -114,6 +114,7 @@ class GenerateResult(NamedTuple):
     seconds: float  # wall time of prefill + loop (compilation and cost calibration excluded)
     budgets: np.ndarray  # [rounds]: B verified in each round
     costs: budget_lib.StepCosts | None  # the step costs the auto loop chose by (None for a fixed budget)
+    ar_loop: bool = False  # an auto call that ran the plain AR loop (`budget.ArHandover`)
 
 
 def acceptance(taus, block_size: int) -> tuple[float, list]:
@@ -207,6 +208,8 @@ class Decoder:
         self._compiled = {}
         self._costs = {}  # (spec, streams, prompt length, cache rows) -> StepCosts calibrated by `step_costs`
         self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
+        self._handover = {}  # the same keys -> budget.ArHandover: whether a call runs the AR loop instead
+        self._warm = {}  # the same keys -> whether their AR loop has run (compiled) once
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -240,23 +243,34 @@ class Decoder:
                  costs: budget_lib.StepCosts | None = None) -> GenerateResult:
         """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop. costs: the step costs an
         auto loop chooses by (default: `step_costs`, calibrated once per loop and batch shape, then refitted to
-        every run of that loop: `budget.refit`)."""
+        every run of that loop: `budget.refit`; with them, a call after auto calls that ran AR may run the plain AR
+        loop instead: `budget.ArHandover`)."""
+        given_len = cache_len
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
-        refits = spec.auto and costs is None
+        adapts = spec.auto and costs is None
         if spec.auto:
             costs = costs or self.step_costs(spec, prompts, cache_len)
             self.check_costs(spec, costs)
-        state, seconds = self._loop_runner(spec, prompts, cache_len, seed)(self.controls(spec, costs))
+        key = self._cost_cache_key(spec, prompts, cache_len)
+        ar_loop = adapts and self._handover.setdefault(key, budget_lib.ArHandover()).use_ar_loop()
+        run_spec = dataclasses.replace(spec, policy="ar", budget=0, auto_budgets=(), topk=None) if ar_loop else spec
+        run_len = (given_len or self.default_cache_len(run_spec, prompts)) if ar_loop else cache_len  # no tree rows
+        run = self._loop_runner(run_spec, prompts, run_len, seed)
+        if ar_loop and not self._warm.get(key):
+            run(self.controls(run_spec))  # compile and warm up the AR loop outside the timed call
+            self._warm[key] = True
+        state, seconds = run(self.controls(run_spec, costs))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
-        if refits:
-            self._observe(self._cost_cache_key(spec, prompts, cache_len), state, seconds)
+        budgets = np.asarray(state.budgets)[:int(state.rounds)]
+        if adapts and not ar_loop:
+            self._observe(key, state, seconds)
+            self._handover[key].after_auto(budgets)
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
-        budgets = np.asarray(state.budgets)[:int(state.rounds)][emitted]
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
-                              int(emitted.sum()), seconds, budgets, costs if spec.auto else None)
+                              int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, ar_loop)
 
     def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):
         """run(controls) -> (final LoopState, seconds of the loop call): the compiled loop on these prompts, with
@@ -646,17 +660,18 @@ def budget_counts(budgets) -> dict:
 def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, seed: int) -> dict:
     """Decode all prompts, `batch` streams at a time (first, one batch of each shape once more, to compile and warm
     up, and for auto to calibrate the step costs; batch k samples with seed + k) -> totals, tau statistics, the
-    budgets verified (`budget_hist` {B: batch rounds}; `budget_rounds`: per round of the first batch) and the
-    outputs (`tokens`, per prompt)."""
+    budgets verified (`budget_hist` {B: batch rounds}; `budget_rounds`: per round of the first batch), for auto the
+    batches that ran the plain AR loop (`ar_loop_calls`), and the outputs (`tokens`, per prompt)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     shapes = {(len(g), max(len(p) for p in g)): g for g in reversed(groups)}  # a ragged last batch compiles apart
     start = time.perf_counter()
     for group in shapes.values():
         decoder.generate(group, spec, seed=seed)  # compile + warm up (+ calibrate)
     setup_s = time.perf_counter() - start
-    seconds, tokens, taus, budgets, first = 0.0, [], [], [], None
+    seconds, tokens, taus, budgets, first, ar_calls = 0.0, [], [], [], None, 0
     for k, group in enumerate(groups):
         res = decoder.generate(group, spec, seed=seed + k)
+        ar_calls += res.ar_loop
         seconds += res.seconds
         tokens += res.tokens
         taus.append(res.taus.ravel())
@@ -668,5 +683,6 @@ def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, s
            "tokens_per_s": new / seconds, "tau": tau, "rounds": sum(hist), "accept_hist": hist,
            "budget_hist": budget_counts(np.concatenate(budgets)), "setup_s": setup_s, "tokens": tokens}
     if spec.auto:
-        row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict(), costs_last=res.costs.as_dict())
+        row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict(), costs_last=res.costs.as_dict(),
+                   ar_loop_calls=ar_calls)
     return row

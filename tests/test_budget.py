@@ -87,6 +87,26 @@ def test_step_costs_refit_to_the_loops_own_runs():
     assert budget.refit(forced, [(np.asarray([0.0, 0.0, 4.0]), 12.0)]).seconds[0] == np.inf
 
 
+def test_an_auto_call_that_ran_ar_hands_the_next_calls_to_the_ar_loop():
+    """A call with >= AR_LOOP_SHARE AR rounds: the next AR_LOOP_FIRST_GAP calls run the AR loop, then one auto call;
+    the gap doubles (up to AR_LOOP_MAX_GAP) while the auto calls keep running AR, and resets when one drafts."""
+    h = budget.ArHandover()
+    assert not h.use_ar_loop()
+    h.after_auto([0] * 9 + [8])                                     # 90% AR
+    gaps = []
+    for _ in range(6):
+        n = 0
+        while h.use_ar_loop():
+            n += 1
+        gaps.append(n)
+        h.after_auto([0] * 20)
+    assert gaps == [2, 4, 8, 16, 16, 16] and budget.AR_LOOP_FIRST_GAP == 2 and budget.AR_LOOP_MAX_GAP == 16
+    while h.use_ar_loop():
+        pass
+    h.after_auto([0] * 5 + [8] * 5)                                 # drafting pays again
+    assert not h.use_ar_loop() and h.gap == 0
+
+
 def test_calibration_scales_the_drafter_by_observed_acceptance():
     """Nodes of path probability 0.8 (bin 0) accepted half the time, 0.1 (bin 3) always: after one round the
     expectation of a node is p * (accepted + PRIOR) / (predicted + PRIOR) in its bin, capped at 1."""

@@ -145,7 +145,16 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
     assert first.tokens == ar_tokens(ar_decoder, PROMPTS, 14) and first.costs == costs
     refitted = draft_decoder.step_costs(spec, PROMPTS)
     assert "refitted to 1 run" in refitted.how and all(c > 0 for c in refitted.seconds)
-    assert draft_decoder.generate(PROMPTS, spec).costs == refitted
+    key = draft_decoder._cost_cache_key(spec, PROMPTS, draft_decoder.default_cache_len(spec, PROMPTS))
+    draft_decoder._handover[key] = budget.ArHandover()          # whatever this machine's first call chose
+    second = draft_decoder.generate(PROMPTS, spec)
+    assert second.costs == refitted and second.tokens == first.tokens and not second.ar_loop
+    # handed to the plain AR loop (as after calls that ran AR): the same tokens, AR rounds, no run recorded
+    draft_decoder._handover[key] = budget.ArHandover(calls_left=1, gap=2)
+    ar_loop = draft_decoder.generate(PROMPTS, spec)
+    assert ar_loop.ar_loop and ar_loop.tokens == first.tokens and not ar_loop.budgets.any()
+    assert "refitted to 2 run" in draft_decoder.step_costs(spec, PROMPTS).how
+    assert not draft_decoder.generate(PROMPTS, spec).ar_loop    # the gap spent: the auto loop again
     with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
     with pytest.raises(ValueError, match="auto budgets"):
