@@ -188,8 +188,8 @@ def refit(prior: StepCosts, runs) -> StepCosts:
 
     Each cost moves by a relative correction d_B, c_B = prior_B (1 + d_B), the d minimising
     sum over runs ((sum_B rounds_B c_B - seconds) / seconds)^2 + REFIT_PRIOR * sum_B d_B^2: a run spent wholly at
-    one budget moves that budget's cost 1 / (1 + REFIT_PRIOR) of the way to what the run measured; budgets no run
-    used keep their calibrated cost, as do infinite ones. Why: the calibration's forced rounds ran right after the
+    one budget moves that budget's cost a^2 / (a^2 + REFIT_PRIOR) of the way to what the run measured (a: the
+    calibrated cost's share of the run's time); budgets no run used keep their calibrated cost, as do infinite ones. Why: the calibration's forced rounds ran right after the
     prompts and cost ~12% less than the decode's own at T = 1, batch 8 on an H100, enough to rank B=32 above AR
     where AR won (experiments/notes/decode.md, "Outcome on the GPU")."""
     p = np.asarray(prior.seconds, np.float64)

@@ -115,6 +115,7 @@ class GenerateResult(NamedTuple):
     budgets: np.ndarray  # [rounds]: B verified in each round
     costs: budget_lib.StepCosts | None  # the step costs the auto loop chose by (None for a fixed budget)
     ar_loop: bool = False  # an auto call that ran the plain AR loop (`budget.ArHandover`)
+    rounds_run: int = 0  # rounds the loop ran, those that emitted nothing after every stream finished included
 
 
 def acceptance(taus, block_size: int) -> tuple[float, list]:
@@ -209,7 +210,7 @@ class Decoder:
         self._costs = {}  # (spec, streams, prompt length, cache rows) -> StepCosts calibrated by `step_costs`
         self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
         self._handover = {}  # the same keys -> budget.ArHandover: whether a call runs the AR loop instead
-        self._warm = {}  # the same keys -> whether their AR loop has run (compiled) once
+        self._warm = set()  # the keys of the AR loops `generate` has compiled for a handover
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -257,20 +258,22 @@ class Decoder:
         run_spec = dataclasses.replace(spec, policy="ar", budget=0, auto_budgets=(), topk=None) if ar_loop else spec
         run_len = (given_len or self.default_cache_len(run_spec, prompts)) if ar_loop else cache_len  # no tree rows
         run = self._loop_runner(run_spec, prompts, run_len, seed)
-        if ar_loop and not self._warm.get(key):
-            run(self.controls(run_spec))  # compile and warm up the AR loop outside the timed call
-            self._warm[key] = True
+        ar_key = self._cost_cache_key(run_spec, prompts, run_len)
+        if ar_loop and ar_key not in self._warm:
+            run(self.controls(run_spec, round_limit=0))  # compile the AR loop outside the timed call
+            self._warm.add(ar_key)
         state, seconds = run(self.controls(run_spec, costs))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
         budgets = np.asarray(state.budgets)[:int(state.rounds)]
-        if adapts and not ar_loop:
-            self._observe(key, state, seconds)
-            self._handover[key].after_auto(budgets)
         taus = np.asarray(state.taus)[:int(state.rounds)]
-        emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (rounds_per_check > 1) emit nothing
+        emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (the last burst's, rounds_per_check)
+        if adapts and not ar_loop:
+            self._observe(key, state, seconds)  # every round run took time
+            self._handover[key].after_auto(budgets[emitted])
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
-                              int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, ar_loop)
+                              int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, ar_loop,
+                              int(state.rounds))
 
     def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):
         """run(controls) -> (final LoopState, seconds of the loop call): the compiled loop on these prompts, with

@@ -222,7 +222,7 @@ def dense_takes(x, w) -> bool:
     sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
     return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
-            and rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K and x.shape[-1] % 64 == 0
+            and 0 < rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K and x.shape[-1] % 64 == 0
             and x.dtype == w.dtype)
 
 

@@ -6,9 +6,10 @@ normalisation; the sorts alone 5.6 us a MoE layer in the tp=8 share's profile, e
 per layer of the share"). Here one program takes one row: the scores as a vector over the experts (a power of two
 of lanes, the ones past E at -inf), k rounds of argmax-and-mask, and the weights added in slot order.
 
-The same function as `router_topk_reference` up to the sigmoid's rounding (Triton's exp against XLA's logistic): ties
-in score + bias go to the lower expert id, as `lax.top_k` does; the normalising sum runs left to right over the k
-slots (`batch_invariant.slot_sum`'s order). Each row is its own program, so a row's result does not depend on M or
+The same function as `router_topk_reference` up to the sigmoid's rounding (Triton's exp against XLA's logistic; the
+normalising division is correctly rounded, `div_rn`): ties in score + bias go to the lower expert id, as `lax.top_k`
+does, and every id is picked once, also when fewer than k experts have a finite score; the normalising sum runs
+left to right over the k slots (`batch_invariant.slot_sum`'s order). Each row is its own program, so a row's result does not depend on M or
 on the other rows (the exact mode's property).
 
 On the CPU the kernel runs in Triton's interpreter (tests/test_router_topk_interpreter.py) and lowers for sm_90
@@ -53,20 +54,22 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E: tl.constexpr, 
     x = tl.load(logits_ptr + r * E + lane, mask=ok, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-x))
     choice = tl.where(ok, scores + tl.load(bias_ptr + lane, mask=ok, other=0.0), float("-inf"))
+    free = ok                                                              # experts not yet picked
     slot = tl.arange(0, SLOTS)
     ids = tl.zeros((SLOTS,), tl.int32)
     weights = tl.zeros((SLOTS,), tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(choice, axis=0)
-        pick = tl.min(tl.where(choice == best, lane, LANES), axis=0)        # the lowest id among ties
+        best = tl.max(tl.where(free, choice, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (choice >= best), lane, LANES), axis=0)   # the lowest free id among ties
+        pick = tl.where(pick < LANES, pick, tl.min(tl.where(free, lane, LANES), axis=0))  # NaN rows: the first free
         ids = tl.where(slot == j, pick, ids)
         weights = tl.where(slot == j, tl.sum(tl.where(lane == pick, scores, 0.0), axis=0), weights)
-        choice = tl.where(lane == pick, float("-inf"), choice)
+        free = free & (lane != pick)
     if NORMALIZE:
         total = tl.sum(tl.where(slot == 0, weights, 0.0), axis=0)
         for j in tl.static_range(1, K):
             total += tl.sum(tl.where(slot == j, weights, 0.0), axis=0)
-        weights = weights / (total + 1e-20)
+        weights = tl.math.div_rn(weights, tl.full((SLOTS,), 1.0, tl.float32) * (total + 1e-20))
     tl.store(ids_ptr + r * K + slot, ids, mask=slot < K)
     tl.store(weights_ptr + r * K + slot, weights * SCALE, mask=slot < K)
 

@@ -1,7 +1,8 @@
 """The router_topk kernel runs on the CPU in Triton's interpreter, through the same host code as on the GPU
 (`router_topk.run_kernel`), against the reference: Kimi K2.6's router (384 experts, top 8, normalised, scaled by
 2.827), the code target's (16 experts, top 2), a k that is not a power of two and one without normalisation; ties
-to the lower id; a row's result bitwise the same alone; bad inputs refused. Fresh random logits per case. Triton
+to the lower id; each id once when fewer than k experts can be chosen; a row's result bitwise the same alone; bad
+inputs refused. Fresh random logits per case. Triton
 must be in interpreter mode from its first import, so the test re-runs this file in a child process with
 TRITON_INTERPRET=1."""
 import os
@@ -56,6 +57,21 @@ def test_ties_go_to_the_lower_id_and_a_row_does_not_depend_on_the_others():
         alone_ids, alone_weights = RT.run_kernel(interpreter_call, logits[r:r + 1], bias, 8)
         np.testing.assert_array_equal(np.asarray(alone_ids[0]), np.asarray(ids[r]))
         np.testing.assert_array_equal(np.asarray(alone_weights[0]), np.asarray(weights[r]))
+
+
+@in_child
+def test_each_id_once_when_fewer_than_k_experts_can_be_chosen():
+    """Only 3 experts with a finite score + bias for k = 8 (the rest -inf: ties) -> the same ids as lax.top_k, each
+    once; a row of NaN logits -> k distinct ids in range."""
+    from triton_interpreter import interpreter_call
+
+    logits, _ = _inputs(5, 4, 32)
+    bias = jnp.full((32,), -jnp.inf, jnp.float32).at[jnp.asarray([3, 17, 30])].set(0.0)
+    ids, _ = RT.run_kernel(interpreter_call, logits, bias, 8)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(RT.router_topk_reference(logits, bias, 8)[0]))
+    nan_ids, _ = RT.run_kernel(interpreter_call, logits.at[1].set(jnp.nan), jnp.zeros((32,), jnp.float32), 8)
+    row = np.asarray(nan_ids[1])
+    assert len(set(row.tolist())) == 8 and row.min() >= 0 and row.max() < 32
 
 
 def test_bad_inputs_are_refused_with_the_fix_named():
