@@ -7,8 +7,8 @@ terms by their position in the row. The functions here never let a row's result 
 
 - `matmul`: the rows are padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
   product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has.
-- `row_sum`, `slot_sum`: a row's sum as a `matmul` by ones (an XLA reduce may order a row's terms by how many rows
-  there are: measured on the CPU) or, over a few top-k slots, left to right.
+- `row_sum`: a row's sum as a `matmul` by ones (an XLA reduce may order a row's terms by how many rows there are:
+  measured on the CPU); the router's sum over its top-k slots runs left to right (`router_topk`).
 - `attention`: each query attends over its own sequence in position order, the committed prefix followed by its
   ancestors in the block (a tree node's keys are gathered from the rows where the verify wrote them), padded to the
   cache's capacity: the AR step at the same position sees the same keys at the same indices, and the fixed-shape
@@ -25,7 +25,8 @@ tiles stays a loop fed by a dynamic slice, so XLA:GPU can fuse, and autotune, th
 
 These are the CPU path and the reference of the exact mode (`DecodeSpec.exact`); the invariance of the same fixed
 shapes under XLA:GPU's GEMM autotuning, and kernels with a fixed tile order, are the GPU's part (experiments/notes/
-decode.md, "Exact mode").
+decode.md, "Exact mode"). On the GPU with `ops.set_dense_kernel(True)`, `matmul` is one `skinny_matmul` at any row
+count instead of its tiles: that kernel's order along K is fixed by (K, N) alone (opt-in until measured).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import ops
 
 ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is one tile, as is an AR step of 64
 QUERY_TILE = 16  # queries per step of `attention` (each still over its own key sequence: a batched product)
@@ -49,9 +52,12 @@ def fixed_dot(a, b):
 
 
 def matmul(x, w, *, out_dtype=None):
-    """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order."""
+    """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order: one
+    `skinny_matmul` where `ops.exact_dense_takes` (the GPU, `ops.set_dense_kernel(True)`), else fixed-shape tiles."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
+    if ops.exact_dense_takes(rows, w):
+        return ops.dense(rows, w, out_dtype=out_dtype or x.dtype).reshape(*lead, w.shape[-1])
     m = rows.shape[0]
     tiles = -(-m // ROW_TILE)
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
@@ -63,14 +69,6 @@ def row_sum(x):
     """x [..., K] -> [...] f32: each row's sum in one order (a `matmul` by a column of ones; a reduce's order may
     change with the number of rows)."""
     return matmul(x.astype(jnp.float32), jnp.ones((x.shape[-1], 1), jnp.float32))[..., 0]
-
-
-def slot_sum(x):
-    """x [..., k] -> [...]: the k entries added left to right (few: top-k slots)."""
-    out = x[..., 0]
-    for j in range(1, x.shape[-1]):
-        out = out + x[..., j]
-    return out
 
 
 def head_matmul(x, w, *, out_dtype=None):

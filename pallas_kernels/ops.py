@@ -226,6 +226,15 @@ def dense_takes(x, w) -> bool:
             and x.dtype == w.dtype)
 
 
+def exact_dense_takes(x, w) -> bool:
+    """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w [K, N]) run as one skinny_matmul:
+    set_dense_kernel(True), kernels running on the GPU, one dtype (bf16 or f32), K a multiple of 64, no mesh (a
+    Triton call has no GSPMD partitioning). Any M: the kernel's order along K does not depend on it."""
+    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
+            and x.shape[0] > 0 and x.shape[-1] % 64 == 0 and x.dtype == w.dtype
+            and x.dtype in _skinny_matmul.FLOATS and jax.sharding.get_abstract_mesh().empty)
+
+
 # One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at
 # M = 1 and 8, 146 at 33, 155 at 64), and products with K < 512 (the shared expert's down, K = 256) leave too few K
 # steps to split. Off by default: in device time XLA's fusions were faster (54 and 42 us at M = 1 and 8), and the

@@ -9,7 +9,7 @@ of lanes, the ones past E at -inf), k rounds of argmax-and-mask, and the weights
 The same function as `router_topk_reference` up to the sigmoid's rounding (Triton's exp against XLA's logistic; the
 normalising division is correctly rounded, `div_rn`): ties in score + bias go to the lower expert id, as `lax.top_k`
 does, and every id is picked once, also when fewer than k experts have a finite score; the normalising sum runs
-left to right over the k slots (`batch_invariant.slot_sum`'s order). Each row is its own program, so a row's result does not depend on M or
+left to right over the k slots (`slot_sum`). Each row is its own program, so a row's result does not depend on M or
 on the other rows (the exact mode's property).
 
 On the CPU the kernel runs in Triton's interpreter (tests/test_router_topk_interpreter.py) and lowers for sm_90
@@ -24,10 +24,17 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels.batch_invariant import slot_sum
 from pallas_kernels.triton_call import bound_to
 
 LAUNCHER = "xla"  # XLA's own Triton custom call: no wheel, no host work per call (the tree kernels' choice)
+
+
+def slot_sum(x):
+    """x [..., k] -> [...]: the k entries added left to right, whatever the leading shape (few: top-k slots)."""
+    out = x[..., 0]
+    for j in range(1, x.shape[-1]):
+        out = out + x[..., j]
+    return out
 
 
 def router_topk_reference(logits, bias, k: int, *, normalize: bool = True, scale: float = 1.0):

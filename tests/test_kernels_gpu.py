@@ -402,3 +402,16 @@ def test_router_kernel_forward_matches_xla():
     cfg = dataclasses.replace(config_lib.preset("code_target"), dtype="float32")
     logits = forward_off_and_on(cfg, ops.set_router_kernel, 4)
     assert rel_err(logits[True], logits[False]) < 1e-5
+
+
+def test_exact_mode_through_skinny_matmul():
+    """The exact mode with its products as single skinny_matmul calls (`ops.set_dense_kernel(True)`: M-invariant by
+    construction): chain and tree nodes of three streams bitwise == the AR steps along their paths, and a stream alone
+    == the batch (test_exact's check, on the code target)."""
+    from test_exact import test_a_rows_results_do_not_depend_on_its_block_or_batch as rows_check
+
+    ops.set_dense_kernel(True)
+    try:
+        rows_check("code_target", (21, 6, 14))
+    finally:
+        ops.set_dense_kernel(False)
