@@ -57,9 +57,9 @@ PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once A
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
 REFIT_PRIOR = 0.25  # `refit`: the calibrated cost weighs as a quarter of one run spent wholly at its budget
-AR_LOOP_SHARE = 0.9  # `ArHandover`: a call whose rounds were this share AR hands the next calls to the AR loop
-AR_LOOP_FIRST_GAP = 2  # calls on the AR loop before the auto loop runs again, doubling while AR keeps winning
-AR_LOOP_MAX_GAP = 16
+HANDOVER_SHARE = 0.9  # `Handover`: a call whose rounds were this share one B hands the next calls to B's fixed loop
+HANDOVER_FIRST_GAP = 2  # calls on the fixed loop before the auto loop runs again, doubling while that B keeps winning
+HANDOVER_MAX_GAP = 16
 
 
 def check_candidates(candidates, check_budget) -> tuple[int, ...]:
@@ -210,31 +210,34 @@ def refit(prior: StepCosts, runs) -> StepCosts:
 
 
 @dataclasses.dataclass
-class ArHandover:
-    """Whether a `generate` of the auto loop runs the plain AR loop instead (host side, between calls).
+class Handover:
+    """Whether a `generate` of the auto loop runs a fixed loop instead (host side, between calls), and which.
 
-    An AR round inside the auto loop costs more than one of the AR loop (the verify keeps the drafter's hidden
-    layers, the bookkeeping is sized for a tree, the conditionals: +6% on the CPU, +14% on an H100 before AR bursts;
-    decode.md), so when the auto loop itself ran AR in at least AR_LOOP_SHARE of a call's rounds, the next calls
-    run the AR loop; every so many calls (AR_LOOP_FIRST_GAP, doubling up to AR_LOOP_MAX_GAP while AR keeps
-    winning) the auto loop runs again to see whether speculation pays now. Lossless either way: both loops emit the
-    target's own tokens."""
-    calls_left: int = 0  # calls still to run on the AR loop
-    gap: int = 0  # the AR calls before the next auto call, once AR wins again (0: AR has not won yet)
+    A round of the auto loop costs more than the same round of a fixed loop: a drafted one passes two conditionals
+    (the draft `cond`, the budget `switch`), an AR one keeps the drafter's hidden layers and tree-sized bookkeeping
+    (+10-16% on an H100 before AR bursts, +6% for AR rounds on the CPU; decode.md). So when the auto loop verified
+    one budget B in at least HANDOVER_SHARE of a call's rounds, the next calls run the fixed loop of that B (B = 0:
+    the plain AR loop); every so many calls (HANDOVER_FIRST_GAP, doubling up to HANDOVER_MAX_GAP while the same B
+    keeps winning) the auto loop runs again to see whether another choice pays now. Lossless either way: every loop
+    emits the target's own tokens."""
+    budget: int = 0  # the fixed loop's B while calls_left > 0
+    calls_left: int = 0  # calls still to run on the fixed loop
+    gap: int = 0  # the fixed calls before the next auto call, once a budget wins again (0: none has won yet)
 
-    def use_ar_loop(self) -> bool:
-        """Whether this call runs the AR loop; counts it."""
+    def fixed_budget(self) -> int | None:
+        """The B of the fixed loop this call runs (0: the AR loop), or None for the auto loop; counts the call."""
         if self.calls_left <= 0:
-            return False
+            return None
         self.calls_left -= 1
-        return True
+        return self.budget
 
     def after_auto(self, budgets) -> None:
         """After a call of the auto loop that verified `budgets` [R] (0: an AR round)."""
-        budgets = np.asarray(budgets)
-        if budgets.size and np.mean(budgets == 0) >= AR_LOOP_SHARE:
-            self.gap = min(2 * self.gap, AR_LOOP_MAX_GAP) if self.gap else AR_LOOP_FIRST_GAP
-            self.calls_left = self.gap
+        values, counts = np.unique(np.asarray(budgets), return_counts=True)
+        if counts.size and counts.max() >= HANDOVER_SHARE * counts.sum():
+            won = int(values[counts.argmax()])
+            self.gap = min(2 * self.gap, HANDOVER_MAX_GAP) if self.gap and won == self.budget else HANDOVER_FIRST_GAP
+            self.budget, self.calls_left = won, self.gap
         else:
             self.gap = self.calls_left = 0
 

@@ -114,7 +114,7 @@ class GenerateResult(NamedTuple):
     seconds: float  # wall time of prefill + loop (compilation and cost calibration excluded)
     budgets: np.ndarray  # [rounds]: B verified in each round
     costs: budget_lib.StepCosts | None  # the step costs the auto loop chose by (None for a fixed budget)
-    ar_loop: bool = False  # an auto call that ran the plain AR loop (`budget.ArHandover`)
+    handed_over: int | None = None  # an auto call that ran a fixed loop instead (`budget.Handover`): its B (0: AR)
     rounds_run: int = 0  # rounds the loop ran, those that emitted nothing after every stream finished included
 
 
@@ -209,8 +209,8 @@ class Decoder:
         self._compiled = {}
         self._costs = {}  # (spec, streams, prompt length, cache rows) -> StepCosts calibrated by `step_costs`
         self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
-        self._handover = {}  # the same keys -> budget.ArHandover: whether a call runs the AR loop instead
-        self._warm = set()  # the keys of the AR loops `generate` has compiled for a handover
+        self._handover = {}  # the same keys -> budget.Handover: whether a call runs a fixed loop instead
+        self._warm = set()  # the keys of the fixed loops `generate` has compiled for a handover
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -244,8 +244,8 @@ class Decoder:
                  costs: budget_lib.StepCosts | None = None) -> GenerateResult:
         """Decode a batch of prompts (lists of token ids, ragged) with one compiled loop. costs: the step costs an
         auto loop chooses by (default: `step_costs`, calibrated once per loop and batch shape, then refitted to
-        every run of that loop: `budget.refit`; with them, a call after auto calls that ran AR may run the plain AR
-        loop instead: `budget.ArHandover`)."""
+        every run of that loop: `budget.refit`; with them, a call after auto calls that verified one budget may run
+        that budget's fixed loop instead: `budget.Handover`)."""
         given_len = cache_len
         cache_len = cache_len or self.default_cache_len(spec, prompts)
         self.validate(spec, prompts, cache_len)
@@ -254,25 +254,28 @@ class Decoder:
             costs = costs or self.step_costs(spec, prompts, cache_len)
             self.check_costs(spec, costs)
         key = self._cost_cache_key(spec, prompts, cache_len)
-        ar_loop = adapts and self._handover.setdefault(key, budget_lib.ArHandover()).use_ar_loop()
-        run_spec = dataclasses.replace(spec, policy="ar", budget=0, auto_budgets=(), topk=None) if ar_loop else spec
-        run_len = (given_len or self.default_cache_len(run_spec, prompts)) if ar_loop else cache_len  # no tree rows
+        fixed = self._handover.setdefault(key, budget_lib.Handover()).fixed_budget() if adapts else None
+        run_spec, run_len = spec, cache_len
+        if fixed is not None:  # the fixed loop, with the cache rows it needs
+            run_spec = dataclasses.replace(spec, auto_budgets=(), budget=fixed, topk=spec.topk if fixed else None,
+                                           policy="ddtree" if fixed else "ar")
+            run_len = given_len or self.default_cache_len(run_spec, prompts)
         run = self._loop_runner(run_spec, prompts, run_len, seed)
-        ar_key = self._cost_cache_key(run_spec, prompts, run_len)
-        if ar_loop and ar_key not in self._warm:
-            run(self.controls(run_spec, round_limit=0))  # compile the AR loop outside the timed call
-            self._warm.add(ar_key)
+        run_key = self._cost_cache_key(run_spec, prompts, run_len)
+        if fixed is not None and run_key not in self._warm:
+            run(self.controls(run_spec, round_limit=0))  # compile the fixed loop outside the timed call
+            self._warm.add(run_key)
         state, seconds = run(self.controls(run_spec, costs))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
         budgets = np.asarray(state.budgets)[:int(state.rounds)]
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (the last burst's, rounds_per_check)
-        if adapts and not ar_loop:
+        if adapts and fixed is None:
             self._observe(key, state, seconds)  # every round run took time
             self._handover[key].after_auto(budgets[emitted])
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
-                              int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, ar_loop,
+                              int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, fixed,
                               int(state.rounds))
 
     def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):
@@ -664,17 +667,17 @@ def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, s
     """Decode all prompts, `batch` streams at a time (first, one batch of each shape once more, to compile and warm
     up, and for auto to calibrate the step costs; batch k samples with seed + k) -> totals, tau statistics, the
     budgets verified (`budget_hist` {B: batch rounds}; `budget_rounds`: per round of the first batch), for auto the
-    batches that ran the plain AR loop (`ar_loop_calls`), and the outputs (`tokens`, per prompt)."""
+    batches that ran a fixed loop instead (`handed_over` {B: batches}), and the outputs (`tokens`, per prompt)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     shapes = {(len(g), max(len(p) for p in g)): g for g in reversed(groups)}  # a ragged last batch compiles apart
     start = time.perf_counter()
     for group in shapes.values():
         decoder.generate(group, spec, seed=seed)  # compile + warm up (+ calibrate)
     setup_s = time.perf_counter() - start
-    seconds, tokens, taus, budgets, first, ar_calls = 0.0, [], [], [], None, 0
+    seconds, tokens, taus, budgets, first, handed = 0.0, [], [], [], None, []
     for k, group in enumerate(groups):
         res = decoder.generate(group, spec, seed=seed + k)
-        ar_calls += res.ar_loop
+        handed += [] if res.handed_over is None else [res.handed_over]
         seconds += res.seconds
         tokens += res.tokens
         taus.append(res.taus.ravel())
@@ -687,5 +690,5 @@ def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, s
            "budget_hist": budget_counts(np.concatenate(budgets)), "setup_s": setup_s, "tokens": tokens}
     if spec.auto:
         row.update(budget_rounds=first.budgets.tolist(), costs=first.costs.as_dict(), costs_last=res.costs.as_dict(),
-                   ar_loop_calls=ar_calls)
+                   handed_over=budget_counts(handed) if handed else {})
     return row

@@ -87,24 +87,28 @@ def test_step_costs_refit_to_the_loops_own_runs():
     assert budget.refit(forced, [(np.asarray([0.0, 0.0, 4.0]), 12.0)]).seconds[0] == np.inf
 
 
-def test_an_auto_call_that_ran_ar_hands_the_next_calls_to_the_ar_loop():
-    """A call with >= AR_LOOP_SHARE AR rounds: the next AR_LOOP_FIRST_GAP calls run the AR loop, then one auto call;
-    the gap doubles (up to AR_LOOP_MAX_GAP) while the auto calls keep running AR, and resets when one drafts."""
-    h = budget.ArHandover()
-    assert not h.use_ar_loop()
+def test_an_auto_call_that_verified_one_budget_hands_the_next_calls_to_its_fixed_loop():
+    """A call with >= HANDOVER_SHARE of its rounds at one B: the next HANDOVER_FIRST_GAP calls run B's fixed loop (0:
+    the AR loop), then one auto call; the gap doubles (up to HANDOVER_MAX_GAP) while the same B keeps winning,
+    starts again when another B wins, and ends when no B has the share."""
+    h = budget.Handover()
+    assert h.fixed_budget() is None
     h.after_auto([0] * 9 + [8])                                     # 90% AR
     gaps = []
     for _ in range(6):
-        n = 0
-        while h.use_ar_loop():
-            n += 1
-        gaps.append(n)
+        fixed = []
+        while (b := h.fixed_budget()) is not None:
+            fixed.append(b)
+        gaps.append(len(fixed))
+        assert set(fixed) == {0}
         h.after_auto([0] * 20)
-    assert gaps == [2, 4, 8, 16, 16, 16] and budget.AR_LOOP_FIRST_GAP == 2 and budget.AR_LOOP_MAX_GAP == 16
-    while h.use_ar_loop():
+    assert gaps == [2, 4, 8, 16, 16, 16] and budget.HANDOVER_FIRST_GAP == 2 and budget.HANDOVER_MAX_GAP == 16
+    while h.fixed_budget() is not None:
         pass
-    h.after_auto([0] * 5 + [8] * 5)                                 # drafting pays again
-    assert not h.use_ar_loop() and h.gap == 0
+    h.after_auto([32] * 19 + [64])                                  # B = 32 wins: its fixed loop, the first gap
+    assert [h.fixed_budget(), h.fixed_budget(), h.fixed_budget()] == [32, 32, None] and h.gap == 2
+    h.after_auto([0] * 5 + [8] * 5)                                 # no budget has the share
+    assert h.fixed_budget() is None and h.gap == 0
 
 
 def test_calibration_scales_the_drafter_by_observed_acceptance():

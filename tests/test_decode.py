@@ -146,15 +146,16 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
     refitted = draft_decoder.step_costs(spec, PROMPTS)
     assert "refitted to 1 run" in refitted.how and all(c > 0 for c in refitted.seconds)
     key = draft_decoder._cost_cache_key(spec, PROMPTS, draft_decoder.default_cache_len(spec, PROMPTS))
-    draft_decoder._handover[key] = budget.ArHandover()          # whatever this machine's first call chose
+    draft_decoder._handover[key] = budget.Handover()            # whatever this machine's first call chose
     second = draft_decoder.generate(PROMPTS, spec)
-    assert second.costs == refitted and second.tokens == first.tokens and not second.ar_loop
-    # handed to the plain AR loop (as after calls that ran AR): the same tokens, AR rounds, no run recorded
-    draft_decoder._handover[key] = budget.ArHandover(calls_left=1, gap=2)
-    ar_loop = draft_decoder.generate(PROMPTS, spec)
-    assert ar_loop.ar_loop and ar_loop.tokens == first.tokens and not ar_loop.budgets.any()
+    assert second.costs == refitted and second.tokens == first.tokens and second.handed_over is None
+    # handed to a fixed loop (as after calls that verified one budget): the same tokens, its rounds, no run recorded
+    for fixed in (0, 4):
+        draft_decoder._handover[key] = budget.Handover(budget=fixed, calls_left=1, gap=2)
+        res = draft_decoder.generate(PROMPTS, spec)
+        assert res.handed_over == fixed and res.tokens == first.tokens and set(res.budgets.tolist()) == {fixed}
     assert "refitted to 2 run" in draft_decoder.step_costs(spec, PROMPTS).how
-    assert not draft_decoder.generate(PROMPTS, spec).ar_loop    # the gap spent: the auto loop again
+    assert draft_decoder.generate(PROMPTS, spec).handed_over is None   # the gap spent: the auto loop again
     with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
     with pytest.raises(ValueError, match="auto budgets"):
