@@ -322,7 +322,8 @@ def measure_auto(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: in
                 prompt_len=prompt_len, cache_len=cache_len, rounds=res.rounds,
                 tau_mean=float(res.taus[res.taus > 0].mean()) if (res.taus > 0).any() else 0.0,
                 step_costs_us={b: 1e6 * t for b, t in zip(costs.candidates, costs.seconds)},
-                prefill_us=1e6 * costs.prefill_s, while_per_round_us=1e6 * (res.seconds - costs.prefill_s) / res.rounds_run,
+                prefill_us=1e6 * costs.prefill_s,
+                while_per_round_us=1e6 * (res.seconds - costs.prefill_s) / res.rounds_run,
                 budget_hist=budget_counts(res.budgets), budget_rounds=res.budgets.tolist(), timing_method="wall")
 
 

@@ -26,8 +26,9 @@ the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap 
 AR keeps winning, and never shorter than what keeps a probe's extra cost (the cheapest drafted round over an AR
 round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`); gaps are whole bursts. Once drafted, the
 round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a few verify
-rows. The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost depends on the largest B in the batch, and given
-that size every stream accepts the most from all of its B + 1 nodes.
+rows. The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost
+depends on the largest B in the batch, and given that size every stream accepts the most from all of its B + 1
+nodes.
 
 Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores and past rounds only; the
 greedy output equals AR's, and at T > 0 each emitted token is still the target's sample at its node.
@@ -189,9 +190,10 @@ def refit(prior: StepCosts, runs) -> StepCosts:
     Each cost moves by a relative correction d_B, c_B = prior_B (1 + d_B), the d minimising
     sum over runs ((sum_B rounds_B c_B - seconds) / seconds)^2 + REFIT_PRIOR * sum_B d_B^2: a run spent wholly at
     one budget moves that budget's cost a^2 / (a^2 + REFIT_PRIOR) of the way to what the run measured (a: the
-    calibrated cost's share of the run's time); budgets no run used keep their calibrated cost, as do infinite ones. Why: the calibration's forced rounds ran right after the
-    prompts and cost ~12% less than the decode's own at T = 1, batch 8 on an H100, enough to rank B=32 above AR
-    where AR won (experiments/notes/decode.md, "Outcome on the GPU")."""
+    calibrated cost's share of the run's time); budgets no run used keep their calibrated cost, as do infinite ones.
+    Why: the calibration's forced rounds ran right after the prompts and cost ~12% less than the decode's own at
+    T = 1, batch 8 on an H100, enough to rank B=32 above AR where AR won (experiments/notes/decode.md, "Outcome on
+    the GPU")."""
     p = np.asarray(prior.seconds, np.float64)
     if not runs:
         return prior

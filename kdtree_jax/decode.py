@@ -272,7 +272,7 @@ class Decoder:
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (the last burst's, rounds_per_check)
         if adapts and fixed is None:
-            self._observe(key, state, seconds)  # every round run took time
+            self._observe(key, budgets, seconds)  # every round run took time
             self._handover[key].after_auto(budgets[emitted])
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
                               int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, fixed,
@@ -345,12 +345,12 @@ class Decoder:
     def _cost_cache_key(spec: DecodeSpec, prompts, cache_len: int) -> tuple:
         return spec, len(prompts), max(len(p) for p in prompts), cache_len
 
-    def _observe(self, key: tuple, state: LoopState, seconds: float) -> None:
+    def _observe(self, key: tuple, budgets, seconds: float) -> None:
         """Record a run of the auto loop calibrated under `key` (warm: `step_costs` ran it) for `budget.refit`: its
-        rounds at each candidate and their seconds (the call's, less the calibrated prefill). Across processes
-        every process records process 0's seconds, so that all refit alike."""
+        rounds at each candidate (budgets [R]: the B of every round run) and their seconds (the call's, less the
+        calibrated prefill). Across processes every process records process 0's seconds, so that all refit alike."""
         spec, costs = key[0], self._costs[key]
-        rounds = budget_lib.rounds_by_candidate(np.asarray(state.budgets)[:int(state.rounds)], spec.auto_budgets)
+        rounds = budget_lib.rounds_by_candidate(budgets, spec.auto_budgets)
         seconds = float(process0_values((seconds,))[0])
         if rounds.sum() > 0 and seconds > costs.prefill_s:
             self._runs[key].append((rounds, seconds - costs.prefill_s))
@@ -677,7 +677,8 @@ def decode_in_batches(decoder: Decoder, prompts, spec: DecodeSpec, batch: int, s
     seconds, tokens, taus, budgets, first, handed = 0.0, [], [], [], None, []
     for k, group in enumerate(groups):
         res = decoder.generate(group, spec, seed=seed + k)
-        handed += [] if res.handed_over is None else [res.handed_over]
+        if res.handed_over is not None:
+            handed.append(res.handed_over)
         seconds += res.seconds
         tokens += res.tokens
         taus.append(res.taus.ravel())

@@ -158,6 +158,12 @@ def uses_kernel() -> bool:
     return choice == "kernel" or (choice == "auto" and jax.default_backend() == "gpu")
 
 
+def _compiled_on_gpu() -> bool:
+    """Whether a Triton kernel traced now runs compiled on the GPU (kernels chosen, not interpreted, the GPU
+    backend): the condition of the opt-in kernels (`dense_takes`, `exact_dense_takes`, `router_takes`)."""
+    return uses_kernel() and not interprets() and jax.default_backend() == "gpu"
+
+
 def interprets() -> bool:
     """Whether an op traced now runs its kernel in interpret mode (on the CPU, in tests)."""
     interpret = _settings["interpret"]
@@ -221,18 +227,16 @@ def dense_takes(x, w) -> bool:
     at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller keeps
     sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
-    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
-            and 0 < rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K and x.shape[-1] % 64 == 0
-            and x.dtype == w.dtype)
+    return (_dense["kernel"] and _compiled_on_gpu() and 0 < rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K
+            and x.shape[-1] % 64 == 0 and x.dtype == w.dtype)
 
 
 def exact_dense_takes(x, w) -> bool:
     """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w [K, N]) run as one skinny_matmul:
     set_dense_kernel(True), kernels running on the GPU, one dtype (bf16 or f32), K a multiple of 64, no mesh (a
     Triton call has no GSPMD partitioning). Any M: the kernel's order along K does not depend on it."""
-    return (_dense["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
-            and x.shape[0] > 0 and x.shape[-1] % 64 == 0 and x.dtype == w.dtype
-            and x.dtype in _skinny_matmul.FLOATS and jax.sharding.get_abstract_mesh().empty)
+    return (_dense["kernel"] and _compiled_on_gpu() and x.shape[0] > 0 and x.shape[-1] % 64 == 0
+            and x.dtype == w.dtype and x.dtype in _skinny_matmul.FLOATS and jax.sharding.get_abstract_mesh().empty)
 
 
 # One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at
@@ -260,7 +264,7 @@ def set_router_kernel(on: bool = False) -> None:
 def router_takes() -> bool:
     """Whether the router runs `router_topk`: set_router_kernel(True) and kernels running on the GPU. (A Triton call
     has no GSPMD partitioning: the caller keeps a tp-sharded router on XLA.)"""
-    return _router["kernel"] and uses_kernel() and not interprets() and jax.default_backend() == "gpu"
+    return _router["kernel"] and _compiled_on_gpu()
 
 
 def router_topk(logits, bias, k: int, *, normalize: bool, scale: float):

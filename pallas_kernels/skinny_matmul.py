@@ -52,18 +52,17 @@ class Tiling(NamedTuple):
     splits: int    # programs along K (1: no partials, no second kernel)
 
 
-def default_tiling(k: int, n: int, target_programs: int = TARGET_PROGRAMS, block_n: int | None = None,
-                   block_k: int | None = None) -> Tiling:
-    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives target_programs), 128-deep steps
+def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | None = None) -> Tiling:
+    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
     (64 when K is not a multiple of 128), and the largest split of K into whole steps that keeps programs * splits
-    <= target_programs. A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
+    <= TARGET_PROGRAMS. A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
     replace the first two choices (the benchmark's variants)."""
-    block_n = block_n or (128 if triton.cdiv(n, 128) >= target_programs else 64)
+    block_n = block_n or (128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64)
     block_k = block_k or (128 if k % 128 == 0 else 64)
     if k % block_k:
         raise ValueError(f"skinny_matmul: K = {k} is not a multiple of {block_k}; pad the weight's rows")
     steps, programs = k // block_k, triton.cdiv(n, block_n)
-    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= target_programs))
+    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= TARGET_PROGRAMS))
     return Tiling(block_n, block_k, splits)
 
 
