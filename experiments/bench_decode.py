@@ -71,7 +71,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "topk", None, "ddtree candidates per depth (default min(B, V)); <= 16 keeps XLA:GPU's "
       "top-k off the whole-row sort")
     d(flags.DEFINE_integer, "rounds_per_check", 1, "rounds of the decode loop between reads of its stop condition "
-      "(DecodeSpec.rounds_per_check)")
+      "(DecodeSpec.rounds_per_check; fixed budgets: the auto loop checks after each round)")
     d(flags.DEFINE_list, "check_finite", ["on"], "the loop's check of the logits for NaN / inf "
       "(DecodeSpec.check_finite): 'on', 'off', or 'on,off' to time every case both ways, one after the other")
     d(flags.DEFINE_list, "exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
@@ -146,8 +146,11 @@ def check(f) -> Inputs:
 
 
 def make_spec(policy: str, budget: str, auto_budgets: tuple, **kwargs) -> DecodeSpec:
-    """The DecodeSpec of one case: budget an integer or 'auto' (ddtree, choosing among auto_budgets)."""
+    """The DecodeSpec of one case: budget an integer or 'auto' (ddtree, choosing among auto_budgets; its loop plans
+    each round, so it checks its stop condition each round whatever rounds_per_check says)."""
     b = budget_lib.parse_budget(budget)
+    if b is None:
+        kwargs["rounds_per_check"] = 1
     return DecodeSpec(policy=policy, budget=b or 0, auto_budgets=auto_budgets if b is None else (), **kwargs)
 
 

@@ -136,10 +136,12 @@ def check(f) -> Inputs:
 
 def case_spec(budget: int | None, auto_budgets: tuple, temperature: float, block_size: int, rounds: int,
               rounds_per_check: int) -> DecodeSpec:
-    """One case: budget 0 = ar, B = ddtree with B nodes, None = ddtree choosing among auto_budgets."""
+    """One case: budget 0 = ar, B = ddtree with B nodes, None = ddtree choosing among auto_budgets (its loop plans
+    each round: rounds_per_check 1)."""
     return DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget or 0,
                       auto_budgets=auto_budgets if budget is None else (), block_size=block_size,
-                      temperature=temperature, max_new_tokens=rounds + 1, rounds_per_check=rounds_per_check)
+                      temperature=temperature, max_new_tokens=rounds + 1,
+                      rounds_per_check=rounds_per_check if budget is not None else 1)
 
 
 def drafter_config(value: str, target: config_lib.ModelConfig, block_size: int | None) -> config_lib.DrafterConfig:

@@ -2,11 +2,14 @@
 acceptance, and an online calibration of the drafter's confidence against what the target accepts.
 
 A round of the auto loop verifies B + 1 nodes per stream, B from a compiled set of candidates (`DecodeSpec.
-auto_budgets`, e.g. 0, 4, 8, 16, 32, 64); B = 0 is an AR round (no draft, no build: the root alone). With c_B the
+auto_budgets`, e.g. 0, 4, 8, 16, 32); B = 0 is an AR round (no draft, no build: the root alone). With c_B the
 device's cost of such a round for the whole batch (seconds, `StepCosts`, measured by `calibrate`) and E_{s,B} the
 expected number of draft nodes stream s accepts, a round emits E_{s,B} + 1 tokens per stream, so the loop picks
 
-    B* = argmax_B  mean over active streams of (E_{s,B} + 1) / c_B         (`choose`; ties to the smaller B)
+    B* = argmax_B  (F_B + 1) / c_B      (`choose`; ties to the smaller B)
+
+with F_B a forecast of the mean of E_{s,B} over the active streams, from the drafter's trees of the rounds so far
+(below: why the B of a round is chosen after the round before it, not after its own draft).
 
 Expected acceptance. The best-first tree of budget B is the first B + 1 nodes of the tree of the largest budget
 (nodes in pop order, a parent before its children, `tree.prefix_tree`), so one build at B_max serves every
@@ -18,19 +21,24 @@ decayed sums over the verified nodes of past rounds (`observe`; PRIOR pseudo-cou
 drafter; DECAY per round forgets). Every verified node's outcome is observed whatever B was (a node is on the
 accepted path or not), at greedy and sampled decoding alike.
 
-AR rounds skip the draft, so whether to draft is decided before the round from what the loop already knows: after
-every drafted round, a forecast of E_B (mean over active streams, a running average: FORECAST_WEIGHT) gives the
-best speculative rate max_B (F_B + 1) / c_B, compared with an AR round's 1 / c_0; when AR wins, the loop runs AR
-rounds, AR_BURST at a time (one decision, one conditional on the device, for a burst), and drafts again (a probe,
-the round choosing its own B as usual) after PROBE_FIRST_GAP AR rounds, the gap doubling up to PROBE_MAX_GAP while
-AR keeps winning, and never shorter than what keeps a probe's extra cost (the cheapest drafted round over an AR
-round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`); gaps are whole bursts. Once drafted, the
-round picks among the budgets > 0 only: the draft is paid for, and the root alone would save only a few verify
-rows. The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost
-depends on the largest B in the batch, and given that size every stream accepts the most from all of its B + 1
-nodes.
+The loop runs in segments: a segment is an inner while loop of rounds at one candidate B (a static shape, no
+conditional per round), ending when the plan for the next round names another candidate; the outer loop picks the
+next segment with one `lax.switch`. On XLA:GPU every conditional is a host read of its predicate, and a round that
+passed two of them (the draft `cond` and a budget `switch` each round) cost 12-30% more than the fixed loop's
+round on an H100 (experiments/notes/decode.md, "Third GPU run"); in a segment a round costs what the fixed loop's
+does, besides building at the largest budget.
 
-Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores and past rounds only; the
+So each round plans the next from what the loop knows after it: a drafted round's tree scores give E_{s,B} for every
+candidate, their mean over active streams updates a forecast F_B (a running average: FORECAST_WEIGHT), and the next
+round verifies the B maximising (F_B + 1) / c_B (`choose`), staying at the current B unless another beats it by
+SWITCH_MARGIN (a segment's end costs two predicate reads). When an AR round's 1 / c_0 beats every drafted rate, the
+loop runs AR rounds and drafts again (a probe, at the forecast's best B) after PROBE_FIRST_GAP AR rounds, the gap
+doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
+cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). The choice
+is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost depends on the
+largest B in the batch, and given that size every stream accepts the most from all of its B + 1 nodes.
+
+Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores of past rounds only; the
 greedy output equals AR's, and at T > 0 each emitted token is still the target's sample at its node.
 
 The costs are an input of the compiled loop (`LoopControls.step_costs`), so `calibrate` times the very executable
@@ -48,12 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_CANDIDATES = (0, 4, 8, 16, 32, 64)  # budgets of --budget=auto; 0 = an AR round
+DEFAULT_CANDIDATES = (0, 4, 8, 16, 32)  # budgets of --budget=auto; 0 = an AR round (B = 64 never won on the code
+# target, and every drafted round builds at the largest candidate)
 NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2^-j]; the last one everything below
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.5  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
-AR_BURST = 8  # AR rounds run back to back per decision once AR wins (one conditional for all of them)
+SWITCH_MARGIN = 0.02  # the next round keeps the current B unless another's forecast rate beats it by this share
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
@@ -215,9 +224,9 @@ def refit(prior: StepCosts, runs) -> StepCosts:
 class Handover:
     """Whether a `generate` of the auto loop runs a fixed loop instead (host side, between calls), and which.
 
-    A round of the auto loop costs more than the same round of a fixed loop: a drafted one passes two conditionals
-    (the draft `cond`, the budget `switch`), an AR one keeps the drafter's hidden layers and tree-sized bookkeeping
-    (+10-16% on an H100 before AR bursts, +6% for AR rounds on the CPU; decode.md). So when the auto loop verified
+    A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds at the largest
+    budget and computes the expectations, an AR one keeps the drafter's hidden layers and extends its context (+6%
+    for AR rounds on the CPU, +7% on an H100; decode.md), and a segment's end costs two predicate reads. So when the auto loop verified
     one budget B in at least HANDOVER_SHARE of a call's rounds, the next calls run the fixed loop of that B (B = 0:
     the plain AR loop); every so many calls (HANDOVER_FIRST_GAP, doubling up to HANDOVER_MAX_GAP while the same B
     keeps winning) the auto loop runs again to see whether another choice pays now. Lossless either way: every loop
@@ -251,7 +260,7 @@ class BudgetState(NamedTuple):
     accepted: jax.Array  # [NUM_BINS] f32: decayed count of those nodes found on the accepted path
     forecast: jax.Array  # [C'] f32: expected accepted nodes per candidate budget > 0 (mean over active streams)
     drafted_rounds: jax.Array  # int32: drafted rounds so far (the forecast is a plain mean over the first ones)
-    draft_next: jax.Array  # bool: the next round drafts (else it is an AR round)
+    next_index: jax.Array  # int32: index into the candidates of the next round's B (0 with candidates[0] = 0: AR)
     ar_left: jax.Array  # int32: AR rounds left before the next probe
     probe_gap: jax.Array  # int32: the AR rounds between probes, doubling while AR keeps winning
 
@@ -262,11 +271,13 @@ def spec_indices(candidates) -> tuple[int, ...]:
 
 
 def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
-    """Before the first round: no observations; the first round drafts if speculation could pay at all
-    (`could_pay`)."""
+    """Before the first round: no observations; the first round drafts at the largest budget (it verifies the most
+    nodes, so the calibration learns the most) if speculation could pay at all (`could_pay`), else it is AR."""
+    draft = could_pay(candidates, step_costs, max_accepted)
     return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
                        jnp.zeros(len(spec_indices(candidates)), jnp.float32), jnp.int32(0),
-                       could_pay(candidates, step_costs, max_accepted), jnp.int32(0), jnp.int32(PROBE_FIRST_GAP))
+                       jnp.where(draft, len(candidates) - 1, 0).astype(jnp.int32), jnp.int32(PROBE_FIRST_GAP),
+                       jnp.int32(PROBE_FIRST_GAP))
 
 
 def _ar_rate(candidates, step_costs):
@@ -274,16 +285,15 @@ def _ar_rate(candidates, step_costs):
     return 1.0 / step_costs[0] if candidates[0] == 0 else jnp.float32(0.0)
 
 
-def _spec_rate(forecast, candidates, step_costs):
-    """The best tokens per second per stream of a drafted round expecting forecast [C'] accepted nodes."""
-    return jnp.max((forecast + 1.0) / step_costs[jnp.asarray(spec_indices(candidates))])
+def _spec_costs(candidates, step_costs):
+    """[C'] the costs of the candidates > 0."""
+    return step_costs[jnp.asarray(spec_indices(candidates))]
 
 
 def could_pay(candidates, step_costs, max_accepted: int):
     """bool []: whether a drafted round accepting all `max_accepted` (the tree depth D) nodes would beat an AR
     round at some budget; if not, the loop never drafts (nor probes)."""
-    full = jnp.full(len(spec_indices(candidates)), max_accepted, jnp.float32)
-    return _spec_rate(full, candidates, step_costs) > _ar_rate(candidates, step_costs)
+    return jnp.max((max_accepted + 1.0) / _spec_costs(candidates, step_costs)) > _ar_rate(candidates, step_costs)
 
 
 def confidence_bin(p):
@@ -300,19 +310,24 @@ def calibrated_probs(score, state: BudgetState):
     return q.at[:, 0].set(0.0)
 
 
-def expected_accepted(score, state: BudgetState, budgets) -> jax.Array:
-    """score [S, B_max + 1] of the best-first tree at the largest budget -> [S, len(budgets)] f32: E_{s,B}, the
-    calibrated expected accepted nodes of its first B + 1 nodes, for each B in `budgets` (static, each >= 1)."""
-    cum = jnp.cumsum(calibrated_probs(score, state), axis=1)
-    return cum[:, jnp.asarray(budgets)]
-
-
-def choose(expected, active, costs):
-    """expected [S, C'] (E_{s,B}), active [S] bool, costs [C'] seconds -> (index of the best candidate,
-    mean expected [C'] over the active streams). Ties (and no active stream) go to the smaller index."""
+def expected_accepted(score, state: BudgetState, budgets, active) -> jax.Array:
+    """score [S, B_max + 1] of the best-first tree at the largest budget, active [S] bool -> [len(budgets)] f32: the
+    calibrated expected accepted nodes of the first B + 1 nodes, for each B in `budgets` (static, each >= 1), mean
+    over the active streams (0 with none active)."""
+    cum = jnp.cumsum(calibrated_probs(score, state), axis=1)[:, jnp.asarray(budgets)]  # [S, C']
     weight = active.astype(jnp.float32)
-    mean = (expected * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
-    return jnp.argmax((mean + 1.0) / costs).astype(jnp.int32), mean
+    return (cum * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+
+
+def choose(forecast, costs, current=None):
+    """forecast [C'] expected accepted nodes per candidate B > 0, costs [C'] seconds -> int32 index into them of the
+    best rate (F + 1) / c (ties to the smaller index); with `current` (an index, int32 []), that one unless the
+    best beats its rate by more than SWITCH_MARGIN."""
+    rate = (forecast + 1.0) / costs
+    best = jnp.argmax(rate).astype(jnp.int32)
+    if current is None:
+        return best
+    return jnp.where(rate[best] > (1.0 + SWITCH_MARGIN) * rate[current], best, current).astype(jnp.int32)
 
 
 def observe(state: BudgetState, score, on_path, verified) -> BudgetState:
@@ -326,18 +341,28 @@ def observe(state: BudgetState, score, on_path, verified) -> BudgetState:
     return state._replace(predicted=predicted, accepted=accepted)
 
 
-def plan_after_draft(state: BudgetState, mean_expected, candidates, step_costs) -> BudgetState:
-    """After a drafted round with mean expected acceptance [C'] (calibrated before this round's outcome): update the
-    forecast and decide whether the next round drafts (the best speculative rate at the forecast beats AR's)."""
+def _index_of_spec(candidates, k):
+    """Index into the candidates of the k-th candidate > 0 (k int32 [])."""
+    return jnp.asarray(spec_indices(candidates), jnp.int32)[k]
+
+
+def plan_after_draft(state: BudgetState, expected, candidates, step_costs) -> BudgetState:
+    """After a drafted round whose tree expects `expected` [C'] accepted nodes (mean over active streams, calibrated
+    before this round's outcome): update the forecast and plan the next round: the best B by the forecast (staying
+    at this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
+    one."""
     n = state.drafted_rounds + 1
     weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
-    forecast = (1 - weight) * state.forecast + weight * mean_expected
-    draft = _spec_rate(forecast, candidates, step_costs) >= _ar_rate(candidates, step_costs)
-    floor = probe_gap_floor(candidates, step_costs)
-    gap = -(-jnp.maximum(state.probe_gap, floor) // AR_BURST) * AR_BURST  # whole bursts
-    return state._replace(forecast=forecast, drafted_rounds=n, draft_next=draft, ar_left=jnp.where(draft, 0, gap),
-                          probe_gap=jnp.where(draft, PROBE_FIRST_GAP,
-                                              jnp.minimum(2 * state.probe_gap, jnp.maximum(PROBE_MAX_GAP, floor))))
+    forecast = (1 - weight) * state.forecast + weight * expected
+    costs = _spec_costs(candidates, step_costs)
+    draft = jnp.max((forecast + 1.0) / costs) >= _ar_rate(candidates, step_costs)
+    current = state.next_index - (len(candidates) - costs.shape[0])  # this round's B among the candidates > 0
+    spec_next = _index_of_spec(candidates, choose(forecast, costs, current))
+    gap = jnp.maximum(state.probe_gap, probe_gap_floor(candidates, step_costs))
+    return state._replace(forecast=forecast, drafted_rounds=n, next_index=jnp.where(draft, spec_next, 0),
+                          ar_left=jnp.where(draft, 0, gap),
+                          probe_gap=jnp.where(draft, PROBE_FIRST_GAP, jnp.minimum(2 * state.probe_gap,
+                                                                                  jnp.maximum(PROBE_MAX_GAP, gap))))
 
 
 def probe_gap_floor(candidates, step_costs):
@@ -345,11 +370,14 @@ def probe_gap_floor(candidates, step_costs):
     minus an AR round) is at most PROBE_SHARE of their time; 1 without AR rounds."""
     if candidates[0] != 0:
         return jnp.int32(1)
-    extra = jnp.min(step_costs[jnp.asarray(spec_indices(candidates))]) / step_costs[0] - 1.0
+    extra = jnp.min(_spec_costs(candidates, step_costs)) / step_costs[0] - 1.0
     return jnp.clip(jnp.ceil(extra / PROBE_SHARE), 1, 2**20).astype(jnp.int32)
 
 
 def plan_after_ar(state: BudgetState, candidates, step_costs, max_accepted: int) -> BudgetState:
-    """After an AR round: count down to the next probe (never one where speculation cannot pay, `could_pay`)."""
+    """After an AR round: count down to the next probe, a drafted round at the forecast's best B (never one where
+    speculation cannot pay, `could_pay`)."""
     left = state.ar_left - 1
-    return state._replace(ar_left=left, draft_next=(left <= 0) & could_pay(candidates, step_costs, max_accepted))
+    probe = (left <= 0) & could_pay(candidates, step_costs, max_accepted)
+    best = _index_of_spec(candidates, choose(state.forecast, _spec_costs(candidates, step_costs)))
+    return state._replace(ar_left=left, next_index=jnp.where(probe, best, 0).astype(jnp.int32))

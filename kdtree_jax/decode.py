@@ -8,7 +8,8 @@ Every policy runs the same round, all on device inside one `lax.while_loop` (no 
   commit -> compact the accepted KV rows, extend the drafter context, emit accepted tokens + the new bonus
 ddtree with `auto_budgets` (`--budget=auto`) picks B each round from a compiled set by the device's measured step
 costs and the drafter's expected acceptance (kdtree_jax.budget): an AR round (no draft) or a draft built once at the
-largest budget, of which a prefix of B + 1 nodes is verified (`lax.switch` over one verify per candidate size).
+largest budget, of which a prefix of B + 1 nodes is verified. Rounds of one B run as a segment (an inner while loop,
+static shapes); the outer loop's `lax.switch` starts the segment of the B the last round planned.
 Greedy output is identical for all policies (the losslessness invariant the tests check).
 """
 from __future__ import annotations
@@ -161,6 +162,9 @@ def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | 
         raise ValueError(f"max_new_tokens={spec.max_new_tokens} must be >= 1")
     if spec.rounds_per_check < 1:
         raise ValueError(f"rounds_per_check={spec.rounds_per_check} must be >= 1")
+    if spec.auto and spec.rounds_per_check != 1:
+        raise ValueError(f"rounds_per_check={spec.rounds_per_check} is a fixed-budget setting: the auto loop decides "
+                         f"the next round's budget after each round; use rounds_per_check=1 with auto budgets")
     outside = [e for e in spec.eos_token_ids if not 0 <= e < cfg.vocab_size]
     if outside:
         raise ValueError(f"eos_token_ids {outside} are not tokens of the model's vocabulary "
@@ -270,7 +274,7 @@ class Decoder:
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
         budgets = np.asarray(state.budgets)[:int(state.rounds)]
         taus = np.asarray(state.taus)[:int(state.rounds)]
-        emitted = (taus > 0).any(axis=1)  # rounds run after every stream finished (the last burst's, rounds_per_check)
+        emitted = (taus > 0).any(axis=1)  # not the rounds run after every stream finished (rounds_per_check > 1)
         if adapts and fixed is None:
             self._observe(key, budgets, seconds)  # every round run took time
             self._handover[key].after_auto(budgets[emitted])
@@ -406,13 +410,15 @@ class Decoder:
         target = nnx.merge(self.target_def, params)
         drafter = nnx.merge(self.drafter_def, dparams) if spec.policy != "ar" else None
         state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key, controls.step_costs)
-        one_round = functools.partial(decode_round, target, drafter, spec, step_costs=controls.step_costs)
-        if spec.rounds_per_check > 1:  # done streams are frozen, so extra rounds change nothing
-            rounds = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check, lambda _, s: one_round(s), st)
-        else:
-            rounds = one_round
         limit = jnp.minimum(controls.round_limit, spec.max_new_tokens)
-        return jax.lax.while_loop(functools.partial(running, spec, limit), rounds, state)
+        if spec.auto:
+            step = functools.partial(auto_segment, target, drafter, spec, limit, controls.step_costs)
+        elif spec.rounds_per_check > 1:  # done streams are frozen, so extra rounds change nothing
+            step = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check,
+                                                lambda _, s: decode_round(target, drafter, spec, s), st)
+        else:
+            step = functools.partial(decode_round, target, drafter, spec)
+        return jax.lax.while_loop(functools.partial(running, spec, limit), step, state)
 
 
 def process0_values(values) -> np.ndarray:
@@ -504,8 +510,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     out = jnp.zeros((s, spec.max_new_tokens + spec.block_size), jnp.int32).at[:, 0].set(first)
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
-    burst = budget_lib.AR_BURST if spec.auto and spec.auto_budgets[0] == 0 else 1   # rounds a loop step may run
-    max_rounds = spec.max_new_tokens + spec.rounds_per_check * burst - 1  # at most max_new - 1 rounds emit tokens
+    max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
     auto = budget_lib.init_state(spec.auto_budgets, step_costs, spec.depth) if spec.auto else None
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
@@ -560,51 +565,48 @@ def walk_tree(spec: DecodeSpec, tree: tree_lib.TreeArrays, logits, keys) -> tree
     return ops.tree_accept(tree, picked, min(tree.tokens.shape[1] - 1, spec.depth))
 
 
-def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
-                 step_costs=None) -> LoopState:
-    """One draft -> build -> verify -> accept -> commit round for every stream (finished streams are frozen).
-    step_costs: [C] seconds per round of each auto budget (auto only: `auto_round`)."""
-    if spec.auto:
-        return auto_round(target, drafter, spec, st, step_costs)
+def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState) -> LoopState:
+    """One draft -> build -> verify -> accept -> commit round for every stream (finished streams are frozen), at the
+    fixed budget (the auto loop runs `auto_segment`)."""
     keys, sub = split_each(st.keys)
     tree = root_only_tree(st.bonus) if drafter is None else draft_tree(target, drafter, spec, st)
     cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree, sub)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, spec.tree_budget, st.auto, finite)
 
 
-def auto_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
-    """A step of the auto loop (kdtree_jax.budget): when st.auto says so, one drafted round (`drafted_round`), else
-    AR_BURST AR rounds back to back (`ar_round`, in a loop of fixed trip count). One `lax.cond` chooses, once per
-    drafted round or burst: on XLA:GPU the host reads a conditional's predicate before its branch launches, and an
-    AR round that passed one cost 14-16% more than the AR loop's own (decode.md, "Outcome on the GPU")."""
-    if spec.auto_budgets[0] != 0:
-        return drafted_round(target, drafter, spec, st, step_costs)
-    burst = lambda st: jax.lax.fori_loop(0, budget_lib.AR_BURST,
-                                         lambda _, s: ar_round(target, drafter, spec, s, step_costs), st)
-    return jax.lax.cond(st.auto.draft_next, functools.partial(drafted_round, target, drafter, spec,
-                                                              step_costs=step_costs), burst, st)
+def auto_segment(target: Transformer, drafter: Drafter, spec: DecodeSpec, limit, step_costs,
+                 st: LoopState) -> LoopState:
+    """A step of the auto loop (kdtree_jax.budget): the segment of the budget st.auto.next_index names, an inner
+    while loop of rounds at that B (`ar_round` for B = 0, else `drafted_round`) for as long as each round plans the
+    same B for the next (and the loop is `running`). One `lax.switch` a segment: on XLA:GPU every conditional is a
+    host read of its predicate, and rounds that passed two a round cost 12-30% more than the fixed loop's
+    (decode.md, "Third GPU run"). step_costs: [C] seconds of a round at each candidate."""
+    def segment(index, st):
+        b = spec.auto_budgets[index]
+        one_round = ar_round if b == 0 else functools.partial(drafted_round, budget=b)
+        same = lambda s: running(spec, limit, s) & (s.auto.next_index == index)
+        return jax.lax.while_loop(same, lambda s: one_round(target, drafter, spec, s, step_costs), st)
+    branches = [functools.partial(segment, i) for i in range(len(spec.auto_budgets))]
+    return jax.lax.switch(st.auto.next_index, branches, st)
 
 
-def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
-    """Draft and build at the largest budget, pick the best candidate B > 0 (`budget.choose`) and verify a prefix of
-    B + 1 nodes (a `lax.switch` over the candidates); fold the outcome into the calibration."""
+def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs,
+                  budget: int) -> LoopState:
+    """Draft and build at the largest budget, verify its first `budget` + 1 nodes; fold the outcome into the
+    calibration and plan the next round from the whole tree's expected acceptance (`budget.plan_after_draft`)."""
     candidates = spec.auto_budgets
-    tree_budgets = [b for b in candidates if b > 0]
     keys, sub = split_each(st.keys)
     active = ~st.done
     tree = draft_tree(target, drafter, spec, st)
-    expected = budget_lib.expected_accepted(tree.score, st.auto, tree_budgets)  # [S, C']
-    k, mean = budget_lib.choose(expected, active, step_costs[jnp.asarray(budget_lib.spec_indices(candidates))])
-    verify = [functools.partial(lambda b, t: verify_and_commit(
-        target, drafter, spec, st, tree_lib.prefix_tree(t, b), sub), b) for b in tree_budgets]
-    cache, dcache, verdict, finite = jax.lax.switch(k, verify, tree)
-    chosen = jnp.asarray(tree_budgets, jnp.int32)[k]
+    expected = budget_lib.expected_accepted(tree.score, st.auto, [b for b in candidates if b > 0], active)  # [C']
+    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree_lib.prefix_tree(tree, budget),
+                                                       sub)
     nodes = jnp.arange(spec.tree_budget + 1)
     on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, B_max + 1]
-    verified = (nodes >= 1) & (nodes <= chosen) & active[:, None] & jnp.isfinite(tree.score)
-    auto = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), mean,
+    verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
+    auto = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), expected,
                                        candidates, step_costs)
-    return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, chosen, auto, finite)
+    return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 
 
 def ar_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:

@@ -27,47 +27,57 @@ def test_every_budget_is_a_prefix_of_the_largest_tree(topk):
 
 
 def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
-    """Rates (E + 1) / cost: B=4 at E=1.2 -> 2.2 / 1.5 = 1.47; B=16 at E=2.4 -> 3.4 / 2.5 = 1.36; so B=4. The mean is
-    over active streams only; a tie goes to the smaller budget."""
+    """Rates (F + 1) / cost: B=4 at F=1.2 -> 2.2 / 1.5 = 1.47; B=16 at F=2.4 -> 3.4 / 2.5 = 1.36; so B=4. The
+    expectation is a mean over active streams only; a tie goes to the smaller budget; from a current B, another
+    only when it beats it by more than SWITCH_MARGIN."""
     spec_costs = COSTS[1:]
-    expected = jnp.asarray([[1.0, 2.0], [1.4, 2.8], [9.0, 14.0]])  # the third stream is done: ignored
-    k, mean = budget.choose(expected, jnp.asarray([True, True, False]), spec_costs)
-    assert int(k) == 0
-    np.testing.assert_allclose(mean, [1.2, 2.4])
-    k, _ = budget.choose(jnp.asarray([[1.0, 3.5]]), jnp.asarray([True]), spec_costs)  # 3.0/1.5 < 4.5/2.5 = 1.8
-    assert int(k) == 1
-    k, _ = budget.choose(jnp.asarray([[2.0, 4.0]]), jnp.asarray([True]), spec_costs)  # 3/1.5 = 5/2.5 = 2: a tie
-    assert int(k) == 0
+    score = jnp.log(jnp.asarray([[1.0, 0.5, 0.5, 0.25], [1.0, 0.5, 0.25, 0.25], [1.0, 1.0, 1.0, 1.0]]))
+    state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)  # no observations: the drafter trusted
+    mean = budget.expected_accepted(score, state, [1, 3], jnp.asarray([True, True, False]))  # stream 3 is done
+    np.testing.assert_allclose(mean, [0.5, 1.125])  # (0.5 + 0.5) / 2, (1.25 + 1.0) / 2
+    assert int(budget.choose(jnp.asarray([1.2, 2.4]), spec_costs)) == 0
+    assert int(budget.choose(jnp.asarray([1.0, 3.5]), spec_costs)) == 1    # 2.0/1.5 = 1.33 < 4.5/2.5 = 1.8
+    assert int(budget.choose(jnp.asarray([2.0, 4.0]), spec_costs)) == 0    # 3/1.5 = 5/2.5 = 2: a tie
+    margin = budget.SWITCH_MARGIN
+    just_over = 1.5 * (1 + 2 * margin) * (4.0 + 1) / 2.5 - 1           # B=4's rate 2 (1 + 2 margin) vs B=16's 2
+    just_under = 1.5 * (1 + margin / 2) * (4.0 + 1) / 2.5 - 1
+    assert int(budget.choose(jnp.asarray([just_over, 4.0]), spec_costs, jnp.int32(1))) == 0
+    assert int(budget.choose(jnp.asarray([just_under, 4.0]), spec_costs, jnp.int32(1))) == 1  # stays at B=16
+    assert int(budget.choose(jnp.asarray([just_under, 4.0]), spec_costs)) == 0
 
 
 def test_drafting_against_ar_and_the_probes():
-    """After a drafted round: draft again iff the best forecast rate beats AR's 1 / 1.0; once AR wins, probe after
-    PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets (rounded up to whole AR bursts), the gap doubling
-    while AR keeps winning, back to the first gap when drafting wins."""
+    """The first round drafts at the largest budget; after a drafted round the next drafts (at the forecast's best B)
+    iff the best forecast rate beats AR's 1 / 1.0; once AR wins, probe after PROBE_FIRST_GAP AR rounds or the floor
+    the probes' cost sets, the gap doubling while AR keeps winning, back to the first gap when drafting wins."""
     state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)
-    assert bool(state.draft_next)  # 16 tokens / 1.5 s beats AR
-    win = budget.plan_after_draft(state, jnp.asarray([1.0, 1.5]), CANDIDATES, COSTS)  # 2 / 1.5 > 1
-    assert bool(win.draft_next) and int(win.probe_gap) == budget.PROBE_FIRST_GAP
+    assert int(state.next_index) == 2  # 16 tokens / 2.5 s beats AR: draft, at B = 16
+    win = budget.plan_after_draft(state, jnp.asarray([1.0, 1.5]), CANDIDATES, COSTS)  # 2 / 1.5 > 1 and > 2.5 / 2.5
+    assert int(win.next_index) == 1 and int(win.probe_gap) == budget.PROBE_FIRST_GAP
     # a probe costs 0.5 AR rounds more here, at most PROBE_SHARE = 3% of the AR rounds: at least 17 rounds apart
     assert int(budget.probe_gap_floor(CANDIDATES, COSTS)) == 17
     lose = budget.plan_after_draft(state, jnp.asarray([0.2, 0.3]), CANDIDATES, COSTS)  # 1.2 / 1.5 < 1
-    bursts = lambda rounds: -(-rounds // budget.AR_BURST) * budget.AR_BURST
-    assert not bool(lose.draft_next) and int(lose.ar_left) == bursts(17) == 24
+    assert int(lose.next_index) == 0 and int(lose.ar_left) == 17
     assert int(lose.probe_gap) == 2 * budget.PROBE_FIRST_GAP
     costly = budget.plan_after_draft(state, jnp.asarray([0.0, 0.0]), CANDIDATES, COSTS * jnp.asarray([1, 4, 4]))
     floor = int(np.ceil(5.0 / budget.PROBE_SHARE))  # a drafted round costs 6 AR rounds: 5 more
-    assert int(costly.ar_left) == bursts(floor) and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
-    for _ in range(24 - 1):
+    assert int(costly.ar_left) == floor and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
+    for _ in range(17 - 1):
         lose = budget.plan_after_ar(lose, CANDIDATES, COSTS, 15)
-        assert not bool(lose.draft_next)
-    assert bool(budget.plan_after_ar(lose, CANDIDATES, COSTS, 15).draft_next)  # the probe
+        assert int(lose.next_index) == 0
+    probe = budget.plan_after_ar(lose, CANDIDATES, COSTS, 15)
+    assert int(probe.next_index) == 1  # the probe, at the forecast's best: 1.2 / 1.5 > 1.3 / 2.5
     # the forecast is a plain mean over the first rounds, then weighs the newest FORECAST_WEIGHT
     second = budget.plan_after_draft(win, jnp.asarray([0.0, 0.0]), CANDIDATES, COSTS)
     np.testing.assert_allclose(second.forecast, [0.5, 0.75])
     # never draft (nor probe) when even full acceptance loses to AR
     slow = jnp.asarray([1.0, 20.0, 30.0])
-    assert not bool(budget.init_state(CANDIDATES, slow, max_accepted=15).draft_next)
-    assert not bool(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).draft_next)
+    assert int(budget.init_state(CANDIDATES, slow, max_accepted=15).next_index) == 0
+    assert int(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).next_index) == 0
+    # without AR among the candidates every round drafts
+    no_ar = budget.plan_after_draft(budget.init_state((4, 16), COSTS[1:], 15), jnp.asarray([0.0, 0.0]), (4, 16),
+                                    COSTS[1:])
+    assert int(no_ar.next_index) == 0 and int(budget.probe_gap_floor((4, 16), COSTS[1:])) == 1
 
 
 def test_step_costs_refit_to_the_loops_own_runs():
@@ -124,8 +134,8 @@ def test_calibration_scales_the_drafter_by_observed_acceptance():
     q = budget.calibrated_probs(score, state)
     np.testing.assert_allclose(q, [[0.0, 0.8 * 2.0 / 2.6, 0.8 * 2.0 / 2.6, 0.1 * 3.0 / 1.2, 0.1 * 3.0 / 1.2]],
                                rtol=1e-6)
-    np.testing.assert_allclose(budget.expected_accepted(score, state, (1, 4)), [[q[0, 1], q[0, 1:].sum()]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(budget.expected_accepted(score, state, (1, 4), jnp.asarray([True])),
+                               [q[0, 1], q[0, 1:].sum()], rtol=1e-6)
     decayed = budget.observe(state, score, on_path, jnp.zeros_like(verified))  # nothing verified: only the decay
     np.testing.assert_allclose(decayed.accepted, budget.DECAY * state.accepted)
 
