@@ -18,7 +18,7 @@ with probability p_i = exp(score_i) (its path log-prob), so E_{s,B} = sum_{i=1..
 target: each p_i is corrected by the acceptance observed so far for nodes of like confidence, q_i = min(1, p_i *
 r[bin(p_i)]), with bins by powers of two of p (`NUM_BINS`) and r = (accepted + PRIOR) / (predicted + PRIOR) from
 decayed sums over the verified nodes of past rounds (`observe`; PRIOR pseudo-counts start r at 1, trusting the
-drafter; DECAY per round forgets). Every verified node's outcome is observed whatever B was (a node is on the
+drafter; DECAY per round forgets), carried from one call of a loop to its next (`Decoder.generate`). Every verified node's outcome is observed whatever B was (a node is on the
 accepted path or not), at greedy and sampled decoding alike.
 
 The loop runs in segments: a segment is an inner while loop of rounds at one candidate B (a static shape, no
@@ -61,8 +61,11 @@ DEFAULT_CANDIDATES = (0, 4, 8, 16, 32)  # budgets of --budget=auto; 0 = an AR ro
 NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2^-j]; the last one everything below
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
-FORECAST_WEIGHT = 0.5  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
+FORECAST_WEIGHT = 0.25  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
 SWITCH_MARGIN = 0.02  # the next round keeps the current B unless another's forecast rate beats it by this share
+AR_MARGIN = 0.05  # drafting stops only when AR's rate beats the best drafted forecast rate by this share ...
+MIN_DRAFTED = 4  # ... and only after this many drafted rounds of the call (one round's acceptance is noisy, and a
+# wrong turn to AR costs a whole probe gap of rounds at 1 token)
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
 PROBE_SHARE = 0.03  # at most this share of the time of the AR rounds between probes goes to a probe's extra cost
@@ -270,14 +273,16 @@ def spec_indices(candidates) -> tuple[int, ...]:
     return tuple(i for i, b in enumerate(candidates) if b > 0)
 
 
-def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
-    """Before the first round: no observations; the first round drafts at the largest budget (it verifies the most
-    nodes, so the calibration learns the most) if speculation could pay at all (`could_pay`), else it is AR."""
+def init_state(candidates, step_costs, max_accepted: int, calibration=None) -> BudgetState:
+    """Before the first round: the calibration sums of earlier calls (calibration [2, NUM_BINS]: predicted, accepted;
+    None: none observed); the first round drafts at the largest budget (it verifies the most nodes, so the
+    calibration learns the most) if speculation could pay at all (`could_pay`), else it is AR."""
     draft = could_pay(candidates, step_costs, max_accepted)
-    return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
-                       jnp.zeros(len(spec_indices(candidates)), jnp.float32), jnp.int32(0),
-                       jnp.where(draft, len(candidates) - 1, 0).astype(jnp.int32), jnp.int32(PROBE_FIRST_GAP),
-                       jnp.int32(PROBE_FIRST_GAP))
+    if calibration is None:
+        calibration = jnp.zeros((2, NUM_BINS), jnp.float32)
+    return BudgetState(calibration[0], calibration[1], jnp.zeros(len(spec_indices(candidates)), jnp.float32),
+                       jnp.int32(0), jnp.where(draft, len(candidates) - 1, 0).astype(jnp.int32),
+                       jnp.int32(PROBE_FIRST_GAP), jnp.int32(PROBE_FIRST_GAP))
 
 
 def _ar_rate(candidates, step_costs):
@@ -346,17 +351,26 @@ def _index_of_spec(candidates, k):
     return jnp.asarray(spec_indices(candidates), jnp.int32)[k]
 
 
-def plan_after_draft(state: BudgetState, expected, candidates, step_costs) -> BudgetState:
-    """After a drafted round whose tree expects `expected` [C'] accepted nodes (mean over active streams, calibrated
-    before this round's outcome): update the forecast and plan the next round: the best B by the forecast (staying
-    at this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
-    one."""
+def plan_after_draft(state: BudgetState, expected, accepted, candidates, step_costs,
+                     max_accepted: int) -> BudgetState:
+    """After a drafted round: update the forecast and plan the next round: the best B by the forecast (staying at
+    this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
+    one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
+
+    expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0 (mean over active
+    streams); accepted (f32 []): the nodes the round did accept, mean over active streams. The forecast takes its
+    level from what was accepted and its shape over B from the drafter: F_B = expected_B * accepted / expected_b at
+    this round's b, at most max_accepted (the depth D). The drafter's own confidence alone misjudged the level: the
+    code target's drafter expects about half the nodes it gets accepted, and a first round judged by it sent the
+    loop to AR for 40 rounds (decode.md, "Segments")."""
     n = state.drafted_rounds + 1
     weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
-    forecast = (1 - weight) * state.forecast + weight * expected
     costs = _spec_costs(candidates, step_costs)
-    draft = jnp.max((forecast + 1.0) / costs) >= _ar_rate(candidates, step_costs)
     current = state.next_index - (len(candidates) - costs.shape[0])  # this round's B among the candidates > 0
+    level = accepted / jnp.maximum(expected[current], 1e-3)
+    forecast = (1 - weight) * state.forecast + weight * jnp.minimum(expected * level, max_accepted)
+    draft = ((1.0 + AR_MARGIN) * jnp.max((forecast + 1.0) / costs) >= _ar_rate(candidates, step_costs)) | \
+        (n < MIN_DRAFTED)
     spec_next = _index_of_spec(candidates, choose(forecast, costs, current))
     gap = jnp.maximum(state.probe_gap, probe_gap_floor(candidates, step_costs))
     return state._replace(forecast=forecast, drafted_rounds=n, next_index=jnp.where(draft, spec_next, 0),

@@ -87,6 +87,7 @@ class LoopControls(NamedTuple):
     """Traced inputs of a compiled loop: other values run the same executable."""
     round_limit: jax.Array  # int32 []: stop after this many rounds (the loop also stops at max_new_tokens)
     step_costs: jax.Array  # [C] float32 seconds of a round at each of spec.auto_budgets (auto); [0] otherwise
+    calibration: jax.Array  # [2, NUM_BINS] float32: the drafter-confidence sums (predicted, accepted) auto starts from
 
 
 class LoopState(NamedTuple):
@@ -215,6 +216,7 @@ class Decoder:
         self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
         self._handover = {}  # the same keys -> budget.Handover: whether a call runs a fixed loop instead
         self._warm = set()  # the keys of the fixed loops `generate` has compiled for a handover
+        self._calibration = {}  # the same keys -> [2, NUM_BINS]: the drafter calibration the last auto call ended with
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -269,12 +271,14 @@ class Decoder:
         if fixed is not None and run_key not in self._warm:
             run(self.controls(run_spec, round_limit=0))  # compile the fixed loop outside the timed call
             self._warm.add(run_key)
-        state, seconds = run(self.controls(run_spec, costs))
+        state, seconds = run(self.controls(run_spec, costs, calibration=self._calibration.get(key)))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
         budgets = np.asarray(state.budgets)[:int(state.rounds)]
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # not the rounds run after every stream finished (rounds_per_check > 1)
+        if spec.auto and fixed is None:  # the next auto call of this loop starts from what this one learned
+            self._calibration[key] = np.stack([np.asarray(state.auto.predicted), np.asarray(state.auto.accepted)])
         if adapts and fixed is None:
             self._observe(key, budgets, seconds)  # every round run took time
             self._handover[key].after_auto(budgets[emitted])
@@ -301,14 +305,17 @@ class Decoder:
             return state, time.perf_counter() - start
         return run
 
-    def controls(self, spec: DecodeSpec, costs=None, round_limit: int | None = None) -> LoopControls:
+    def controls(self, spec: DecodeSpec, costs=None, round_limit: int | None = None,
+                 calibration=None) -> LoopControls:
         """The loop's traced inputs: costs (StepCosts or [C] seconds; auto only), round_limit (default: no limit
-        besides max_new_tokens)."""
+        besides max_new_tokens), calibration ([2, NUM_BINS] drafter-confidence sums an auto loop starts from;
+        default: none observed)."""
         if isinstance(costs, budget_lib.StepCosts):
             costs = costs.seconds
         costs = jnp.asarray(costs if spec.auto else (), jnp.float32)
         limit = spec.max_new_tokens if round_limit is None else round_limit
-        return LoopControls(jnp.asarray(limit, jnp.int32), costs)
+        calibration = np.zeros((2, budget_lib.NUM_BINS), np.float32) if calibration is None else calibration
+        return LoopControls(jnp.asarray(limit, jnp.int32), costs, jnp.asarray(calibration, jnp.float32))
 
     # ------------------------------------------------------------------------------------------- step costs
     def cost_key(self, spec: DecodeSpec, num_streams: int, cache_len: int) -> dict:
@@ -409,7 +416,7 @@ class Decoder:
     def _run(self, spec: DecodeSpec, params, dparams, cache, dcache, tokens, lengths, key, controls: LoopControls):
         target = nnx.merge(self.target_def, params)
         drafter = nnx.merge(self.drafter_def, dparams) if spec.policy != "ar" else None
-        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key, controls.step_costs)
+        state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key, controls)
         limit = jnp.minimum(controls.round_limit, spec.max_new_tokens)
         if spec.auto:
             step = functools.partial(auto_segment, target, drafter, spec, limit, controls.step_costs)
@@ -491,9 +498,9 @@ def split_each(keys):
 
 
 def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cache: KVCache, dcache, tokens,
-            lengths, key, step_costs=None) -> LoopState:
+            lengths, key, controls: LoopControls | None = None) -> LoopState:
     """Run the ragged prompts (tokens [S, P] right-padded, lengths [S]) and emit each stream's first token.
-    step_costs: [C] seconds per round of each auto budget (auto only)."""
+    controls: the step costs and drafter calibration an auto loop starts with (auto only)."""
     s, p = tokens.shape
     causal = jnp.tril(jnp.ones((p, p), bool))
     valid = jnp.arange(p)[None, :] < lengths[:, None]
@@ -511,7 +518,8 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
-    auto = budget_lib.init_state(spec.auto_budgets, step_costs, spec.depth) if spec.auto else None
+    auto = (budget_lib.init_state(spec.auto_budgets, controls.step_costs, spec.depth, controls.calibration)
+            if spec.auto else None)
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
         nonfinite = first_nonfinite(nonfinite, all_finite(fwd.logits, valid), jnp.zeros((s,), jnp.int32))
@@ -593,19 +601,22 @@ def auto_segment(target: Transformer, drafter: Drafter, spec: DecodeSpec, limit,
 def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs,
                   budget: int) -> LoopState:
     """Draft and build at the largest budget, verify its first `budget` + 1 nodes; fold the outcome into the
-    calibration and plan the next round from the whole tree's expected acceptance (`budget.plan_after_draft`)."""
+    calibration, then plan the next round from the whole tree's expected acceptance under it
+    (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own)."""
     candidates = spec.auto_budgets
     keys, sub = split_each(st.keys)
     active = ~st.done
     tree = draft_tree(target, drafter, spec, st)
-    expected = budget_lib.expected_accepted(tree.score, st.auto, [b for b in candidates if b > 0], active)  # [C']
     cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree_lib.prefix_tree(tree, budget),
                                                        sub)
     nodes = jnp.arange(spec.tree_budget + 1)
     on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, B_max + 1]
     verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
-    auto = budget_lib.plan_after_draft(budget_lib.observe(st.auto, tree.score, on_path, verified), expected,
-                                       candidates, step_costs)
+    auto = budget_lib.observe(st.auto, tree.score, on_path, verified)
+    expected = budget_lib.expected_accepted(tree.score, auto, [b for b in candidates if b > 0], active)  # [C']
+    weight = active.astype(jnp.float32)
+    accepted = (verdict.num_accepted * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+    auto = budget_lib.plan_after_draft(auto, expected, accepted, candidates, step_costs, spec.depth)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 
 
