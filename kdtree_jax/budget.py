@@ -351,24 +351,39 @@ def _index_of_spec(candidates, k):
     return jnp.asarray(spec_indices(candidates), jnp.int32)[k]
 
 
+def accepted_at_each_budget(path, budgets, active) -> jax.Array:
+    """path [S, P] (the accept walk's node indices, root first, -1 past its end) of a tree verified at budget b ->
+    [len(budgets)] f32: the nodes the walk would have accepted in the tree of each budget B in `budgets` (static),
+    mean over the active streams [S]. Exact for B <= b: the tree of B is the first B + 1 nodes of b's, a node's target
+    token depends on its ancestors only, and siblings differ in token, so the walk in B's tree is b's walk up to its
+    first node past B. (For B > b: b's count, a lower bound.)"""
+    steps = path[:, 1:, None]                                                 # [S, P - 1, 1]
+    inside = (steps >= 1) & (steps <= jnp.asarray(budgets)[None, None, :])    # [S, P - 1, C']
+    count = jnp.cumprod(inside.astype(jnp.int32), axis=1).sum(axis=1)         # [S, C']
+    weight = active.astype(jnp.float32)
+    return (count * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+
+
 def plan_after_draft(state: BudgetState, expected, accepted, candidates, step_costs,
                      max_accepted: int) -> BudgetState:
     """After a drafted round: update the forecast and plan the next round: the best B by the forecast (staying at
     this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
     one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
 
-    expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0 (mean over active
-    streams); accepted (f32 []): the nodes the round did accept, mean over active streams. The forecast takes its
-    level from what was accepted and its shape over B from the drafter: F_B = expected_B * accepted / expected_b at
-    this round's b, at most max_accepted (the depth D). The drafter's own confidence alone misjudged the level: the
-    code target's drafter expects about half the nodes it gets accepted, and a first round judged by it sent the
-    loop to AR for 40 rounds (decode.md, "Segments")."""
+    expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0; accepted [C']: the
+    nodes the round accepted in the tree of each B up to its own b (`accepted_at_each_budget`), both means over
+    active streams. The round's observation of a budget B is what it accepted at B <= b (exact), and above b its
+    acceptance at b plus the drafter's expected gain from the extra nodes (expected_B - expected_b), at most
+    max_accepted (the depth D). The drafter's own confidence alone misjudged the level: the code target's drafter
+    expects about half the nodes it gets accepted, and a first round judged by it sent the loop to AR for 40 rounds
+    (decode.md, "Segments")."""
     n = state.drafted_rounds + 1
     weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
     costs = _spec_costs(candidates, step_costs)
     current = state.next_index - (len(candidates) - costs.shape[0])  # this round's B among the candidates > 0
-    level = accepted / jnp.maximum(expected[current], 1e-3)
-    forecast = (1 - weight) * state.forecast + weight * jnp.minimum(expected * level, max_accepted)
+    above = jnp.arange(costs.shape[0]) > current
+    seen = jnp.where(above, accepted[current] + expected - expected[current], accepted)
+    forecast = (1 - weight) * state.forecast + weight * jnp.clip(seen, 0.0, max_accepted)
     draft = ((1.0 + AR_MARGIN) * jnp.max((forecast + 1.0) / costs) >= _ar_rate(candidates, step_costs)) | \
         (n < MIN_DRAFTED)
     spec_next = _index_of_spec(candidates, choose(forecast, costs, current))

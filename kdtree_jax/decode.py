@@ -614,8 +614,7 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
     auto = budget_lib.observe(st.auto, tree.score, on_path, verified)
     expected = budget_lib.expected_accepted(tree.score, auto, [b for b in candidates if b > 0], active)  # [C']
-    weight = active.astype(jnp.float32)
-    accepted = (verdict.num_accepted * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+    accepted = budget_lib.accepted_at_each_budget(verdict.path, [b for b in candidates if b > 0], active)  # [C']
     auto = budget_lib.plan_after_draft(auto, expected, accepted, candidates, step_costs, spec.depth)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 

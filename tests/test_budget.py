@@ -46,25 +46,34 @@ def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
     assert int(budget.choose(jnp.asarray([just_under, 4.0]), spec_costs)) == 0
 
 
+def test_accepted_at_each_budget_is_the_walk_up_to_its_first_node_past_b():
+    """Paths of a tree verified at b = 16 (node indices, root first, -1 past the end): the walk in the tree of B
+    counts its nodes up to the first one past B; means over the active streams."""
+    path = jnp.asarray([[0, 1, 3, 9, 20, -1], [0, 2, 4, -1, -1, -1], [0, 1, 2, 3, 4, 5]])
+    got = budget.accepted_at_each_budget(path, [2, 4, 8, 16], jnp.asarray([True, True, False]))
+    # stream 0: B=2 -> 1 (node 3 is past 2), 4 -> 2, 8 -> 2, 16 -> 3 (node 20 past 16); stream 1: 1, 2, 2, 2
+    np.testing.assert_allclose(got, [1.0, 2.0, 2.0, 2.5])
+
+
 def test_drafting_against_ar_and_the_probes():
     """The first round drafts at the largest budget; after a drafted round the next drafts (at the forecast's best B)
     unless, after MIN_DRAFTED drafted rounds, AR's 1 / 1.0 beats the best forecast rate by AR_MARGIN; once AR wins,
     probe after PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets, the gap doubling while AR keeps
     winning, back to the first gap when drafting wins."""
     plan = lambda st, expected, accepted, costs=COSTS: budget.plan_after_draft(
-        st, jnp.asarray(expected), jnp.float32(accepted), CANDIDATES, costs, 15)
+        st, jnp.asarray(expected), jnp.asarray(accepted, jnp.float32), CANDIDATES, costs, 15)
     state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)
     assert int(state.next_index) == 2  # 16 tokens / 2.5 s beats AR: draft, at B = 16
-    win = plan(state, [1.0, 1.5], 1.5)  # 2 / 1.5 > 1 and > 2.5 / 2.5
+    win = plan(state, [1.0, 1.5], [1.0, 1.5])  # 2 / 1.5 > 1 and > 2.5 / 2.5
     assert int(win.next_index) == 1 and int(win.probe_gap) == budget.PROBE_FIRST_GAP
     # a probe costs 0.5 AR rounds more here, at most PROBE_SHARE = 3% of the AR rounds: at least 17 rounds apart
     assert int(budget.probe_gap_floor(CANDIDATES, COSTS)) == 17
-    assert int(plan(state, [0.2, 0.3], 0.3).next_index) == 1  # AR would win, but too few rounds drafted yet
+    assert int(plan(state, [0.2, 0.3], [0.2, 0.3]).next_index) == 1  # AR would win, but too few rounds drafted yet
     seasoned = state._replace(drafted_rounds=jnp.int32(budget.MIN_DRAFTED))
-    lose = plan(seasoned, [0.2, 0.3], 0.3)  # 1.05 x 1.2 / 1.5 < 1
+    lose = plan(seasoned, [0.2, 0.3], [0.2, 0.3])  # 1.05 x 1.2 / 1.5 < 1
     assert int(lose.next_index) == 0 and int(lose.ar_left) == 17
     assert int(lose.probe_gap) == 2 * budget.PROBE_FIRST_GAP
-    costly = plan(seasoned, [0.0, 0.0], 0.0, COSTS * jnp.asarray([1, 4, 4]))
+    costly = plan(seasoned, [0.0, 0.0], [0.0, 0.0], COSTS * jnp.asarray([1, 4, 4]))
     floor = int(np.ceil(5.0 / budget.PROBE_SHARE))  # a drafted round costs 6 AR rounds: 5 more
     assert int(costly.ar_left) == floor and int(costly.probe_gap) == min(2 * budget.PROBE_FIRST_GAP, floor)
     for _ in range(17 - 1):
@@ -73,18 +82,20 @@ def test_drafting_against_ar_and_the_probes():
     probe = budget.plan_after_ar(lose, CANDIDATES, COSTS, 15)
     assert int(probe.next_index) == 1  # the probe, at the forecast's best B = 4
     # the forecast is a plain mean over the first rounds, then weighs the newest FORECAST_WEIGHT
-    second = plan(win, [0.0, 0.0], 0.0)
+    second = plan(win, [0.0, 0.0], [0.0, 0.0])
     np.testing.assert_allclose(second.forecast, [0.5, 0.75])
-    # its level is what the round accepted (at its B = 16, 3 nodes where the drafter expected 1), at most D = 15
-    np.testing.assert_allclose(plan(state, [0.5, 1.0], 3.0).forecast, [1.5, 3.0])
-    np.testing.assert_allclose(plan(state, [0.5, 1.0], 20.0).forecast, [10.0, 15.0])
+    # a round at B = 4 observes what B = 4 accepted, and for B = 16 that plus the drafter's expected gain; at most D
+    at_4 = state._replace(next_index=jnp.int32(1))
+    np.testing.assert_allclose(plan(at_4, [0.5, 1.0], [3.0, 3.0]).forecast, [3.0, 3.5])
+    np.testing.assert_allclose(plan(at_4, [0.5, 1.0], [14.8, 14.8]).forecast, [14.8, 15.0])
+    np.testing.assert_allclose(plan(state, [0.5, 1.0], [2.0, 3.0]).forecast, [2.0, 3.0])  # at B = 16: both seen
     # never draft (nor probe) when even full acceptance loses to AR
     slow = jnp.asarray([1.0, 20.0, 30.0])
     assert int(budget.init_state(CANDIDATES, slow, max_accepted=15).next_index) == 0
     assert int(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).next_index) == 0
     # without AR among the candidates every round drafts
     no_ar = budget.plan_after_draft(budget.init_state((4, 16), COSTS[1:], 15)._replace(drafted_rounds=jnp.int32(9)),
-                                    jnp.asarray([0.0, 0.0]), jnp.float32(0.0), (4, 16), COSTS[1:], 15)
+                                    jnp.asarray([0.0, 0.0]), jnp.zeros(2), (4, 16), COSTS[1:], 15)
     assert int(no_ar.next_index) == 0 and int(budget.probe_gap_floor((4, 16), COSTS[1:])) == 1
 
 
