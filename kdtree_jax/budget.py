@@ -1,45 +1,50 @@
-"""The tree budget chosen each round (`--budget=auto`): the device's measured step costs, the drafter's expected
-acceptance, and an online calibration of the drafter's confidence against what the target accepts.
+"""The tree budget chosen each round (`--budget=auto`): the device's measured step costs, what each budget would have
+accepted in the rounds so far, and the drafter's expected gain from more nodes, calibrated against what the target
+accepts.
 
 A round of the auto loop verifies B + 1 nodes per stream, B from a compiled set of candidates (`DecodeSpec.
 auto_budgets`, e.g. 0, 4, 8, 16, 32); B = 0 is an AR round (no draft, no build: the root alone). With c_B the
-device's cost of such a round for the whole batch (seconds, `StepCosts`, measured by `calibrate`) and E_{s,B} the
-expected number of draft nodes stream s accepts, a round emits E_{s,B} + 1 tokens per stream, so the loop picks
+device's cost of such a round for the whole batch (seconds, `StepCosts`, measured by `calibrate`) and F_B a
+forecast of the nodes a stream accepts at B (mean over active streams), a round emits F_B + 1 tokens per stream, so
+the loop picks
 
     B* = argmax_B  (F_B + 1) / c_B      (`choose`; ties to the smaller B)
-
-with F_B a forecast of the mean of E_{s,B} over the active streams, from the drafter's trees of the rounds so far
-(below: why the B of a round is chosen after the round before it, not after its own draft).
-
-Expected acceptance. The best-first tree of budget B is the first B + 1 nodes of the tree of the largest budget
-(nodes in pop order, a parent before its children, `tree.prefix_tree`), so one build at B_max serves every
-candidate. If the target drew its tokens from the drafter's distributions, node i would lie on the accepted path
-with probability p_i = exp(score_i) (its path log-prob), so E_{s,B} = sum_{i=1..B} p_i. The drafter is not the
-target: each p_i is corrected by the acceptance observed so far for nodes of like confidence, q_i = min(1, p_i *
-r[bin(p_i)]), with bins by powers of two of p (`NUM_BINS`) and r = (accepted + PRIOR) / (predicted + PRIOR) from
-decayed sums over the verified nodes of past rounds (`observe`; PRIOR pseudo-counts start r at 1, trusting the
-drafter; DECAY per round forgets), carried from one call of a loop to its next (`Decoder.generate`). Every verified node's outcome is observed whatever B was (a node is on the
-accepted path or not), at greedy and sampled decoding alike.
 
 The loop runs in segments: a segment is an inner while loop of rounds at one candidate B (a static shape, no
 conditional per round), ending when the plan for the next round names another candidate; the outer loop picks the
 next segment with one `lax.switch`. On XLA:GPU every conditional is a host read of its predicate, and a round that
 passed two of them (the draft `cond` and a budget `switch` each round) cost 12-30% more than the fixed loop's
-round on an H100 (experiments/notes/decode.md, "Third GPU run"); in a segment a round costs what the fixed loop's
-does, besides building at the largest budget.
+round on an H100 (experiments/notes/decode.md, "Third GPU run"). So each round plans the next one
+(`plan_after_draft`, `plan_after_ar`) from what the loop knows after it, and the next round keeps the current B
+unless another beats it by SWITCH_MARGIN (a segment's end costs two predicate reads).
 
-So each round plans the next from what the loop knows after it: a drafted round's tree scores give E_{s,B} for every
-candidate, their mean over active streams updates a forecast F_B (a running average: FORECAST_WEIGHT), and the next
-round verifies the B maximising (F_B + 1) / c_B (`choose`), staying at the current B unless another beats it by
-SWITCH_MARGIN (a segment's end costs two predicate reads). When an AR round's 1 / c_0 beats every drafted rate, the
-loop runs AR rounds and drafts again (a probe, at the forecast's best B) after PROBE_FIRST_GAP AR rounds, the gap
-doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's extra cost (the
-cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time (`probe_gap_floor`). The choice
-is per batch, not per stream: the verify is one forward of static shape [S, B + 1] whose cost depends on the
-largest B in the batch, and given that size every stream accepts the most from all of its B + 1 nodes.
+What a drafted round at b tells about each budget. The best-first tree of budget B is the first B + 1 nodes of the
+tree of any larger budget (nodes in pop order, a parent before its children, `tree.prefix_tree`). So for B <= b
+the round knows exactly what B would have accepted: the walk in B's tree is b's walk cut at its first node past B
+(`accepted_at_each_budget`). For B > b it adds the drafter's expected gain from the extra nodes: if the target drew
+its tokens from the drafter's distributions, node i would lie on the accepted path with probability p_i =
+exp(score_i) (its path log-prob), so E_B = sum_{i=1..B} p_i; each p_i is corrected by the acceptance observed for
+verified nodes of like confidence, q_i = min(1, p_i * r[bin(p_i)]), with bins by powers of two of p (`NUM_BINS`)
+and r = (accepted + PRIOR) / (predicted + PRIOR) from decayed sums (`observe`; PRIOR pseudo-counts start r at 1;
+DECAY per round forgets). A round at b builds the
+tree of the next candidate above b only (the largest candidates' build is the dearest part of a drafted round on
+the CPU), so candidates above that one look no better than it this round, and the loop climbs one candidate at a
+time; the first round drafts at the largest candidate and so observes every budget. The forecast F_B is a running
+average of these observations (FORECAST_WEIGHT on the newest round; a plain mean over the first ones). The whole
+state (`BudgetState`: calibration, forecast, whether AR rounds run and the probe countdown) carries from one call
+of a loop to its next (`Decoder.generate`), so a call starts where the last one left off: in AR rounds when AR was
+winning, instead of paying MIN_DRAFTED drafted rounds again.
 
-Lossless: B is fixed before the target sees the round's nodes, from the drafter's scores of past rounds only; the
-greedy output equals AR's, and at T > 0 each emitted token is still the target's sample at its node.
+AR against drafting. When an AR round's 1 / c_0 beats every drafted rate by AR_MARGIN, after at least MIN_DRAFTED
+drafted rounds, the loop runs AR rounds and drafts again (a probe, at the forecast's best B) after
+PROBE_FIRST_GAP AR rounds, the gap doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what
+keeps a probe's extra cost (the cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time
+(`probe_gap_floor`). The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1]
+whose cost depends on the largest B in the batch, and given that size every stream accepts the most from all of
+its B + 1 nodes.
+
+Lossless: B is fixed before the target sees the round's nodes, from past rounds only; the greedy output equals
+AR's, and at T > 0 each emitted token is still the target's sample at its node.
 
 The costs are an input of the compiled loop (`LoopControls.step_costs`), so `calibrate` times the very executable
 that decodes: each candidate forced by a cost table that makes it the only finite choice, for a few rounds.
@@ -64,7 +69,7 @@ PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.25  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
 SWITCH_MARGIN = 0.02  # the next round keeps the current B unless another's forecast rate beats it by this share
 AR_MARGIN = 0.05  # drafting stops only when AR's rate beats the best drafted forecast rate by this share ...
-MIN_DRAFTED = 4  # ... and only after this many drafted rounds of the call (one round's acceptance is noisy, and a
+MIN_DRAFTED = 4  # ... and only after this many drafted rounds (one round's acceptance is noisy, and a
 # wrong turn to AR costs a whole probe gap of rounds at 1 token)
 PROBE_FIRST_GAP = 8  # AR rounds before the first probe (a drafted round) once AR wins
 PROBE_MAX_GAP = 64  # the probe gap doubles up to this many AR rounds (or up to the gap PROBE_SHARE sets)
@@ -227,8 +232,8 @@ def refit(prior: StepCosts, runs) -> StepCosts:
 class Handover:
     """Whether a `generate` of the auto loop runs a fixed loop instead (host side, between calls), and which.
 
-    A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds at the largest
-    budget and computes the expectations, an AR one keeps the drafter's hidden layers and extends its context (+6%
+    A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds the tree of the
+    next candidate up and computes the expectations, an AR one keeps the drafter's hidden layers and extends its context (+6%
     for AR rounds on the CPU, +7% on an H100; decode.md), and a segment's end costs two predicate reads. So when the auto loop verified
     one budget B in at least HANDOVER_SHARE of a call's rounds, the next calls run the fixed loop of that B (B = 0:
     the plain AR loop); every so many calls (HANDOVER_FIRST_GAP, doubling up to HANDOVER_MAX_GAP while the same B
@@ -273,16 +278,16 @@ def spec_indices(candidates) -> tuple[int, ...]:
     return tuple(i for i, b in enumerate(candidates) if b > 0)
 
 
-def init_state(candidates, step_costs, max_accepted: int, calibration=None) -> BudgetState:
-    """Before the first round: the calibration sums of earlier calls (calibration [2, NUM_BINS]: predicted, accepted;
-    None: none observed); the first round drafts at the largest budget (it verifies the most nodes, so the
-    calibration learns the most) if speculation could pay at all (`could_pay`), else it is AR."""
+def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
+    """A fresh chooser (no observations): the first round drafts at the largest candidate of finite cost (it
+    verifies the most nodes, so it observes every budget below it) if speculation could pay at all (`could_pay`),
+    else it is AR."""
     draft = could_pay(candidates, step_costs, max_accepted)
-    if calibration is None:
-        calibration = jnp.zeros((2, NUM_BINS), jnp.float32)
-    return BudgetState(calibration[0], calibration[1], jnp.zeros(len(spec_indices(candidates)), jnp.float32),
-                       jnp.int32(0), jnp.where(draft, len(candidates) - 1, 0).astype(jnp.int32),
-                       jnp.int32(PROBE_FIRST_GAP), jnp.int32(PROBE_FIRST_GAP))
+    largest = len(candidates) - 1 - jnp.argmax(jnp.isfinite(step_costs[::-1]))
+    return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
+                       jnp.zeros(len(spec_indices(candidates)), jnp.float32), jnp.int32(0),
+                       jnp.where(draft, largest, 0).astype(jnp.int32), jnp.int32(PROBE_FIRST_GAP),
+                       jnp.int32(PROBE_FIRST_GAP))
 
 
 def _ar_rate(candidates, step_costs):
@@ -316,8 +321,8 @@ def calibrated_probs(score, state: BudgetState):
 
 
 def expected_accepted(score, state: BudgetState, budgets, active) -> jax.Array:
-    """score [S, B_max + 1] of the best-first tree at the largest budget, active [S] bool -> [len(budgets)] f32: the
-    calibrated expected accepted nodes of the first B + 1 nodes, for each B in `budgets` (static, each >= 1), mean
+    """score [S, N + 1] of a best-first tree of N nodes, active [S] bool -> [len(budgets)] f32: the
+    calibrated expected accepted nodes of the first B + 1 nodes, for each B in `budgets` (static, 1 <= B <= N), mean
     over the active streams (0 with none active)."""
     cum = jnp.cumsum(calibrated_probs(score, state), axis=1)[:, jnp.asarray(budgets)]  # [S, C']
     weight = active.astype(jnp.float32)

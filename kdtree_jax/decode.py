@@ -7,8 +7,8 @@ Every policy runs the same round, all on device inside one `lax.while_loop` (no 
   accept -> walk the tree along the target's own tokens (argmax, or a sample per node at T > 0)
   commit -> compact the accepted KV rows, extend the drafter context, emit accepted tokens + the new bonus
 ddtree with `auto_budgets` (`--budget=auto`) picks B each round from a compiled set by the device's measured step
-costs and the drafter's expected acceptance (kdtree_jax.budget): an AR round (no draft) or a draft built once at the
-largest budget, of which a prefix of B + 1 nodes is verified. Rounds of one B run as a segment (an inner while loop,
+costs and the drafter's expected acceptance (kdtree_jax.budget): an AR round (no draft) or a draft built at the
+next candidate above B, of which a prefix of B + 1 nodes is verified. Rounds of one B run as a segment (an inner while loop,
 static shapes); the outer loop's `lax.switch` starts the segment of the B the last round planned.
 Greedy output is identical for all policies (the losslessness invariant the tests check).
 """
@@ -87,7 +87,7 @@ class LoopControls(NamedTuple):
     """Traced inputs of a compiled loop: other values run the same executable."""
     round_limit: jax.Array  # int32 []: stop after this many rounds (the loop also stops at max_new_tokens)
     step_costs: jax.Array  # [C] float32 seconds of a round at each of spec.auto_budgets (auto); [0] otherwise
-    calibration: jax.Array  # [2, NUM_BINS] float32: the drafter-confidence sums (predicted, accepted) auto starts from
+    auto_start: budget_lib.BudgetState | None  # the budget chooser's state an auto loop starts from; None otherwise
 
 
 class LoopState(NamedTuple):
@@ -216,7 +216,7 @@ class Decoder:
         self._runs = {}  # the same keys -> [(rounds [C] at each candidate, seconds of those rounds)] since then
         self._handover = {}  # the same keys -> budget.Handover: whether a call runs a fixed loop instead
         self._warm = set()  # the keys of the fixed loops `generate` has compiled for a handover
-        self._calibration = {}  # the same keys -> [2, NUM_BINS]: the drafter calibration the last auto call ended with
+        self._auto_state = {}  # the same keys -> the BudgetState the last auto call (costs calibrated here) ended with
 
     # ------------------------------------------------------------------------------------------- validation
     def validate(self, spec: DecodeSpec, prompts, cache_len: int) -> None:
@@ -271,15 +271,15 @@ class Decoder:
         if fixed is not None and run_key not in self._warm:
             run(self.controls(run_spec, round_limit=0))  # compile the fixed loop outside the timed call
             self._warm.add(run_key)
-        state, seconds = run(self.controls(run_spec, costs, calibration=self._calibration.get(key)))
+        carried = self._auto_state.get(key) if adapts and fixed is None else None
+        state, seconds = run(self.controls(run_spec, costs, auto_start=carried))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
         budgets = np.asarray(state.budgets)[:int(state.rounds)]
         taus = np.asarray(state.taus)[:int(state.rounds)]
         emitted = (taus > 0).any(axis=1)  # not the rounds run after every stream finished (rounds_per_check > 1)
-        if spec.auto and fixed is None:  # the next auto call of this loop starts from what this one learned
-            self._calibration[key] = np.stack([np.asarray(state.auto.predicted), np.asarray(state.auto.accepted)])
-        if adapts and fixed is None:
+        if adapts and fixed is None:  # the next auto call of this loop starts where this one ended
+            self._auto_state[key] = jax.tree.map(np.asarray, state.auto)
             self._observe(key, budgets, seconds)  # every round run took time
             self._handover[key].after_auto(budgets[emitted])
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
@@ -306,16 +306,17 @@ class Decoder:
         return run
 
     def controls(self, spec: DecodeSpec, costs=None, round_limit: int | None = None,
-                 calibration=None) -> LoopControls:
+                 auto_start: budget_lib.BudgetState | None = None) -> LoopControls:
         """The loop's traced inputs: costs (StepCosts or [C] seconds; auto only), round_limit (default: no limit
-        besides max_new_tokens), calibration ([2, NUM_BINS] drafter-confidence sums an auto loop starts from;
-        default: none observed)."""
+        besides max_new_tokens), auto_start (auto only: the chooser's state to start from, e.g. where an earlier call
+        ended; default: a fresh one, `budget.init_state`)."""
         if isinstance(costs, budget_lib.StepCosts):
             costs = costs.seconds
         costs = jnp.asarray(costs if spec.auto else (), jnp.float32)
         limit = spec.max_new_tokens if round_limit is None else round_limit
-        calibration = np.zeros((2, budget_lib.NUM_BINS), np.float32) if calibration is None else calibration
-        return LoopControls(jnp.asarray(limit, jnp.int32), costs, jnp.asarray(calibration, jnp.float32))
+        if spec.auto and auto_start is None:
+            auto_start = budget_lib.init_state(spec.auto_budgets, costs, spec.depth)
+        return LoopControls(jnp.asarray(limit, jnp.int32), costs, auto_start if spec.auto else None)
 
     # ------------------------------------------------------------------------------------------- step costs
     def cost_key(self, spec: DecodeSpec, num_streams: int, cache_len: int) -> dict:
@@ -500,7 +501,7 @@ def split_each(keys):
 def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cache: KVCache, dcache, tokens,
             lengths, key, controls: LoopControls | None = None) -> LoopState:
     """Run the ragged prompts (tokens [S, P] right-padded, lengths [S]) and emit each stream's first token.
-    controls: the step costs and drafter calibration an auto loop starts with (auto only)."""
+    controls: the loop's traced inputs (auto: its step costs and the chooser's starting state)."""
     s, p = tokens.shape
     causal = jnp.tril(jnp.ones((p, p), bool))
     valid = jnp.arange(p)[None, :] < lengths[:, None]
@@ -518,8 +519,7 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
-    auto = (budget_lib.init_state(spec.auto_budgets, controls.step_costs, spec.depth, controls.calibration)
-            if spec.auto else None)
+    auto = controls.auto_start if spec.auto else None
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
         nonfinite = first_nonfinite(nonfinite, all_finite(fwd.logits, valid), jnp.zeros((s,), jnp.int32))
@@ -542,11 +542,13 @@ def root_only_tree(root) -> tree_lib.TreeArrays:
                                jnp.ones((s, 1, 1), bool), jnp.ones((s,), jnp.int32), jnp.zeros((s, 1), jnp.float32))
 
 
-def draft_tree(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState) -> tree_lib.TreeArrays:
-    """Draft after each stream's bonus token and build the best-first tree of spec.tree_budget nodes."""
+def draft_tree(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState,
+               budget: int | None = None) -> tree_lib.TreeArrays:
+    """Draft after each stream's bonus token and build the best-first tree of `budget` (default spec.tree_budget)
+    nodes."""
     length = st.cache.length
     draft = drafter.draft(target.embed, target.logits, st.bonus, length, st.dcache, length)
-    return ops.tree_build(draft, st.bonus, spec.tree_budget, spec.tree_topk)
+    return ops.tree_build(draft, st.bonus, spec.tree_budget if budget is None else budget, spec.tree_topk)
 
 
 def verify_and_commit(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
@@ -600,21 +602,25 @@ def auto_segment(target: Transformer, drafter: Drafter, spec: DecodeSpec, limit,
 
 def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs,
                   budget: int) -> LoopState:
-    """Draft and build at the largest budget, verify its first `budget` + 1 nodes; fold the outcome into the
-    calibration, then plan the next round from the whole tree's expected acceptance under it
-    (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own)."""
+    """Draft and build the tree of the next candidate above `budget` (the smallest that tells whether a larger B
+    pays; `budget` itself at the largest), verify its first `budget` + 1 nodes; fold the outcome into the
+    calibration, then plan the next round from what each budget accepted and the drafter's expected gain above
+    (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own). Candidates above
+    the built tree look no better than it this round, so the loop climbs one candidate at a time."""
     candidates = spec.auto_budgets
+    spec_budgets = [b for b in candidates if b > 0]
+    build = min([b for b in candidates if b > budget], default=budget)
     keys, sub = split_each(st.keys)
     active = ~st.done
-    tree = draft_tree(target, drafter, spec, st)
+    tree = draft_tree(target, drafter, spec, st, build)
     cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree_lib.prefix_tree(tree, budget),
                                                        sub)
-    nodes = jnp.arange(spec.tree_budget + 1)
-    on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, B_max + 1]
+    nodes = jnp.arange(build + 1)
+    on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, build + 1]
     verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
     auto = budget_lib.observe(st.auto, tree.score, on_path, verified)
-    expected = budget_lib.expected_accepted(tree.score, auto, [b for b in candidates if b > 0], active)  # [C']
-    accepted = budget_lib.accepted_at_each_budget(verdict.path, [b for b in candidates if b > 0], active)  # [C']
+    expected = budget_lib.expected_accepted(tree.score, auto, [min(b, build) for b in spec_budgets], active)  # [C']
+    accepted = budget_lib.accepted_at_each_budget(verdict.path, spec_budgets, active)  # [C']
     auto = budget_lib.plan_after_draft(auto, expected, accepted, candidates, step_costs, spec.depth)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 

@@ -143,9 +143,11 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
     assert costs.candidates == (0, 4) and all(c > 0 for c in costs.seconds) and costs.key["streams"] == len(PROMPTS)
     first = draft_decoder.generate(PROMPTS, spec)
     assert first.tokens == ar_tokens(ar_decoder, PROMPTS, 14) and first.costs == costs
+    key = draft_decoder._cost_cache_key(spec, PROMPTS, draft_decoder.default_cache_len(spec, PROMPTS))
+    carried = draft_decoder._auto_state[key]              # the next auto call starts where this one ended
+    assert int(carried.drafted_rounds) == int((first.budgets > 0).sum())
     refitted = draft_decoder.step_costs(spec, PROMPTS)
     assert "refitted to 1 run" in refitted.how and all(c > 0 for c in refitted.seconds)
-    key = draft_decoder._cost_cache_key(spec, PROMPTS, draft_decoder.default_cache_len(spec, PROMPTS))
     draft_decoder._handover[key] = budget.Handover()            # whatever this machine's first call chose
     second = draft_decoder.generate(PROMPTS, spec)
     assert second.costs == refitted and second.tokens == first.tokens and second.handed_over is None
