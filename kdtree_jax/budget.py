@@ -26,14 +26,14 @@ its tokens from the drafter's distributions, node i would lie on the accepted pa
 exp(score_i) (its path log-prob), so E_B = sum_{i=1..B} p_i; each p_i is corrected by the acceptance observed for
 verified nodes of like confidence, q_i = min(1, p_i * r[bin(p_i)]), with bins by powers of two of p (`NUM_BINS`)
 and r = (accepted + PRIOR) / (predicted + PRIOR) from decayed sums (`observe`; PRIOR pseudo-counts start r at 1;
-DECAY per round forgets). A round at b builds the
-tree of the next candidate above b only (the largest candidates' build is the dearest part of a drafted round on
-the CPU), so candidates above that one look no better than it this round, and the loop climbs one candidate at a
-time; the first round drafts at the largest candidate and so observes every budget. The forecast F_B is a running
-average of these observations (FORECAST_WEIGHT on the newest round; a plain mean over the first ones). The whole
-state (`BudgetState`: calibration, forecast, whether AR rounds run and the probe countdown) carries from one call
-of a loop to its next (`Decoder.generate`), so a call starts where the last one left off: in AR rounds when AR was
-winning, instead of paying MIN_DRAFTED drafted rounds again.
+DECAY per round forgets). A round at b builds the tree of the next candidate above b only (the largest candidates'
+build is the dearest part of a drafted round on the CPU), so candidates above that one look no better than it this
+round, and the loop climbs one candidate at a time; a fresh chooser's first round drafts at the largest candidate
+and so observes every budget. The forecast F_B is a running average of these observations (FORECAST_WEIGHT on the
+newest round; a plain mean over the first ones). The whole state (`BudgetState`: calibration, forecast, whether
+AR rounds run and the probe countdown) carries from one call of a loop to its next (`Decoder.generate`), so a call
+starts where the last one left off: in AR rounds when AR was winning, instead of paying MIN_DRAFTED drafted rounds
+again (after calls handed to a fixed loop, `Handover`, the countdown to the next probe is cut to one round).
 
 AR against drafting. When an AR round's 1 / c_0 beats every drafted rate by AR_MARGIN, after at least MIN_DRAFTED
 drafted rounds, the loop runs AR rounds and drafts again (a probe, at the forecast's best B) after
@@ -61,8 +61,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_CANDIDATES = (0, 4, 8, 16, 32)  # budgets of --budget=auto; 0 = an AR round (B = 64 never won on the code
-# target, and every drafted round builds at the largest candidate)
+DEFAULT_CANDIDATES = (0, 4, 8, 16, 32)  # budgets of --budget=auto; 0 = an AR round (B = 64 was never the best
+# fixed B on the code target, H200 decode.json, and a round at 32 would build its tree)
 NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2^-j]; the last one everything below
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
@@ -233,12 +233,13 @@ class Handover:
     """Whether a `generate` of the auto loop runs a fixed loop instead (host side, between calls), and which.
 
     A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds the tree of the
-    next candidate up and computes the expectations, an AR one keeps the drafter's hidden layers and extends its context (+6%
-    for AR rounds on the CPU, +7% on an H100; decode.md), and a segment's end costs two predicate reads. So when the auto loop verified
-    one budget B in at least HANDOVER_SHARE of a call's rounds, the next calls run the fixed loop of that B (B = 0:
-    the plain AR loop); every so many calls (HANDOVER_FIRST_GAP, doubling up to HANDOVER_MAX_GAP while the same B
-    keeps winning) the auto loop runs again to see whether another choice pays now. Lossless either way: every loop
-    emits the target's own tokens."""
+    next candidate up and computes the expectations, an AR one keeps the drafter's hidden layers and extends its
+    context (+6% for AR rounds on the CPU, +7% on an H100; decode.md), and a segment's end costs two predicate
+    reads. So when the auto loop verified one budget B in at least HANDOVER_SHARE of a call's rounds, the next
+    calls run the fixed loop of that B (B = 0: the plain AR loop); every so many calls (HANDOVER_FIRST_GAP,
+    doubling up to HANDOVER_MAX_GAP while the same B keeps winning) the auto loop runs again to see whether another
+    choice pays now (probing at once if it was in AR rounds). Lossless either way: every loop emits the target's
+    own tokens."""
     budget: int = 0  # the fixed loop's B while calls_left > 0
     calls_left: int = 0  # calls still to run on the fixed loop
     gap: int = 0  # the fixed calls before the next auto call, once a budget wins again (0: none has won yet)
@@ -281,7 +282,7 @@ def spec_indices(candidates) -> tuple[int, ...]:
 def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
     """A fresh chooser (no observations): the first round drafts at the largest candidate of finite cost (it
     verifies the most nodes, so it observes every budget below it) if speculation could pay at all (`could_pay`),
-    else it is AR."""
+    else it is candidates[0] (an AR round when that is 0)."""
     draft = could_pay(candidates, step_costs, max_accepted)
     largest = len(candidates) - 1 - jnp.argmax(jnp.isfinite(step_costs[::-1]))
     return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
@@ -359,9 +360,11 @@ def _index_of_spec(candidates, k):
 def accepted_at_each_budget(path, budgets, active) -> jax.Array:
     """path [S, P] (the accept walk's node indices, root first, -1 past its end) of a tree verified at budget b ->
     [len(budgets)] f32: the nodes the walk would have accepted in the tree of each budget B in `budgets` (static),
-    mean over the active streams [S]. Exact for B <= b: the tree of B is the first B + 1 nodes of b's, a node's target
+    mean over the active streams [S]. For B <= b the tree of B is the first B + 1 nodes of b's, a node's target
     token depends on its ancestors only, and siblings differ in token, so the walk in B's tree is b's walk up to its
-    first node past B. (For B > b: b's count, a lower bound.)"""
+    first node past B: exact at T = 0; at T > 0 the samples of B's tree would be other draws of the same
+    distributions (`decode.pick_tokens` shares noise by depth only in trees of more nodes than depths), so exact in
+    distribution. (For B > b: b's count, a lower bound.)"""
     steps = path[:, 1:, None]                                                 # [S, P - 1, 1]
     inside = (steps >= 1) & (steps <= jnp.asarray(budgets)[None, None, :])    # [S, P - 1, C']
     count = jnp.cumprod(inside.astype(jnp.int32), axis=1).sum(axis=1)         # [S, C']
@@ -369,12 +372,13 @@ def accepted_at_each_budget(path, budgets, active) -> jax.Array:
     return (count * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
 
 
-def plan_after_draft(state: BudgetState, expected, accepted, candidates, step_costs,
+def plan_after_draft(state: BudgetState, expected, accepted, current: int, candidates, step_costs,
                      max_accepted: int) -> BudgetState:
     """After a drafted round: update the forecast and plan the next round: the best B by the forecast (staying at
     this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
     one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
 
+    current: this round's B, as an index into the candidates > 0 (static).
     expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0; accepted [C']: the
     nodes the round accepted in the tree of each B up to its own b (`accepted_at_each_budget`), both means over
     active streams. The round's observation of a budget B is what it accepted at B <= b (exact), and above b its
@@ -385,7 +389,6 @@ def plan_after_draft(state: BudgetState, expected, accepted, candidates, step_co
     n = state.drafted_rounds + 1
     weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
     costs = _spec_costs(candidates, step_costs)
-    current = state.next_index - (len(candidates) - costs.shape[0])  # this round's B among the candidates > 0
     above = jnp.arange(costs.shape[0]) > current
     seen = jnp.where(above, accepted[current] + expected - expected[current], accepted)
     forecast = (1 - weight) * state.forecast + weight * jnp.clip(seen, 0.0, max_accepted)

@@ -6,10 +6,11 @@ Every policy runs the same round, all on device inside one `lax.while_loop` (no 
   verify -> one target forward over the B+1 nodes at positions length + depth (tree KV -> rows length..length+B)
   accept -> walk the tree along the target's own tokens (argmax, or a sample per node at T > 0)
   commit -> compact the accepted KV rows, extend the drafter context, emit accepted tokens + the new bonus
-ddtree with `auto_budgets` (`--budget=auto`) picks B each round from a compiled set by the device's measured step
-costs and the drafter's expected acceptance (kdtree_jax.budget): an AR round (no draft) or a draft built at the
-next candidate above B, of which a prefix of B + 1 nodes is verified. Rounds of one B run as a segment (an inner while loop,
-static shapes); the outer loop's `lax.switch` starts the segment of the B the last round planned.
+ddtree with `auto_budgets` (`--budget=auto`) verifies each round a B from a compiled set, planned by the round
+before from the device's measured step costs and what each budget accepted (kdtree_jax.budget): an AR round (no
+draft) or a draft built at the next candidate above B (at B, the largest), of which the first B + 1 nodes are
+verified. Rounds of one B run as a segment (an inner while loop, static shapes); the outer loop's `lax.switch`
+starts the segment of the B the last round planned.
 Greedy output is identical for all policies (the losslessness invariant the tests check).
 """
 from __future__ import annotations
@@ -65,7 +66,8 @@ class DecodeSpec:
 
     @property
     def tree_budget(self) -> int:
-        """B of the tree built each round (auto: the largest candidate; a round verifies a prefix of it)."""
+        """B of the tree built each round (auto: the largest candidate, the most any round builds: the bound of the
+        cache rows and memory checks)."""
         ddtree = max(self.auto_budgets) if self.auto else self.budget
         return {"ar": 0, "chain": self.depth, "ddtree": ddtree}[self.policy]
 
@@ -272,6 +274,8 @@ class Decoder:
             run(self.controls(run_spec, round_limit=0))  # compile the fixed loop outside the timed call
             self._warm.add(run_key)
         carried = self._auto_state.get(key) if adapts and fixed is None else None
+        if carried is not None and self._handover[key].gap:  # after fixed calls: probe now, not at a stale countdown
+            carried = carried._replace(ar_left=np.minimum(carried.ar_left, 1))
         state, seconds = run(self.controls(run_spec, costs, auto_start=carried))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
@@ -519,6 +523,9 @@ def prefill(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, cach
     num_out = jnp.ones((s,), jnp.int32)
     done = (num_out >= spec.max_new_tokens) | _is_eos(first, spec)
     max_rounds = spec.max_new_tokens + spec.rounds_per_check - 1  # at most max_new - 1 rounds emit tokens
+    if spec.auto and (controls is None or controls.auto_start is None):
+        raise ValueError("an auto loop's prefill needs its controls with a starting chooser state "
+                         "(Decoder.controls(spec, costs))")
     auto = controls.auto_start if spec.auto else None
     nonfinite = jnp.full((s,), -1, jnp.int32)
     if spec.check_finite:
@@ -621,7 +628,8 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     auto = budget_lib.observe(st.auto, tree.score, on_path, verified)
     expected = budget_lib.expected_accepted(tree.score, auto, [min(b, build) for b in spec_budgets], active)  # [C']
     accepted = budget_lib.accepted_at_each_budget(verdict.path, spec_budgets, active)  # [C']
-    auto = budget_lib.plan_after_draft(auto, expected, accepted, candidates, step_costs, spec.depth)
+    auto = budget_lib.plan_after_draft(auto, expected, accepted, spec_budgets.index(budget), candidates, step_costs,
+                                       spec.depth)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 
 

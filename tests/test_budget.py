@@ -60,8 +60,8 @@ def test_drafting_against_ar_and_the_probes():
     unless, after MIN_DRAFTED drafted rounds, AR's 1 / 1.0 beats the best forecast rate by AR_MARGIN; once AR wins,
     probe after PROBE_FIRST_GAP AR rounds or the floor the probes' cost sets, the gap doubling while AR keeps
     winning, back to the first gap when drafting wins."""
-    plan = lambda st, expected, accepted, costs=COSTS: budget.plan_after_draft(
-        st, jnp.asarray(expected), jnp.asarray(accepted, jnp.float32), CANDIDATES, costs, 15)
+    plan = lambda st, expected, accepted, costs=COSTS: budget.plan_after_draft(  # st at a drafted B of CANDIDATES
+        st, jnp.asarray(expected), jnp.asarray(accepted, jnp.float32), int(st.next_index) - 1, CANDIDATES, costs, 15)
     state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)
     assert int(state.next_index) == 2  # 16 tokens / 2.5 s beats AR: draft, at B = 16
     win = plan(state, [1.0, 1.5], [1.0, 1.5])  # 2 / 1.5 > 1 and > 2.5 / 2.5
@@ -70,7 +70,7 @@ def test_drafting_against_ar_and_the_probes():
     assert int(budget.probe_gap_floor(CANDIDATES, COSTS)) == 17
     assert int(plan(state, [0.2, 0.3], [0.2, 0.3]).next_index) == 1  # AR would win, but too few rounds drafted yet
     seasoned = state._replace(drafted_rounds=jnp.int32(budget.MIN_DRAFTED))
-    lose = plan(seasoned, [0.2, 0.3], [0.2, 0.3])  # 1.05 x 1.2 / 1.5 < 1
+    lose = plan(seasoned, [0.2, 0.3], [0.2, 0.3])  # forecast 0.25 x [0.2, 0.3]: 1.05 x 1.05 / 1.5 < 1
     assert int(lose.next_index) == 0 and int(lose.ar_left) == 17
     assert int(lose.probe_gap) == 2 * budget.PROBE_FIRST_GAP
     costly = plan(seasoned, [0.0, 0.0], [0.0, 0.0], COSTS * jnp.asarray([1, 4, 4]))
@@ -93,10 +93,29 @@ def test_drafting_against_ar_and_the_probes():
     slow = jnp.asarray([1.0, 20.0, 30.0])
     assert int(budget.init_state(CANDIDATES, slow, max_accepted=15).next_index) == 0
     assert int(budget.plan_after_ar(lose._replace(ar_left=jnp.int32(1)), CANDIDATES, slow, 15).next_index) == 0
-    # without AR among the candidates every round drafts
-    no_ar = budget.plan_after_draft(budget.init_state((4, 16), COSTS[1:], 15)._replace(drafted_rounds=jnp.int32(9)),
-                                    jnp.asarray([0.0, 0.0]), jnp.zeros(2), (4, 16), COSTS[1:], 15)
-    assert int(no_ar.next_index) == 0 and int(budget.probe_gap_floor((4, 16), COSTS[1:])) == 1
+    # without AR among the candidates every round drafts, at its best B, however little it expects
+    seasoned_no_ar = budget.init_state((4, 16), COSTS[1:], 15)._replace(drafted_rounds=jnp.int32(9))
+    for expected, best in (([0.0, 5.0], 1), ([0.0, 0.0], 0)):
+        no_ar = budget.plan_after_draft(seasoned_no_ar, jnp.asarray(expected), jnp.asarray(expected), 1, (4, 16),
+                                        COSTS[1:], 15)
+        assert int(no_ar.next_index) == best
+    assert int(budget.probe_gap_floor((4, 16), COSTS[1:])) == 1
+
+
+def test_a_forced_candidate_is_the_only_one_run():
+    """`calibrate` times each candidate under a cost table with +inf elsewhere (`forced_costs`): a fresh chooser
+    starts there and every plan keeps it, whatever the rounds expect and accept."""
+    for index in range(len(CANDIDATES)):
+        costs = jnp.asarray(budget.forced_costs(CANDIDATES, index))
+        state = budget.init_state(CANDIDATES, costs, 15)
+        assert int(state.next_index) == index
+        for expected in ([0.0, 0.0], [3.0, 9.0]):
+            if index == 0:
+                state = budget.plan_after_ar(state._replace(ar_left=jnp.int32(1)), CANDIDATES, costs, 15)
+            else:
+                state = budget.plan_after_draft(state, jnp.asarray(expected), jnp.asarray(expected), index - 1,
+                                                CANDIDATES, costs, 15)
+            assert int(state.next_index) == index
 
 
 def test_step_costs_refit_to_the_loops_own_runs():
