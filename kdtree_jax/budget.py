@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 DEFAULT_CANDIDATES = (0, 4, 8, 16, 32)  # budgets of --budget=auto; 0 = an AR round (B = 64 was never the best
-# fixed B on the code target, H200 decode.json, and a round at 32 would build its tree)
+# fixed B on the code target, H200 decode.json; in the set, it would make every round at 32 build a 64-node tree)
 NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2^-j]; the last one everything below
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
@@ -321,13 +321,18 @@ def calibrated_probs(score, state: BudgetState):
     return q.at[:, 0].set(0.0)
 
 
+def mean_over_active(values, active) -> jax.Array:
+    """values [S, C], active [S] bool -> [C] f32: the mean over the active streams (0 with none active)."""
+    weight = active.astype(jnp.float32)
+    return (values * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+
+
 def expected_accepted(score, state: BudgetState, budgets, active) -> jax.Array:
     """score [S, N + 1] of a best-first tree of N nodes, active [S] bool -> [len(budgets)] f32: the
     calibrated expected accepted nodes of the first B + 1 nodes, for each B in `budgets` (static, 1 <= B <= N), mean
     over the active streams (0 with none active)."""
     cum = jnp.cumsum(calibrated_probs(score, state), axis=1)[:, jnp.asarray(budgets)]  # [S, C']
-    weight = active.astype(jnp.float32)
-    return (cum * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+    return mean_over_active(cum, active)
 
 
 def choose(forecast, costs, current=None):
@@ -368,8 +373,7 @@ def accepted_at_each_budget(path, budgets, active) -> jax.Array:
     steps = path[:, 1:, None]                                                 # [S, P - 1, 1]
     inside = (steps >= 1) & (steps <= jnp.asarray(budgets)[None, None, :])    # [S, P - 1, C']
     count = jnp.cumprod(inside.astype(jnp.int32), axis=1).sum(axis=1)         # [S, C']
-    weight = active.astype(jnp.float32)
-    return (count * weight[:, None]).sum(0) / jnp.maximum(weight.sum(), 1.0)
+    return mean_over_active(count, active)
 
 
 def plan_after_draft(state: BudgetState, expected, accepted, current: int, candidates, step_costs,
