@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import ops
+from pallas_kernels import batch_invariant_triton, exact_layout, ops
 
 ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is one tile, as is an AR step of 64
 QUERY_TILE = 16  # queries per step of `attention` (each still over its own key sequence: a batched product)
-PAIR_TILE = 16  # (token, expert) pairs of one expert per step of `routed_experts`
 
 
 def fixed_dot(a, b):
@@ -85,25 +84,33 @@ def gated_mlp(x, gate, up, down):
 
 def block_sequences(prefix_len, visible, capacity: int):
     """Each query's keys in position order: [S, T, N] int32, the cache row holding position n of query t's sequence
-    (rows < prefix_len, then the block rows of its visible tokens in block order), -1 past its own position.
+    (rows < prefix_len, then the block rows of its ancestors and itself in depth order), -1 past its own position.
 
-    prefix_len [S]; visible [S, T, T] bool, a token's visible block tokens its ancestors and itself (a tree lists a
-    parent before its children, so block order is depth order)."""
+    prefix_len [S]; visible [S, T, T] bool (`exact_layout.ancestors_in_depth_order`)."""
     num_nodes = visible.shape[-1]
-    ancestors = jnp.argsort(~visible, axis=-1, stable=True)                 # [S, T, T]: visible tokens first
-    count = jnp.sum(visible, axis=-1)                                      # [S, T]
+    ancestors, depth = exact_layout.ancestors_in_depth_order(visible)      # [S, T, T], [S, T]
     n = jnp.arange(capacity)
     u = n[None, None, :] - prefix_len[:, None, None]                       # [S, 1, N]: index into the block
     block_row = prefix_len[:, None, None] + jnp.take_along_axis(ancestors, jnp.clip(u, 0, num_nodes - 1).repeat(
         visible.shape[1], axis=1), axis=-1)
     rows = jnp.where(u < 0, n[None, None, :], block_row)
-    return jnp.where(u < count[..., None], rows, -1).astype(jnp.int32)
+    return jnp.where(u <= depth[..., None], rows, -1).astype(jnp.int32)
 
 
 def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
     """Tree-verify attention (`tree_verify_attention_reference`'s contract), each query over its position-ordered
-    sequence (`block_sequences`): q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R],
-    prefix_len [S], visible [S, T, T] -> [S, T, H, C] in q_lat's dtype."""
+    sequence: q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R], prefix_len [S], visible
+    [S, T, T] -> [S, T, H, C] in q_lat's dtype. The Triton kernel where `ops.exact_kernels_take`, else
+    `attention_reference`."""
+    if ops.exact_kernels_take(q_lat, c_kv):
+        return batch_invariant_triton.attention(q_lat, q_rope.astype(q_lat.dtype), c_kv, k_rope.astype(c_kv.dtype),
+                                                prefix_len, visible, scale=scale)
+    return attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale=scale)
+
+
+def attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float):
+    """`attention` in XLA: each query's sequence (`block_sequences`) padded to the cache's capacity, QUERY_TILE
+    queries a step of one batched product of fixed shape."""
     s, t, h, c = q_lat.shape
     rows = block_sequences(prefix_len, visible, c_kv.shape[1])             # [S, T, N]
     q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1).reshape(s * t, h, -1)
@@ -132,41 +139,28 @@ def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float)
     return out.reshape(s, t, h, c).astype(q_lat.dtype)
 
 
-def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights):
-    """The routed experts in tiles of PAIR_TILE (token, expert) pairs of one expert: x [M, D]; expert_weights(e) ->
-    (gate [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights
-    [M, k] -> [M, D] f32, the k slots added in slot order. Each pair is one row of its tile's fixed-shape products,
-    so its result does not depend on which pairs share its expert; the tiles (at most P / PAIR_TILE + min(E, P) for
-    P = M k pairs, a static count) run one after another, each expert's weights taken once per tile."""
-    m, k = ids.shape
-    pairs = m * k
-    ok = (ids >= 0) & (ids < num_experts)
-    expert = jnp.where(ok, ids, num_experts).reshape(-1)                   # [P]; num_experts: no expert here
-    order = jnp.argsort(expert, stable=True)
-    sorted_expert = expert[order]
-    counts = jnp.bincount(expert, length=num_experts + 1)
-    first_pair = jnp.cumsum(counts) - counts                               # [E + 1]
-    tiles_of = -(-counts[:num_experts] // PAIR_TILE)
-    first_tile = jnp.cumsum(tiles_of) - tiles_of                           # [E]
-    num_tiles = -(-pairs // PAIR_TILE) + min(num_experts, pairs)
-    local = sorted_expert < num_experts
-    rank = jnp.arange(pairs) - first_pair[sorted_expert]
-    tile = jnp.where(local, first_tile[jnp.minimum(sorted_expert, num_experts - 1)] + rank // PAIR_TILE, num_tiles)
-    slot = rank % PAIR_TILE
-    tile_rows = jnp.full((num_tiles, PAIR_TILE), m, jnp.int32).at[tile, slot].set(order // k, mode="drop")
-    tile_expert = jnp.zeros((num_tiles,), jnp.int32).at[tile].set(sorted_expert, mode="drop")
-    xs = jnp.pad(x, ((0, 1), (0, 0)))[tile_rows]                            # [tiles, PAIR_TILE, D]; row m: zeros
+def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights, *, stacked=None):
+    """The routed experts, each (token, expert) pair one row of a fixed-shape tile of PAIR_TILE pairs of one expert
+    (`exact_layout.pair_tiles`), a token's k results added in slot order: x [M, D]; expert_weights(e) -> (gate
+    [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k]
+    -> [M, D] f32. stacked: (gate [E, D, I], up [E, D, I], down [E, I, D]) in x's dtype where the experts are held
+    so (not INT4): the Triton kernels run on them where `ops.exact_kernels_take`; else `routed_experts_reference`."""
+    tiles = exact_layout.pair_tiles(ids, num_experts)
+    if stacked is not None and ops.exact_kernels_take(x, *stacked):
+        y_tiles = batch_invariant_triton.expert_tiles(x, *stacked, tiles.rows, tiles.expert)
+    else:
+        y_tiles = routed_experts_reference(x, expert_weights, tiles)
+    return exact_layout.add_slots(y_tiles, tiles, ids, weights, num_experts)
+
+
+def routed_experts_reference(x, expert_weights: Callable, tiles: exact_layout.PairTiles):
+    """Each tile's products in XLA, one tile after another (each expert's weights taken once a tile): x [M, D],
+    expert_weights as `routed_experts` -> y [tiles, PAIR_TILE, D] f32 (an empty slot's row: zeros)."""
+    xs = jnp.pad(x, ((0, 1), (0, 0)))[tiles.rows]                          # [tiles, PAIR_TILE, D]; row M: zeros
 
     def one(args):
         x1, e = args                                                        # [PAIR_TILE, D], ()
         gate, up, down = expert_weights(e)
         return fixed_dot((jax.nn.silu(fixed_dot(x1, gate)) * fixed_dot(x1, up)).astype(x.dtype), down)
 
-    y_tiles = lax.map(one, (xs, tile_expert))                              # [tiles, PAIR_TILE, D]
-    y_sorted = y_tiles.at[tile, slot].get(mode="fill", fill_value=0.0)      # [P, D]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(m, k, x.shape[-1])
-    w = jnp.where(ok, weights, 0.0).astype(jnp.float32)
-    out = jnp.zeros((m, x.shape[-1]), jnp.float32)
-    for j in range(k):
-        out = out + w[:, j, None] * y[:, j]
-    return out
+    return lax.map(one, (xs, tiles.expert))

@@ -239,6 +239,15 @@ def exact_dense_takes(x, w) -> bool:
             and x.dtype == w.dtype and x.dtype in _skinny_matmul.FLOATS and jax.sharding.get_abstract_mesh().empty)
 
 
+def exact_kernels_take(*operands) -> bool:
+    """Whether the exact mode's attention and routed experts run their Triton kernels (`batch_invariant_triton`):
+    kernels running compiled on the GPU, operands of one dtype (bf16 or f32), no mesh (a Triton call has no GSPMD
+    partitioning)."""
+    dtypes = {x.dtype for x in operands}
+    return (_compiled_on_gpu() and len(dtypes) == 1 and dtypes.pop() in _skinny_matmul.FLOATS
+            and jax.sharding.get_abstract_mesh().empty)
+
+
 # One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at
 # M = 1 and 8, 146 at 33, 155 at 64), and products with K < 512 (the shared expert's down, K = 256) leave too few K
 # steps to split. Off by default: in device time XLA's fusions were faster (54 and 42 us at M = 1 and 8), and the

@@ -415,3 +415,62 @@ def test_exact_mode_through_skinny_matmul():
         rows_check("code_target", (21, 6, 14))
     finally:
         ops.set_dense_kernel(False)
+
+
+@pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity,dtype", [
+    (8, 33, 8, 512, 64, 4096, jnp.bfloat16),     # the tp=8 share's heads, a B=32 verify of 8 streams
+    (1, 9, 64, 512, 64, 2048, jnp.bfloat16),     # all of K2.6's heads
+    (4, 33, 8, 64, 16, 640, jnp.bfloat16),       # the code target
+    (2, 17, 8, 512, 64, 1024, jnp.float32),
+])
+def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtype):
+    """The exact mode's attention kernel == its reference, and every node of the first stream bitwise == the AR
+    step at its position (its path committed to the cache: another prefix, T = 1, one stream)."""
+    from pallas_kernels import batch_invariant as BI
+    from pallas_kernels import batch_invariant_triton as BT
+    from test_exact_kernels_interpreter import ar_step_of
+
+    rng = np.random.default_rng(nodes * heads + lat)
+    inputs = make_inputs(rng, streams=streams, nodes=nodes, heads=heads, lat=lat, rope=rope, capacity=capacity,
+                         dtype=dtype)
+    scale = lat ** -0.5
+    out = BT.attention(*inputs, scale=scale)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    want = BI.attention_reference(*(a.astype(jnp.float32) if a.dtype == dtype else a for a in inputs), scale=scale)
+    assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
+    tree = np.asarray(out.astype(jnp.float32))
+    for t in range(nodes):
+        ar = np.asarray(BT.attention(*ar_step_of(inputs, 0, t), scale=scale).astype(jnp.float32))
+        np.testing.assert_array_equal(ar[0, 0], tree[0, t], err_msg=f"node {t}")
+
+
+@pytest.mark.parametrize("m,k,d,i,experts,dtype", [
+    (264, 8, 7168, 2048, 4, jnp.bfloat16),       # K2.6's dims, a B=32 verify of 8 streams on 4 experts
+    (264, 2, 256, 128, 16, jnp.bfloat16),        # the code target
+    (33, 2, 256, 128, 16, jnp.float32),
+])
+def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
+    """The exact mode's routed-expert kernels == their reference, and the last token's result bitwise the same
+    computed alone (its pairs first in their tiles) and among m tokens (its pairs after others of their experts)."""
+    from pallas_kernels import batch_invariant as BI
+    from pallas_kernels import batch_invariant_triton as BT
+    from pallas_kernels import exact_layout as L
+    from test_exact_kernels_interpreter import expert_inputs
+
+    rng = np.random.default_rng(m + d + experts)
+    x, stacked, ids, weights = expert_inputs(rng, m, k, d, i, experts, dtype)
+
+    def run(x, ids, weights):
+        tiles = L.pair_tiles(ids, experts)
+        return L.add_slots(BT.expert_tiles(x, *stacked, tiles.rows, tiles.expert), tiles,
+                           ids, weights, experts)
+
+    out = run(x, ids, weights)
+    assert np.isfinite(np.asarray(out)).all()
+    tiles = L.pair_tiles(ids, experts)
+    f32 = tuple(w.astype(jnp.float32) for w in stacked)
+    want = L.add_slots(BI.routed_experts_reference(x.astype(jnp.float32), lambda e: tuple(w[e] for w in f32), tiles),
+                       tiles, ids, weights, experts)
+    assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
+    alone = run(x[-1:], ids[-1:], weights[-1:])
+    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(out[-1]))

@@ -213,3 +213,29 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
     splits = A.default_config(s, t * h // 2, n).num_splits
     combined = splits > 1
     assert text.count(XLA_TRITON_TARGET) == 1 + combined and "tensor<2x16x8x512xbf16>" in text
+
+
+@pytest.mark.parametrize("heads,lat,rope,dtype", [(8, 512, 64, BF16), (64, 512, 64, BF16), (8, 64, 16, BF16),
+                                                  (8, 512, 64, F32)])
+def test_exact_attention_lowers_to_one_triton_cubin(heads, lat, rope, dtype):
+    """The exact mode's attention at K2.6's latents (the tp=8 share's 8 heads and all 64) and the code target's,
+    bf16 and f32, compiled by Triton for sm_90 (shared memory within the H200's): one kernel after XLA's ancestor
+    sort."""
+    from pallas_kernels import batch_invariant_triton as BT
+    text = lower_for_h200(functools.partial(BT.attention, scale=0.1), spec((8, 33, heads, lat), dtype),
+                          spec((8, 33, heads, rope), dtype), spec((8, 4096, lat), dtype), spec((8, 4096, rope), dtype),
+                          spec((8,), I32), spec((8, 33, 33), jnp.bool_))
+    assert text.count(f"@{triton_ffi.TARGET}(") == 1 and 'name = "_attention_kernel"' in text
+
+
+@pytest.mark.parametrize("d,i,experts,dtype", [(D, I, 48, BF16), (256, 128, 16, BF16), (256, 128, 16, F32)])
+def test_exact_expert_tiles_lower_to_two_triton_cubins(d, i, experts, dtype):
+    """The exact mode's routed experts (K2.6's dims with the share's 48 experts, the code target's), compiled by
+    Triton for sm_90: the gate_up kernel and the down kernel."""
+    from pallas_kernels import batch_invariant_triton as BT
+    tiles = 264 * 8 // 16 + experts
+    text = lower_for_h200(BT.expert_tiles, spec((264, d), dtype), spec((experts, d, i), dtype),
+                          spec((experts, d, i), dtype), spec((experts, i, d), dtype), spec((tiles, 16), I32),
+                          spec((tiles,), I32))
+    assert text.count(f"@{triton_ffi.TARGET}(") == 2
+    assert 'name = "_gate_up_kernel"' in text and 'name = "_down_kernel"' in text

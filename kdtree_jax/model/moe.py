@@ -110,7 +110,9 @@ class MoE(nnx.Module):
 
         def local(x, experts, ids, weights):
             held = jax.tree.leaves(experts)[0].shape[0]
-            return batch_invariant.routed_experts(x, lambda e: expert_weights(experts, e), held, ids, weights)
+            stacked = None if self.cfg.expert_quant == "int4" else experts
+            return batch_invariant.routed_experts(x, lambda e: expert_weights(experts, e), held, ids, weights,
+                                                  stacked=stacked)
 
         shared = (batch_invariant.gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
         return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)

@@ -1,0 +1,235 @@
+"""The exact mode's tree-verify attention and routed experts as Triton kernels (launched by `triton_call`): the GPU
+kernels of `batch_invariant.attention` and `batch_invariant.routed_experts`, row-invariant by construction.
+
+attention: program (node t, stream s), the node's H heads the rows of one tile (padded to 16 or a power of two). It
+walks the node's key sequence in position order, `attention_block_keys` positions a step: position n < prefix is
+cache row n, position prefix + j the block row of the node's ancestor at depth j (`exact_layout.
+ancestors_in_depth_order`), gathered row by row; an online softmax over the steps. The AR step of the same token
+walks the same keys at the same positions in the same steps with the same tile, so each row gets bitwise the AR
+step's result whatever T, the tree, where its rows are stored and the other streams. The price: each node reads its
+stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per query tile.
+
+routed experts: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert (`exact_layout.pair_tiles`);
+one kernel computes h = silu(x gate) * (x up) per tile, rounded to x's dtype, over D in EXPERT_BLOCK steps; a second
+h down over I in EXPERT_BLOCK steps (f32); XLA adds a token's k slots in slot order (`exact_layout.add_slots`). A
+pair is one row of a fixed-shape tile, so its sums do not depend on which pairs share its expert. Empty tiles
+return at once (the expert's weights are not read).
+
+tl.dot's tile is the same in every call of a model (a function of H, C, R, D, I and the dtype, never of T, M or the
+number of streams): the same instructions run in the same order on a row, and a row's result depends on the row
+alone. On the CPU both run in Triton's interpreter against the references (tests/test_exact_kernels_interpreter.py);
+the bitwise check of a node against its AR step runs on the GPU (tests/test_kernels_gpu.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import MIN_DOT_DIM, exact_layout
+from pallas_kernels import tree_verify_attention as op
+from pallas_kernels.triton_call import bound_to
+
+LAUNCHER = "ffi"     # typed custom call, command-buffer compatible (triton_call.py), as skinny_matmul's
+EXPERT_BLOCK = 64    # the experts' output columns per program and their K per step
+FLOATS = (jnp.bfloat16, jnp.float32)
+_NEG_INF = tl.constexpr(op.NEG_INF)
+
+
+def attention_block_keys(lat: int, dtype) -> int:
+    """Key positions per step: 64, or 32 for latents wider than 256 (K2.6's 512: a 64-row tile of queries and of keys
+    in shared memory), halved for f32. A function of the latent width and the dtype only."""
+    keys = 64 if op.dot_width(lat) <= 256 else 32
+    return keys // 2 if jnp.dtype(dtype) == jnp.float32 else keys
+
+
+def head_rows(num_heads: int) -> int:
+    """The query tile's rows: the heads padded to tl.dot's 16 or the next power of two."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(num_heads))
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_ptr, c_kv_ptr, k_rope_ptr, out_ptr,
+                      SCALE: tl.constexpr, NUM_NODES: tl.constexpr, NUM_HEADS: tl.constexpr, CAPACITY: tl.constexpr,
+                      LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
+                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (node t, stream s): out[s, t] [H, LAT] = softmax over the node's positions 0 .. prefix + depth of
+    SCALE (q_lat k_lat + q_rope k_rope), times k_lat. ancestors [S, T, T] int32, depth [S, T] int32
+    (`ancestors_in_depth_order`); q_lat [S, T, H, LAT], q_rope [S, T, H, ROPE], c_kv [S, CAPACITY, LAT], k_rope
+    [S, CAPACITY, ROPE]."""
+    t, s = tl.program_id(0), tl.program_id(1)
+    node = s * NUM_NODES + t
+    heads = tl.arange(0, BH)
+    head_ok = heads < NUM_HEADS
+    lat, rope = tl.arange(0, LAT_P), tl.arange(0, ROPE_P)
+    lat_ok, rope_ok = lat < LAT, rope < ROPE
+    q_rows = (node.to(tl.int64) * NUM_HEADS + heads)[:, None]
+    q_lat = tl.load(q_lat_ptr + q_rows * LAT + lat[None, :], mask=head_ok[:, None] & lat_ok[None, :], other=0.0)
+    q_rope = tl.load(q_rope_ptr + q_rows * ROPE + rope[None, :], mask=head_ok[:, None] & rope_ok[None, :], other=0.0)
+    prefix = tl.load(prefix_ptr + s)
+    last = prefix + tl.load(depth_ptr + node)                          # the node's own position
+    c_base = c_kv_ptr + s.to(tl.int64) * (CAPACITY * LAT)
+    r_base = k_rope_ptr + s.to(tl.int64) * (CAPACITY * ROPE)
+    acc = tl.zeros((BH, LAT_P), tl.float32)
+    row_max = tl.full((BH,), _NEG_INF, tl.float32)
+    row_sum = tl.zeros((BH,), tl.float32)
+    for b in range(0, tl.cdiv(last + 1, BK)):
+        n = b * BK + tl.arange(0, BK)                                   # positions of this step
+        key_ok = n <= last
+        j = tl.minimum(tl.maximum(n - prefix, 0), NUM_NODES - 1)        # depth in the block
+        ancestor = tl.load(ancestors_ptr + node.to(tl.int64) * NUM_NODES + j, mask=key_ok & (n >= prefix), other=0)
+        row = tl.where(n < prefix, n, prefix + ancestor)[:, None]
+        k_lat = tl.load(c_base + row * LAT + lat[None, :], mask=key_ok[:, None] & lat_ok[None, :], other=0.0)
+        k_rope = tl.load(r_base + row * ROPE + rope[None, :], mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
+        logits = tl.zeros((BH, BK), tl.float32)
+        logits = _dot(q_lat, tl.trans(k_lat), logits, IEEE)
+        logits = _dot(q_rope, tl.trans(k_rope), logits, IEEE) * SCALE
+        logits = tl.where(key_ok[None, :], logits, _NEG_INF)
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        alpha = tl.exp(row_max - new_max)
+        prob = tl.where(key_ok[None, :], tl.exp(logits - new_max[:, None]), 0.0)
+        row_sum = row_sum * alpha + tl.sum(prob, axis=1)
+        acc = _dot(prob.to(k_lat.dtype), k_lat, acc * alpha[:, None], IEEE)
+        row_max = new_max
+    out = acc * tl.where(row_sum > 0, 1.0 / row_sum, 0.0)[:, None]
+    tl.store(out_ptr + q_rows * LAT + lat[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & lat_ok[None, :])
+
+
+def check_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
+    """Raises ValueError naming the problem: `tree_verify_attention`'s shapes, one float dtype for the operands."""
+    op.check_shapes(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    dtypes = {x.dtype for x in (q_lat, q_rope, c_kv, k_rope)}
+    if len(dtypes) > 1 or not dtypes <= set(map(jnp.dtype, FLOATS)):
+        raise ValueError(f"batch_invariant_triton.attention: q_lat, q_rope, c_kv and k_rope must share one dtype, "
+                         f"bfloat16 or float32 (its dots take one), got {sorted(str(d) for d in dtypes)}: cast the "
+                         f"queries to the cache's dtype")
+
+
+def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale: float):
+    """The host side through `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)`
+    (`triton_call` on the GPU; Triton's interpreter in the tests). Shapes as `batch_invariant.attention`."""
+    check_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
+    s, t, h, c = q_lat.shape
+    r = q_rope.shape[3]
+    ancestors, depth = exact_layout.ancestors_in_depth_order(jnp.asarray(visible, jnp.bool_))
+    return call(jnp.asarray(prefix_len, jnp.int32), ancestors, depth, q_lat, q_rope, c_kv, k_rope,
+                kernel=_attention_kernel, out_shape=jax.ShapeDtypeStruct(q_lat.shape, q_lat.dtype), grid=(t, s),
+                num_warps=4, num_stages=2, SCALE=float(scale), NUM_NODES=t, NUM_HEADS=h, CAPACITY=c_kv.shape[1],
+                LAT=c, LAT_P=op.dot_width(c), ROPE=r, ROPE_P=op.dot_width(r), BH=head_rows(h),
+                BK=attention_block_keys(c, c_kv.dtype), IEEE=c_kv.dtype == jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "launcher"))
+def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float, launcher: str = LAUNCHER):
+    """q_lat [S, T, H, C], q_rope [S, T, H, R], c_kv [S, N, C], k_rope [S, N, R] (one dtype), prefix_len [S] int32,
+    visible [S, T, T] bool -> [S, T, H, C] in q_lat's dtype, each query over its own keys in position order."""
+    call = bound_to(launcher, interpret=False, op="batch_invariant_triton.attention",
+                    reference="batch_invariant.attention_reference")
+    return run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, rows_ptr, expert_ptr, gate_ptr, up_ptr, h_ptr, M: tl.constexpr, D: tl.constexpr,
+                    I: tl.constexpr, BP: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, column block): h[tile, :, block] = silu(x[rows] gate[e]) * (x[rows] up[e]) in x's dtype, the
+    sums over D in BLOCK steps. x [M, D]; rows [tiles, BP] (M: empty); expert [tiles]; gate / up [E, D, I];
+    h [tiles, BP, I]. An empty tile writes nothing."""
+    tile, cb = tl.program_id(0), tl.program_id(1)
+    if tl.load(rows_ptr + tile * BP) >= M:
+        return
+    p = tl.arange(0, BP)
+    rows = tl.load(rows_ptr + tile * BP + p)
+    row_ok = rows < M
+    e = tl.load(expert_ptr + tile).to(tl.int64)
+    cols = cb * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < I
+    g = tl.zeros((BP, BLOCK), tl.float32)
+    u = tl.zeros((BP, BLOCK), tl.float32)
+    for k0 in tl.range(0, D, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        k_ok = k < D
+        xk = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        w_off = e * (D * I) + k[:, None] * I + cols[None, :]
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        g = _dot(xk, tl.load(gate_ptr + w_off, mask=w_ok, other=0.0), g, IEEE)
+        u = _dot(xk, tl.load(up_ptr + w_off, mask=w_ok, other=0.0), u, IEEE)
+    h = g * tl.sigmoid(g) * u
+    out = (tile * BP + p).to(tl.int64)[:, None] * I + cols[None, :]
+    tl.store(h_ptr + out, h.to(h_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, rows_ptr, expert_ptr, down_ptr, y_ptr, M: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                 BP: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, column block): y[tile, :, block] = h[tile] down[e] in f32, the sums over I in BLOCK steps.
+    h [tiles, BP, I]; down [E, I, D]; y [tiles, BP, D]. An empty tile writes nothing."""
+    tile, cb = tl.program_id(0), tl.program_id(1)
+    if tl.load(rows_ptr + tile * BP) >= M:
+        return
+    p = tl.arange(0, BP)
+    e = tl.load(expert_ptr + tile).to(tl.int64)
+    cols = cb * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < D
+    rows = (tile * BP + p).to(tl.int64)[:, None]
+    acc = tl.zeros((BP, BLOCK), tl.float32)
+    for k0 in tl.range(0, I, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        k_ok = k < I
+        hk = tl.load(h_ptr + rows * I + k[None, :], mask=k_ok[None, :], other=0.0)
+        dk = tl.load(down_ptr + e * (I * D) + k[:, None] * D + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        acc = _dot(hk, dk, acc, IEEE)
+    tl.store(y_ptr + rows * D + cols[None, :], acc, mask=col_ok[None, :])
+
+
+def check_experts(x, gate, up, down, rows, expert):
+    """Raises ValueError naming the problem: x [M, D], gate / up [E, D, I], down [E, I, D] of one float dtype,
+    rows [tiles, PAIR_TILE] and expert [tiles] int32."""
+    m, d = x.shape
+    if gate.ndim != 3 or gate.shape[1] != d or up.shape != gate.shape or down.shape != (gate.shape[0], gate.shape[2],
+                                                                                          d):
+        raise ValueError(f"batch_invariant_triton.expert_tiles takes x [M, D], gate / up [E, D, I], down [E, I, D]; "
+                         f"got x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape}")
+    dtypes = {a.dtype for a in (x, gate, up, down)}
+    if len(dtypes) > 1 or not dtypes <= set(map(jnp.dtype, FLOATS)):
+        raise ValueError(f"batch_invariant_triton.expert_tiles: x and the experts must share one dtype, bfloat16 or "
+                         f"float32; got {sorted(str(t) for t in dtypes)}: cast x to the experts' dtype")
+    if rows.ndim != 2 or rows.shape[1] != exact_layout.PAIR_TILE or expert.shape != rows.shape[:1]:
+        raise ValueError(f"batch_invariant_triton.expert_tiles: rows {rows.shape} and expert {expert.shape} must be "
+                         f"[tiles, {exact_layout.PAIR_TILE}] and [tiles] (`exact_layout.pair_tiles`)")
+
+
+def run_expert_tiles(call, x, gate, up, down, rows, expert):
+    """The host side through `call` (as `run_attention`'s): y [tiles, PAIR_TILE, D] f32, each pair's expert output
+    in its slot (an empty slot's row: zeros; an empty tile's rows: unwritten)."""
+    check_experts(x, gate, up, down, rows, expert)
+    (m, d), i, tiles = x.shape, gate.shape[2], rows.shape[0]
+    constants = dict(M=m, D=d, I=i, BP=exact_layout.PAIR_TILE, BLOCK=EXPERT_BLOCK, IEEE=x.dtype == jnp.float32)
+    rows, expert = jnp.asarray(rows, jnp.int32), jnp.asarray(expert, jnp.int32)
+    h = call(x, rows, expert, gate, up, kernel=_gate_up_kernel,
+             out_shape=jax.ShapeDtypeStruct((tiles, exact_layout.PAIR_TILE, i), x.dtype),
+             grid=(tiles, triton.cdiv(i, EXPERT_BLOCK)), num_warps=4, num_stages=2, **constants)
+    return call(h, rows, expert, down, kernel=_down_kernel,
+                out_shape=jax.ShapeDtypeStruct((tiles, exact_layout.PAIR_TILE, d), jnp.float32),
+                grid=(tiles, triton.cdiv(d, EXPERT_BLOCK)), num_warps=4, num_stages=2, **constants)
+
+
+@functools.partial(jax.jit, static_argnames=("launcher",))
+def expert_tiles(x, gate, up, down, rows, expert, *, launcher: str = LAUNCHER):
+    """x [M, D], gate / up [E, D, I], down [E, I, D] (one dtype), rows [tiles, PAIR_TILE], expert [tiles]
+    (`exact_layout.pair_tiles`) -> y [tiles, PAIR_TILE, D] f32 (`batch_invariant.routed_experts_reference`'s)."""
+    call = bound_to(launcher, interpret=False, op="batch_invariant_triton.expert_tiles",
+                    reference="batch_invariant.routed_experts_reference")
+    return run_expert_tiles(call, x, gate, up, down, rows, expert)

@@ -1,0 +1,145 @@
+"""The exact mode's Triton kernels (pallas_kernels/batch_invariant_triton.py) on the CPU, in Triton's interpreter through
+the same host code as on the GPU (`run_attention`, `run_expert_tiles`), f32, against the references of
+`batch_invariant` and float64 numpy loops. Outputs start as NaN, so finite results prove every element that is read
+was written. A tree node's attention is bitwise its AR step's at the same position (the keys of its path committed
+to the cache, one node, another prefix). Fresh random inputs per case; shapes off the tiles (heads, widths, experts'
+dims not powers of two; trees deeper than a key step; ids outside the local experts). Triton must be in interpreter
+mode from its first import, so the cases re-run this file in a child process with TRITON_INTERPRET=1."""
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err, run_in_child
+from pallas_kernels import batch_invariant as BI
+from pallas_kernels import batch_invariant_triton as BT
+from pallas_kernels import exact_layout as L
+
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+SCALE = 0.125
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_in_the_interpreter():
+    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+
+
+def ar_step_of(inputs, stream: int, node: int):
+    """The AR step that computes tree node `node` of `stream` of a verify: the keys of its ancestors committed to the
+    cache at their positions (prefix + depth), its own key written after them, one stream, one node. Returns the
+    call's inputs (shapes as the verify's with S = T = 1)."""
+    q_lat, q_rope, c_kv, k_rope, prefix_len, visible = (np.asarray(a) for a in inputs)
+    p = int(prefix_len[stream])
+    path = np.flatnonzero(visible[stream, node])                  # ancestors and itself, in depth order
+    c, r = c_kv[stream].copy(), k_rope[stream].copy()
+    c[p:p + len(path)], r[p:p + len(path)] = c_kv[stream, p + path], k_rope[stream, p + path]
+    dtype = inputs[0].dtype
+    return (jnp.asarray(q_lat[stream, node][None, None], dtype), jnp.asarray(q_rope[stream, node][None, None], dtype),
+            jnp.asarray(c[None], dtype), jnp.asarray(r[None], dtype), jnp.asarray([p + len(path) - 1], jnp.int32),
+            jnp.ones((1, 1, 1), bool))
+
+
+def expert_inputs(rng, m, k, d, i, experts, dtype=jnp.float32):
+    """x [M, D], gate / up [E, D, I], down [E, I, D], ids [M, k] (one in ten outside [0, E): another device's),
+    weights [M, k]."""
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    gate, up = (jnp.asarray(rng.standard_normal((experts, d, i)) * d ** -0.5, dtype) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((experts, i, d)) * i ** -0.5, dtype)
+    ids = rng.integers(0, experts, (m, k))
+    ids[rng.random((m, k)) < 0.1] = experts + 3
+    weights = jnp.asarray(rng.random((m, k)), jnp.float32)
+    return x, (gate, up, down), jnp.asarray(ids, jnp.int32), weights
+
+
+def numpy_experts(x, stacked, ids, weights):
+    """Independent float64 loop over tokens and slots."""
+    x, (gate, up, down) = np.asarray(x, np.float64), (np.asarray(w, np.float64) for w in stacked)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(np.asarray(ids[t]), np.asarray(weights[t])):
+            if 0 <= e < gate.shape[0]:
+                g, u = x[t] @ gate[e], x[t] @ up[e]
+                out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+@in_child
+@pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity", [
+    (2, 1, 4, 32, 8, 80),          # AR steps
+    (3, 9, 8, 64, 16, 120),
+    (2, 40, 3, 24, 6, 140),        # a tree deeper than a key step; H, C and R not powers of two
+    (1, 5, 16, 32, 8, 37),         # a prefix up to N - T, off the step
+])
+def test_attention_matches_the_reference(streams, nodes, heads, lat, rope, capacity):
+    from test_attention_kernel import make_inputs, numpy_attention
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(streams * 1000 + nodes * 10 + heads)
+    inputs = make_inputs(rng, streams=streams, nodes=nodes, heads=heads, lat=lat, rope=rope, capacity=capacity)
+    out = BT.run_attention(interpreter_call, *inputs, SCALE)
+    assert out.shape == inputs[0].shape and np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, BI.attention_reference(*inputs, scale=SCALE)) < 1e-5
+    assert rel_err(out, numpy_attention(*inputs)) < 1e-5
+
+
+@in_child
+def test_a_nodes_attention_is_its_ar_steps_bitwise():
+    """Every node of two random trees (one deeper than a key step, its path crossing step boundaries) == the AR step
+    at its position, bit for bit."""
+    from test_attention_kernel import make_inputs
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(5)
+    inputs = make_inputs(rng, streams=2, nodes=37, heads=4, lat=32, rope=8, capacity=100)
+    tree = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE))
+    for s in range(2):
+        for t in range(37):
+            ar = np.asarray(BT.run_attention(interpreter_call, *ar_step_of(inputs, s, t), SCALE))
+            np.testing.assert_array_equal(ar[0, 0], tree[s, t], err_msg=f"stream {s} node {t}")
+
+
+@in_child
+@pytest.mark.parametrize("m,k,d,i,experts", [
+    (1, 2, 64, 64, 4),             # an AR step: two pairs
+    (33, 2, 96, 80, 16),           # D and I off the 64-wide block; experts with several tiles
+    (20, 8, 128, 64, 5),           # more pairs than experts x tile: full and partial tiles
+])
+def test_expert_tiles_match_the_reference(m, k, d, i, experts):
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(m * 100 + d + experts)
+    x, stacked, ids, weights = expert_inputs(rng, m, k, d, i, experts)
+    tiles = L.pair_tiles(ids, experts)
+    y_tiles = BT.run_expert_tiles(interpreter_call, x, *stacked, tiles.rows, tiles.expert)
+    out = L.add_slots(y_tiles, tiles, ids, weights, experts)
+    assert np.isfinite(np.asarray(out)).all()
+    reference = L.add_slots(BI.routed_experts_reference(x, lambda e: tuple(w[e] for w in stacked), tiles), tiles,
+                            ids, weights, experts)
+    assert rel_err(out, reference) < 1e-5
+    assert rel_err(out, numpy_experts(x, stacked, ids, weights)) < 1e-5
+
+
+def test_the_kernels_refuse_mismatched_operands():
+    rng = np.random.default_rng(0)
+    x, (gate, up, down), ids, _ = expert_inputs(rng, 4, 2, 64, 32, 3)
+    tiles = L.pair_tiles(ids, 3)
+    with pytest.raises(ValueError, match="one dtype"):
+        BT.check_experts(x.astype(jnp.bfloat16), gate, up, down, tiles.rows, tiles.expert)
+    with pytest.raises(ValueError, match="down"):
+        BT.check_experts(x, gate, up, down[:, :16], tiles.rows, tiles.expert)
+    with pytest.raises(ValueError, match="pair_tiles"):
+        BT.check_experts(x, gate, up, down, tiles.rows[:, :8], tiles.expert)
+    q = jnp.zeros((1, 2, 4, 32), jnp.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        BT.check_attention(q, q[..., :8], jnp.zeros((1, 16, 32), jnp.bfloat16), jnp.zeros((1, 16, 8), jnp.bfloat16),
+                           jnp.zeros((1,), jnp.int32), jnp.ones((1, 2, 2), bool))
+
+
+def test_the_tiles_are_functions_of_the_model_alone():
+    """The key step and the head tile depend on the latent width, the dtype and the heads only (never on T, the
+    prefix or the streams): what makes a node's row and its AR step's run one instruction sequence."""
+    assert BT.attention_block_keys(512, jnp.bfloat16) == 32 and BT.attention_block_keys(64, jnp.bfloat16) == 64
+    assert BT.attention_block_keys(512, jnp.float32) == 16
+    assert [BT.head_rows(h) for h in (1, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
