@@ -1,32 +1,31 @@
-"""Batch-invariant references of the target forward's reductions: every token row gets bitwise the same result
-whether it runs alone (an AR step, M = 1), as a node of a tree verify, or beside other streams.
+"""The exact mode's reductions (`DecodeSpec.exact`): every token row gets bitwise the same result whether it runs
+alone (an AR step, M = 1), as a node of a tree verify, or beside other streams.
 
 A reduction's order may change with the problem's shape: a GEMM picks its algorithm, blocking and split-K from
 (M, K, N) (on the CPU an M = 1 product runs as a GEMV, summing K in another order), and a row's softmax sum pairs its
-terms by their position in the row. The functions here never let a row's result depend on anything but the row:
+terms by their position in the row. The functions here never let a row's result depend on anything but the row.
+Where kernels run compiled on the GPU (`ops.exact_dense_takes`, `ops.exact_kernels_take`) each is one kernel whose
+tiling is fixed by the model's shapes (`skinny_matmul`, `batch_invariant_triton`); elsewhere (the CPU, and the
+references) XLA runs it in fixed-shape pieces:
 
-- `matmul`: the rows are padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
-  product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has.
+- `matmul`: the rows padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
+  product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has;
+  `head_matmul` the same for each head.
 - `row_sum`: a row's sum as a `matmul` by ones (an XLA reduce may order a row's terms by how many rows there are:
   measured on the CPU); the router's sum over its top-k slots runs left to right (`router_topk`).
 - `attention`: each query attends over its own sequence in position order, the committed prefix followed by its
-  ancestors in the block (a tree node's keys are gathered from the rows where the verify wrote them), padded to the
-  cache's capacity: the AR step at the same position sees the same keys at the same indices, and the fixed-shape
-  per-query products run over identical rows (the softmax's sum is one more column of the value product); QUERY_TILE
-  queries at a time, as one batched product of fixed shape (a query's result is its own batch entry's).
-- `routed_experts`: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert, each pair a row of its
-  tile's fixed-shape products, and a token's k results added in slot order, whatever the number of tokens sharing
-  an expert.
+  ancestors in the block (a tree node's keys are gathered from the rows where the verify wrote them): the AR step at
+  the same position sees the same keys at the same indices. The reference pads the sequence to the cache's capacity
+  and runs QUERY_TILE queries a step as one batched product of fixed shape (the softmax's sum is one more column of
+  the value product); the kernel walks it in fixed steps of positions with an online softmax.
+- `routed_experts`: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert (`exact_layout`), each pair
+  a row of its tile's fixed-shape products, and a token's k results added in slot order, whatever the number of
+  tokens sharing an expert.
 
-Every product is `fixed_dot`: its operands and result pass through `lax.optimization_barrier`, so that it compiles
-to the same GEMM wherever it sits. The likely reason an H100 run was bitwise at batch 1 and not at batch 8 (before
-the barriers; decode.md, "Exact mode"): a `lax.map` of one tile (M <= ROW_TILE) is inlined while one of several
-tiles stays a loop fed by a dynamic slice, so XLA:GPU can fuse, and autotune, the same product two ways.
-
-These are the CPU path and the reference of the exact mode (`DecodeSpec.exact`); the invariance of the same fixed
-shapes under XLA:GPU's GEMM autotuning, and kernels with a fixed tile order, are the GPU's part (experiments/notes/
-decode.md, "Exact mode"). On the GPU with `ops.set_dense_kernel(True)`, `matmul` is one `skinny_matmul` at any row
-count instead of its tiles: that kernel's order along K is fixed by (K, N) alone (opt-in until measured).
+The references' products are `fixed_dot`: operands and result behind `lax.optimization_barrier`, so that each
+compiles to the same GEMM wherever it sits (without the barriers an H100 run was bitwise at batch 1 and not at
+batch 8: a `lax.map` of one tile is inlined while one of several stays a loop, and XLA:GPU fused and autotuned the
+same product two ways; decode.md, "Exact mode").
 """
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ def fixed_dot(a, b):
 
 def matmul(x, w, *, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order: one
-    `skinny_matmul` where `ops.exact_dense_takes` (the GPU, `ops.set_dense_kernel(True)`), else fixed-shape tiles."""
+    `skinny_matmul` where `ops.exact_dense_takes` (kernels compiled on the GPU), else fixed-shape tiles."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     if ops.exact_dense_takes(rows, w):
@@ -71,7 +70,15 @@ def row_sum(x):
 
 
 def head_matmul(x, w, *, out_dtype=None):
-    """Per-head products: x [..., H, K] @ w [H, K, N] -> [..., H, N] (`matmul` for each head, one after another)."""
+    """Per-head products: x [..., H, K] @ w [H, K, N] -> [..., H, N]: one Triton kernel where
+    `ops.exact_kernels_take`, else `head_matmul_reference`."""
+    if ops.exact_kernels_take(x, w):
+        return batch_invariant_triton.head_matmul(x, w, out_dtype=out_dtype or x.dtype)
+    return head_matmul_reference(x, w, out_dtype=out_dtype)
+
+
+def head_matmul_reference(x, w, *, out_dtype=None):
+    """`head_matmul` as `matmul` for each head, one after another."""
     xh = jnp.moveaxis(x, -2, 0)                                           # [H, ..., K]
     out = lax.map(lambda args: matmul(*args, out_dtype=out_dtype or x.dtype), (xh, w))
     return jnp.moveaxis(out, 0, -2)

@@ -23,6 +23,7 @@ the bitwise check of a node against its AR step runs on the GPU (tests/test_kern
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from pallas_kernels.triton_call import bound_to
 
 LAUNCHER = "ffi"     # typed custom call, command-buffer compatible (triton_call.py), as skinny_matmul's
 EXPERT_BLOCK = 64    # the experts' output columns per program and their K per step
+HEAD_BLOCK_N = 64    # the head products' output columns per program
 FLOATS = (jnp.bfloat16, jnp.float32)
 _NEG_INF = tl.constexpr(op.NEG_INF)
 
@@ -137,6 +139,60 @@ def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
     call = bound_to(launcher, interpret=False, op="batch_invariant_triton.attention",
                     reference="batch_invariant.attention_reference")
     return run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale)
+
+
+def head_block_k(k: int) -> int:
+    """The head products' K per step: K's power of two, between tl.dot's 16 and 64. A function of K alone."""
+    return max(MIN_DOT_DIM, min(64, triton.next_power_of_2(k)))
+
+
+@triton.jit
+def _head_product_kernel(x_ptr, w_ptr, out_ptr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                         N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (column block, row tile, head h): out[rows, h, cols] = x[rows, h] w[h, :, cols], the f32 sums over K
+    in BK steps, rounded to out's dtype. x [M, H, K], w [H, K, N], out [M, H, N]; rows past M load as zeros and are
+    not written."""
+    nb, mt, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = (mt * BM + tl.arange(0, BM)).to(tl.int64)
+    row_ok = rows < M
+    cols = nb * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        xk = tl.load(x_ptr + (rows[:, None] * H + h) * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        wk = tl.load(w_ptr + h * (K * N) + k[:, None] * N + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        acc = _dot(xk, wk, acc, IEEE)
+    tl.store(out_ptr + (rows[:, None] * H + h) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def run_head_matmul(call, x, w, out_dtype):
+    """The host side through `call` (as `run_attention`'s): x [..., H, K] @ w [H, K, N] -> [..., H, N] in
+    out_dtype, one launch: 16-row tiles of the rows, HEAD_BLOCK_N columns a program, one head a program."""
+    *lead, h, k = x.shape
+    if w.ndim != 3 or w.shape[:2] != (h, k) or w.dtype != x.dtype or x.dtype not in map(jnp.dtype, FLOATS):
+        raise ValueError(f"batch_invariant_triton.head_matmul takes x [..., H, K] and w [H, K, N] of one dtype "
+                         f"(bfloat16 or float32); got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    m, n = math.prod(lead), w.shape[2]
+    out = call(x.reshape(m, h, k), w, kernel=_head_product_kernel,
+               out_shape=jax.ShapeDtypeStruct((m, h, n), out_dtype),
+               grid=(triton.cdiv(n, HEAD_BLOCK_N), triton.cdiv(m, MIN_DOT_DIM), h), num_warps=4, num_stages=2,
+               M=m, H=h, K=k, N=n, BM=MIN_DOT_DIM, BN=HEAD_BLOCK_N, BK=head_block_k(k),
+               IEEE=x.dtype == jnp.float32)
+    return out.reshape(*lead, h, n)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "launcher"))
+def head_matmul(x, w, *, out_dtype=None, launcher: str = LAUNCHER):
+    """x [..., H, K] @ w [H, K, N] -> [..., H, N] in out_dtype (default x's), each head's product of a row in one
+    order whatever the rows (`batch_invariant.head_matmul`'s kernel)."""
+    call = bound_to(launcher, interpret=False, op="batch_invariant_triton.head_matmul",
+                    reference="batch_invariant.head_matmul_reference")
+    return run_head_matmul(call, x, w, jnp.dtype(out_dtype or x.dtype))
 
 
 @triton.jit

@@ -121,6 +121,21 @@ def test_expert_tiles_match_the_reference(m, k, d, i, experts):
     assert rel_err(out, numpy_experts(x, stacked, ids, weights)) < 1e-5
 
 
+@in_child
+@pytest.mark.parametrize("lead,heads,k,n", [((1, 1), 8, 32, 64), ((3, 7), 4, 128, 24), ((2, 20), 3, 40, 100)])
+def test_head_matmul_matches_the_reference(lead, heads, k, n):
+    """The head products (W_UK's K = 32, W_UV's N off the column block, K off the step, rows past a 16-row tile)."""
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(heads * k + n)
+    x = jnp.asarray(rng.standard_normal((*lead, heads, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((heads, k, n)) * k ** -0.5, jnp.float32)
+    out = BT.run_head_matmul(interpreter_call, x, w, jnp.dtype(jnp.float32))
+    assert out.shape == (*lead, heads, n) and np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, BI.head_matmul_reference(x, w)) < 1e-5
+    assert rel_err(out, np.einsum("...hk,hkn->...hn", np.asarray(x, np.float64), np.asarray(w, np.float64))) < 1e-5
+
+
 def test_the_kernels_refuse_mismatched_operands():
     rng = np.random.default_rng(0)
     x, (gate, up, down), ids, _ = expert_inputs(rng, 4, 2, 64, 32, 3)
@@ -131,6 +146,8 @@ def test_the_kernels_refuse_mismatched_operands():
         BT.check_experts(x, gate, up, down[:, :16], tiles.rows, tiles.expert)
     with pytest.raises(ValueError, match="pair_tiles"):
         BT.check_experts(x, gate, up, down, tiles.rows[:, :8], tiles.expert)
+    with pytest.raises(ValueError, match="w \\[H, K, N\\]"):
+        BT.run_head_matmul(None, jnp.zeros((3, 4, 32), jnp.float32), jnp.zeros((4, 16, 8), jnp.float32), jnp.float32)
     q = jnp.zeros((1, 2, 4, 32), jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
         BT.check_attention(q, q[..., :8], jnp.zeros((1, 16, 32), jnp.bfloat16), jnp.zeros((1, 16, 8), jnp.bfloat16),
@@ -143,3 +160,4 @@ def test_the_tiles_are_functions_of_the_model_alone():
     assert BT.attention_block_keys(512, jnp.bfloat16) == 32 and BT.attention_block_keys(64, jnp.bfloat16) == 64
     assert BT.attention_block_keys(512, jnp.float32) == 16
     assert [BT.head_rows(h) for h in (1, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
+    assert [BT.head_block_k(k) for k in (8, 32, 128, 512)] == [16, 32, 64, 64]

@@ -404,17 +404,15 @@ def test_router_kernel_forward_matches_xla():
     assert rel_err(logits[True], logits[False]) < 1e-5
 
 
-def test_exact_mode_through_skinny_matmul():
-    """The exact mode with its products as single skinny_matmul calls (`ops.set_dense_kernel(True)`: M-invariant by
-    construction): chain and tree nodes of three streams bitwise == the AR steps along their paths, and a stream alone
-    == the batch (test_exact's check, on the code target)."""
+def test_exact_mode_forward_through_the_kernels():
+    """The exact mode's forward on the GPU, its products as single skinny_matmul calls and its head products,
+    attention and routed experts as batch_invariant_triton's kernels: chain and tree nodes of three streams bitwise
+    == the AR steps along their paths, and a stream alone == the batch (test_exact's check, on the code target)."""
     from test_exact import test_a_rows_results_do_not_depend_on_its_block_or_batch as rows_check
 
-    ops.set_dense_kernel(True)
-    try:
-        rows_check("code_target", (21, 6, 14))
-    finally:
-        ops.set_dense_kernel(False)
+    x = jnp.zeros((3, 256), jnp.bfloat16)
+    assert ops.exact_dense_takes(x, x.T) and ops.exact_kernels_take(x)
+    rows_check("code_target", (21, 6, 14))
 
 
 @pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity,dtype", [
@@ -474,3 +472,21 @@ def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     alone = run(x[-1:], ids[-1:], weights[-1:])
     np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(out[-1]))
+
+
+@pytest.mark.parametrize("rows,heads,k,n,dtype", [(264, 8, 128, 512, jnp.bfloat16), (264, 8, 512, 128, jnp.bfloat16),
+                                                  (33, 8, 32, 64, jnp.bfloat16), (9, 8, 128, 512, jnp.float32)])
+def test_exact_head_matmul_kernel(rows, heads, k, n, dtype):
+    """The exact mode's head products (K2.6's W_UK / W_UV at the share's heads, the code target's W_UK) == the
+    reference, and the last row bitwise the same alone (M = 1) as among `rows`."""
+    from pallas_kernels import batch_invariant as BI
+    from pallas_kernels import batch_invariant_triton as BT
+
+    rng = np.random.default_rng(rows + k)
+    x = jnp.asarray(rng.standard_normal((rows, heads, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((heads, k, n)) * k ** -0.5, dtype)
+    out = BT.head_matmul(x, w)
+    want = BI.head_matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
+    np.testing.assert_array_equal(np.asarray(BT.head_matmul(x[-1:], w).astype(jnp.float32)),
+                                  np.asarray(out[-1:].astype(jnp.float32)))
