@@ -16,7 +16,8 @@ next segment with one `lax.switch`. On XLA:GPU every conditional is a host read 
 passed two of them (the draft `cond` and a budget `switch` each round) cost 12-30% more than the fixed loop's
 round on an H100 (experiments/notes/decode.md, "Third GPU run"). So each round plans the next one
 (`plan_after_draft`, `plan_after_ar`) from what the loop knows after it, and the next round keeps the current B
-unless another beats it by SWITCH_MARGIN (a segment's end costs two predicate reads).
+unless a larger one's rate beats it or a smaller one's beats it by SWITCH_MARGIN (a segment's end costs two
+predicate reads; `choose`).
 
 What a drafted round at b tells about each budget. The best-first tree of budget B is the first B + 1 nodes of the
 tree of any larger budget (nodes in pop order, a parent before its children, `tree.prefix_tree`). So for B <= b
@@ -67,7 +68,7 @@ NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.25  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
-SWITCH_MARGIN = 0.02  # the next round keeps the current B unless another's forecast rate beats it by this share
+SWITCH_MARGIN = 0.02  # the next round moves to a smaller B only when its forecast rate beats the current's by this share
 AR_MARGIN = 0.05  # drafting stops only when AR's rate beats the best drafted forecast rate by this share ...
 MIN_DRAFTED = 4  # ... and only after this many drafted rounds (one round's acceptance is noisy, and a
 # wrong turn to AR costs a whole probe gap of rounds at 1 token)
@@ -337,13 +338,18 @@ def expected_accepted(score, state: BudgetState, budgets, active) -> jax.Array:
 
 def choose(forecast, costs, current=None):
     """forecast [C'] expected accepted nodes per candidate B > 0, costs [C'] seconds -> int32 index into them of the
-    best rate (F + 1) / c (ties to the smaller index); with `current` (an index, int32 []), that one unless the
-    best beats its rate by more than SWITCH_MARGIN."""
+    best rate (F + 1) / c (ties to the smaller index). With `current` (an index, int32 []): a larger B whose rate
+    beats current's at all, or a smaller one that beats it by more than SWITCH_MARGIN, else current. The climb takes
+    no margin because a round at the larger B observes every smaller one exactly (`accepted_at_each_budget`): a
+    wrong climb shows at once and costs one segment. The descent keeps the margin: below, the larger B is known
+    only through the drafter's expected gain, which undershoots (on an H100 auto held B = 16 where B = 32 cost 0.4%
+    more and accepted 9% more: decode.md, "Fourth GPU run")."""
     rate = (forecast + 1.0) / costs
-    best = jnp.argmax(rate).astype(jnp.int32)
     if current is None:
-        return best
-    return jnp.where(rate[best] > (1.0 + SWITCH_MARGIN) * rate[current], best, current).astype(jnp.int32)
+        return jnp.argmax(rate).astype(jnp.int32)
+    index = jnp.arange(rate.shape[0])
+    bar = jnp.where(index > current, 1.0, jnp.where(index < current, 1.0 + SWITCH_MARGIN, 0.0)) * rate[current]
+    return jnp.argmax(jnp.where(rate > bar, rate, -jnp.inf)).astype(jnp.int32)
 
 
 def observe(state: BudgetState, score, on_path, verified) -> BudgetState:

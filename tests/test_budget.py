@@ -28,8 +28,8 @@ def test_every_budget_is_a_prefix_of_the_largest_tree(topk):
 
 def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
     """Rates (F + 1) / cost: B=4 at F=1.2 -> 2.2 / 1.5 = 1.47; B=16 at F=2.4 -> 3.4 / 2.5 = 1.36; so B=4. The
-    expectation is a mean over active streams only; a tie goes to the smaller budget; from a current B, another
-    only when it beats it by more than SWITCH_MARGIN."""
+    expectation is a mean over active streams only; a tie goes to the smaller budget; from a current B, a smaller
+    one only when it beats it by more than SWITCH_MARGIN, a larger one whenever it beats it."""
     spec_costs = COSTS[1:]
     score = jnp.log(jnp.asarray([[1.0, 0.5, 0.5, 0.25], [1.0, 0.5, 0.25, 0.25], [1.0, 1.0, 1.0, 1.0]]))
     state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)  # no observations: the drafter trusted
@@ -44,6 +44,10 @@ def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
     assert int(budget.choose(jnp.asarray([just_over, 4.0]), spec_costs, jnp.int32(1))) == 0
     assert int(budget.choose(jnp.asarray([just_under, 4.0]), spec_costs, jnp.int32(1))) == 1  # stays at B=16
     assert int(budget.choose(jnp.asarray([just_under, 4.0]), spec_costs)) == 0
+    # upwards no margin: from B=4 (rate 2), B=16 at any rate above it; an equal rate stays
+    above = (1.2 + 1) / 1.5 * 2.5 * (1 + margin / 4) - 1                # B=16's rate a quarter margin over B=4's
+    assert int(budget.choose(jnp.asarray([1.2, above]), spec_costs, jnp.int32(0))) == 1
+    assert int(budget.choose(jnp.asarray([1.2, (1.2 + 1) / 1.5 * 2.5 - 1]), spec_costs, jnp.int32(0))) == 0
 
 
 def test_accepted_at_each_budget_is_the_walk_up_to_its_first_node_past_b():
