@@ -234,8 +234,9 @@ class Handover:
     """Whether a `generate` of the auto loop runs a fixed loop instead (host side, between calls), and which.
 
     A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds the tree of the
-    next candidate up and computes the expectations, an AR one keeps the drafter's hidden layers and extends its
-    context (+6% for AR rounds on the CPU, +7% on an H100; decode.md), and a segment's end costs two predicate
+    next candidate up and computes the expectations, an AR one keeps its row of the drafter's hidden layers (its
+    context projection is deferred to the next segment's start: before that, AR rounds of the auto loop cost 9-16%
+    more than the AR loop's on an H100; decode.md, "Fourth GPU run"), and a segment's end costs two predicate
     reads. So when the auto loop verified one budget B in at least HANDOVER_SHARE of a call's rounds, the next
     calls run the fixed loop of that B (B = 0: the plain AR loop); every so many calls (HANDOVER_FIRST_GAP,
     doubling up to HANDOVER_MAX_GAP while the same B keeps winning) the auto loop runs again to see whether another

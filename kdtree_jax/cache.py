@@ -49,6 +49,15 @@ def write_rows(layer_cache, rows, offsets):
     return jax.vmap(one)(layer_cache, rows, offsets)
 
 
+def write_first_rows(layer_cache, rows, offsets, count):
+    """layer_cache [S, N, ...] <- the first count[s] of rows [S, T, ...] at rows offsets[s] .. of each stream; the
+    other rows are dropped (never clamped onto earlier rows, as a slice written past N would be)."""
+    t, n = rows.shape[1], layer_cache.shape[1]
+    j = jnp.arange(t)[None, :]
+    at = jnp.where(j < count[:, None], offsets[:, None] + j, n)              # [S, T]; n: dropped
+    return jax.vmap(lambda c, x, i: c.at[i].set(x.astype(c.dtype), mode="drop"))(layer_cache, rows, at)
+
+
 def compact(cache: KVCache, path, num_accepted, active) -> KVCache:
     """Commit the root and the accepted tree nodes of each active stream.
 

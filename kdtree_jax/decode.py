@@ -29,9 +29,10 @@ from flax import nnx
 from kdtree_jax import budget as budget_lib
 from kdtree_jax import memory, sharding
 from pallas_kernels import tree as tree_lib
-from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache
+from kdtree_jax.cache import KVCache, check_capacity, compact, init_cache, write_rows
 from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter, DrafterCache
+from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
 from pallas_kernels import ops
 
@@ -105,6 +106,20 @@ class LoopState(NamedTuple):
     keys: jax.Array  # [S] one PRNG key per stream: a stream's samples do not depend on the other streams
     auto: budget_lib.BudgetState | None  # the budget chooser's state (auto), else None
     nonfinite: jax.Array  # [S] int32: where the stream's first non-finite target logits came (tokens out then), -1
+    deferred: DeferredContext | None = None  # the auto loop's committed rows not yet in the drafter's context
+
+
+class DeferredContext(NamedTuple):
+    """The target's hidden rows (at the drafter's context layers) of tokens committed by the auto loop's AR rounds
+    and not yet in the drafter's context: an AR round stores its row here instead of running the drafter's context
+    projection, and the next segment's start projects them all at once (`catch_up_context`). Without this an AR
+    round of the auto loop cost 9-16% more than the AR loop's (decode.md, "Fourth GPU run")."""
+    hidden: tuple  # per context layer [S, DEFERRED_ROWS, D]: row j holds position start[s] + j
+    start: jax.Array  # [S] int32: the first position not in the drafter's context (<= the cache length)
+
+
+DEFERRED_ROWS = 64  # AR rounds of the auto loop between two catch-ups of the drafter's context (the longest AR
+# segment; PROBE_MAX_GAP rounds, so that a probe's wait is rarely cut)
 
 
 class NonFiniteLogits(ValueError):
@@ -414,7 +429,7 @@ class Decoder:
         params = sharding.param_shardings(self.target_params, self.mesh)
         out = LoopState(cache=streams, dcache=streams, bonus=streams, out=streams, num_out=streams, done=streams,
                         taus=sharding.stream_sharding(self.mesh, axis=1), budgets=rep, rounds=rep, keys=streams,
-                        auto=rep, nonfinite=streams)
+                        auto=rep, nonfinite=streams, deferred=streams)
         return dict(in_shardings=(params, rep, streams, streams, streams, streams, rep, rep), out_shardings=out)
 
     # ------------------------------------------------------------------------------------------- on device
@@ -424,6 +439,7 @@ class Decoder:
         state = prefill(target, drafter, spec, cache, dcache, tokens, lengths, key, controls)
         limit = jnp.minimum(controls.round_limit, spec.max_new_tokens)
         if spec.auto:
+            state = state._replace(deferred=no_deferred_rows(state.cache.length, target, drafter))
             step = functools.partial(auto_segment, target, drafter, spec, limit, controls.step_costs)
         elif spec.rounds_per_check > 1:  # done streams are frozen, so extra rounds change nothing
             step = lambda st: jax.lax.fori_loop(0, spec.rounds_per_check,
@@ -559,20 +575,22 @@ def draft_tree(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: Loop
 
 
 def verify_and_commit(target: Transformer, drafter: Drafter | None, spec: DecodeSpec, st: LoopState,
-                      tree: tree_lib.TreeArrays, keys):
+                      tree: tree_lib.TreeArrays, keys, extend_context: bool = True):
     """Verify the tree (one target forward over its B+1 nodes), walk it (`walk_tree`), compact the accepted KV and
     extend the drafter context with the root and the accepted nodes (min(B, D) + 1 rows: an AR round writes one)
     -> (cache, dcache, verdict with its path padded to D+1, finite [S]: the logits all finite (check_finite; else
-    true))."""
+    true), hidden: the forward's rows at the drafter's context layers, per layer [S, B+1, D] (() without a
+    drafter)). extend_context=False leaves the drafter's context as it was (the caller keeps the rows: `defer_row`)."""
     length = st.cache.length
     layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     fwd = target(tree.tokens, length[:, None] + tree.depth, st.cache, tree.visible, hidden_layers=layer_ids,
                  exact=spec.exact)
     verdict = walk_tree(spec, tree, fwd.logits, keys)
-    cache, dcache = commit_kv(drafter, fwd.cache, st.dcache, fwd.hidden, verdict, ~st.done)
+    cache, dcache = commit_kv(drafter if extend_context else None, fwd.cache, st.dcache, fwd.hidden, verdict,
+                              ~st.done)
     path = jnp.pad(verdict.path, ((0, 0), (0, spec.depth + 1 - verdict.path.shape[1])), constant_values=-1)
     finite = all_finite(fwd.logits) if spec.check_finite else jnp.ones(length.shape, bool)
-    return cache, dcache, verdict._replace(path=path), finite
+    return cache, dcache, verdict._replace(path=path), finite, fwd.hidden
 
 
 def walk_tree(spec: DecodeSpec, tree: tree_lib.TreeArrays, logits, keys) -> tree_lib.AcceptResult:
@@ -587,7 +605,7 @@ def decode_round(target: Transformer, drafter: Drafter | None, spec: DecodeSpec,
     fixed budget (the auto loop runs `auto_segment`)."""
     keys, sub = split_each(st.keys)
     tree = root_only_tree(st.bonus) if drafter is None else draft_tree(target, drafter, spec, st)
-    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree, sub)
+    cache, dcache, verdict, finite, _ = verify_and_commit(target, drafter, spec, st, tree, sub)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, spec.tree_budget, st.auto, finite)
 
 
@@ -595,16 +613,51 @@ def auto_segment(target: Transformer, drafter: Drafter, spec: DecodeSpec, limit,
                  st: LoopState) -> LoopState:
     """A step of the auto loop (kdtree_jax.budget): the segment of the budget st.auto.next_index names, an inner
     while loop of rounds at that B (`ar_round` for B = 0, else `drafted_round`) for as long as each round plans the
-    same B for the next (and the loop is `running`). One `lax.switch` a segment: on XLA:GPU every conditional is a
-    host read of its predicate, and rounds that passed two a round cost 12-30% more than the fixed loop's
-    (decode.md, "Third GPU run"). step_costs: [C] seconds of a round at each candidate."""
+    same B for the next (and the loop is `running`; an AR segment also ends after DEFERRED_ROWS rounds). The
+    segment starts by catching the drafter's context up with the rows AR rounds deferred (`catch_up_context`). One
+    `lax.switch` a segment: on XLA:GPU every conditional is a host read of its predicate, and rounds that passed two
+    a round cost 12-30% more than the fixed loop's (decode.md, "Third GPU run"). step_costs: [C] seconds of a round
+    at each candidate."""
     def segment(index, st):
         b = spec.auto_budgets[index]
-        one_round = ar_round if b == 0 else functools.partial(drafted_round, budget=b)
-        same = lambda s: running(spec, limit, s) & (s.auto.next_index == index)
+        st = catch_up_context(drafter, st)
+        if b == 0:
+            one_round = ar_round
+            room = lambda s: jnp.max(s.cache.length - s.deferred.start) < DEFERRED_ROWS  # noqa: E731
+        else:
+            one_round = functools.partial(drafted_round, budget=b)
+            room = lambda s: True  # noqa: E731
+        same = lambda s: running(spec, limit, s) & (s.auto.next_index == index) & room(s)  # noqa: E731
         return jax.lax.while_loop(same, lambda s: one_round(target, drafter, spec, s, step_costs), st)
     branches = [functools.partial(segment, i) for i in range(len(spec.auto_budgets))]
     return jax.lax.switch(st.auto.next_index, branches, st)
+
+
+def no_deferred_rows(length, target: Transformer, drafter: Drafter) -> DeferredContext:
+    """An empty `DeferredContext` for streams whose drafter context holds every row < length [S]."""
+    rows = (length.shape[0], DEFERRED_ROWS, target.cfg.hidden_size)
+    dtype = dtype_of(target.cfg.dtype)
+    return DeferredContext(tuple(jnp.zeros(rows, dtype) for _ in drafter.cfg.target_layer_ids), length)
+
+
+def defer_row(deferred: DeferredContext, hidden, length) -> DeferredContext:
+    """Keep an AR round's rows (hidden: per context layer [S, 1, D], committed at position length [S]) for the next
+    catch-up. The loop guarantees length - start < DEFERRED_ROWS (an AR segment ends before)."""
+    for d, h in zip(deferred.hidden, hidden):
+        if d.dtype != h.dtype:
+            raise TypeError(f"defer_row: the target's hidden rows are {h.dtype}, the deferred buffer {d.dtype}: "
+                            f"`no_deferred_rows` must allocate it in the target's activation dtype")
+    return deferred._replace(hidden=tuple(write_rows(d, h[:, :1], length - deferred.start)
+                                          for d, h in zip(deferred.hidden, hidden)))
+
+
+def catch_up_context(drafter: Drafter, st: LoopState) -> LoopState:
+    """The drafter's context extended over the deferred rows (positions start .. length - 1 of each stream, one
+    batched projection), and nothing deferred after."""
+    d = st.deferred
+    positions = d.start[:, None] + jnp.arange(DEFERRED_ROWS)[None, :]
+    dcache = drafter.extend_cache(st.dcache, d.hidden, positions, d.start, count=st.cache.length - d.start)
+    return st._replace(dcache=dcache, deferred=d._replace(start=st.cache.length))
 
 
 def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs,
@@ -613,15 +666,16 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     pays; `budget` itself at the largest), verify its first `budget` + 1 nodes; fold the outcome into the
     calibration, then plan the next round from what each budget accepted and the drafter's expected gain above
     (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own). Candidates above
-    the built tree look no better than it this round, so the loop climbs one candidate at a time."""
+    the built tree look no better than it this round, so the loop climbs one candidate at a time. The drafter's
+    context must hold every committed row (its segment caught it up); the round extends it itself."""
     candidates = spec.auto_budgets
     spec_budgets = [b for b in candidates if b > 0]
     build = min([b for b in candidates if b > budget], default=budget)
     keys, sub = split_each(st.keys)
     active = ~st.done
     tree = draft_tree(target, drafter, spec, st, build)
-    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree_lib.prefix_tree(tree, budget),
-                                                       sub)
+    cache, dcache, verdict, finite, _ = verify_and_commit(target, drafter, spec, st,
+                                                          tree_lib.prefix_tree(tree, budget), sub)
     nodes = jnp.arange(build + 1)
     on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, build + 1]
     verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
@@ -630,15 +684,18 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     accepted = budget_lib.accepted_at_each_budget(verdict.path, spec_budgets, active)  # [C']
     auto = budget_lib.plan_after_draft(auto, expected, accepted, spec_budgets.index(budget), candidates, step_costs,
                                        spec.depth)
+    st = st._replace(deferred=st.deferred._replace(start=cache.length))
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 
 
 def ar_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
-    """An AR round of the auto loop: the root alone verified (the drafter's context extended by it), and the count
-    down to the next probe."""
+    """An AR round of the auto loop: the root alone verified, its row at the drafter's context layers deferred
+    (`defer_row`: the next segment's start projects it), and the count down to the next probe."""
     keys, sub = split_each(st.keys)
     tree = root_only_tree(st.bonus)
-    cache, dcache, verdict, finite = verify_and_commit(target, drafter, spec, st, tree, sub)
+    cache, dcache, verdict, finite, hidden = verify_and_commit(target, drafter, spec, st, tree, sub,
+                                                               extend_context=False)
+    st = st._replace(deferred=defer_row(st.deferred, hidden, st.cache.length))
     auto = budget_lib.plan_after_ar(st.auto, spec.auto_budgets, step_costs, spec.depth)
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, 0, auto, finite)
 
@@ -666,7 +723,7 @@ def finish_round(spec: DecodeSpec, st: LoopState, tree_tokens, verdict, cache, d
     nonfinite = first_nonfinite(st.nonfinite, finite | ~active, st.num_out)
     return LoopState(cache, dcache, jnp.where(active, verdict.next_token, st.bonus), out, num_out, done,
                      st.taus.at[st.rounds].set(count), st.budgets.at[st.rounds].set(budget), st.rounds + 1, keys,
-                     auto, nonfinite)
+                     auto, nonfinite, st.deferred)
 
 
 def commit_kv(drafter: Drafter | None, cache: KVCache, dcache, hidden, verdict, active):

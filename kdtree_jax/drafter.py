@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.cache import write_rows
+from kdtree_jax.cache import write_first_rows, write_rows
 from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
 from kdtree_jax.model.rope import plain_inv_frequencies, rotate_pairs
@@ -103,11 +103,16 @@ class Drafter(nnx.Module):
         return DrafterCache(tuple(jnp.zeros(shape, dt) for _ in self.layers),
                             tuple(jnp.zeros(shape, dt) for _ in self.layers))
 
-    def extend_cache(self, cache: DrafterCache, hidden, positions, offsets) -> DrafterCache:
-        """Write the context K/V of new committed tokens (hidden [S, T, D] per target layer) at rows offsets[s]..."""
+    def extend_cache(self, cache: DrafterCache, hidden, positions, offsets, count=None) -> DrafterCache:
+        """Write the context K/V of new committed tokens (hidden [S, T, D] per target layer) at rows offsets[s]...;
+        count [S]: only the first count[s] rows of each stream (the rest are dropped), default all T."""
         k_new, v_new = self.context_kv(hidden, positions)
-        return DrafterCache(tuple(write_rows(c, k, offsets) for c, k in zip(cache.k, k_new)),
-                            tuple(write_rows(c, v, offsets) for c, v in zip(cache.v, v_new)))
+        if count is None:
+            write = write_rows
+        else:
+            write = lambda c, x, o: write_first_rows(c, x, o, count)  # noqa: E731
+        return DrafterCache(tuple(write(c, k, offsets) for c, k in zip(cache.k, k_new)),
+                            tuple(write(c, v, offsets) for c, v in zip(cache.v, v_new)))
 
     def draft(self, embed, lm_head, bonus, start, cache: DrafterCache, ctx_len):
         """Draft logits [S, L-1, V] (f32) for positions start+1 .. start+L-1 of the block [bonus, MASK...].

@@ -166,6 +166,52 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="ddtree", auto_budgets=(4, 0), block_size=BLOCK))
 
 
+def test_ar_rounds_defer_the_drafter_context_and_a_segment_catches_it_up(setup):
+    """An AR round of the auto loop keeps its row at the drafter's context layers (`defer_row`) instead of projecting
+    it; a segment's start (`catch_up_context`) projects the deferred rows at once. The drafter's context then equals
+    extending it round by round, and rows at or past each stream's length are untouched (a stream that stopped
+    deferring, and a stream near the cache's end: nothing is written past N)."""
+    from kdtree_jax import decode as D
+    from kdtree_jax.cache import KVCache
+
+    cfg, target, drafter = setup
+    rng = np.random.default_rng(3)
+    layers = len(drafter.cfg.target_layer_ids)
+    start, rounds = jnp.asarray([5, 9, 29], jnp.int32), 3
+    before = drafter.init_cache(3, 32)
+    before = type(before)(*(tuple(jnp.asarray(rng.standard_normal(c.shape), c.dtype) for c in part)
+                            for part in before))
+    rows = [tuple(jnp.asarray(rng.standard_normal((3, 1, cfg.hidden_size)), D.dtype_of(cfg.dtype))
+                  for _ in range(layers)) for _ in range(rounds)]
+    advance = jnp.asarray([1, 0, 1], jnp.int32)            # stream 1 is done: its length stays
+    eager, deferred, length = before, D.no_deferred_rows(start, target, drafter), start
+    for row in rows:
+        eager = jax.tree.map(lambda new, old: jnp.where(advance[:, None, None, None] > 0, new, old),
+                             drafter.extend_cache(eager, row, length[:, None], length), eager)
+        deferred = D.defer_row(deferred, row, length)
+        length = length + advance
+    st = D.LoopState(KVCache((), (), length), before, *([None] * 10), deferred=deferred)
+    caught = D.catch_up_context(drafter, st)
+    assert caught.deferred.start.tolist() == length.tolist()
+    for got, want, old in zip(jax.tree.leaves(caught.dcache), jax.tree.leaves(eager), jax.tree.leaves(before)):
+        for s in range(3):
+            np.testing.assert_allclose(got[s, :int(length[s])], want[s, :int(length[s])], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(got[s, int(length[s]):], old[s, int(length[s]):])
+
+
+def test_greedy_auto_equals_ar_across_many_catch_ups(setup, ar_decoder, monkeypatch):
+    """AR segments cut every DEFERRED_ROWS = 3 rounds (each segment's start catches the drafter's context up), a
+    random drafter, AR after MIN_DRAFTED drafted rounds and a probe after them (an AR round at 0.8 of a drafted one:
+    a probe gap of 9 rounds): the greedy output is AR's."""
+    from kdtree_jax import decode as D
+    monkeypatch.setattr(D, "DEFERRED_ROWS", 3)
+    _, target, drafter = setup
+    spec = DecodeSpec(policy="ddtree", auto_budgets=AUTO, block_size=BLOCK, max_new_tokens=30)
+    res = Decoder(target, drafter).generate(PROMPTS, spec, costs=budget.StepCosts(AUTO, (0.8, 1.0, 1.2)))
+    assert res.tokens == ar_tokens(ar_decoder, PROMPTS, 30)
+    assert (res.budgets == 0).sum() > 3 * D.DEFERRED_ROWS and (res.budgets > 0).sum() > budget.MIN_DRAFTED
+
+
 def _eqns(jaxpr, primitive: str) -> list:
     """The equations of `primitive` ("cond": lax.cond and lax.switch; "while") in a jaxpr, through its jit calls but
     not into control flow."""

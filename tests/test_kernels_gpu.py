@@ -434,7 +434,9 @@ def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtyp
     scale = lat ** -0.5
     out = BT.attention(*inputs, scale=scale)
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    want = BI.attention_reference(*(a.astype(jnp.float32) if a.dtype == dtype else a for a in inputs), scale=scale)
+    with jax.default_matmul_precision("highest"):     # XLA's f32 dots are TF32 by default on the GPU
+        want = BI.attention_reference(*(a.astype(jnp.float32) if a.dtype == dtype else a for a in inputs),
+                                      scale=scale)
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     tree = np.asarray(out.astype(jnp.float32))
     for t in range(nodes):
@@ -467,8 +469,9 @@ def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
     assert np.isfinite(np.asarray(out)).all()
     tiles = L.pair_tiles(ids, experts)
     f32 = tuple(w.astype(jnp.float32) for w in stacked)
-    want = L.add_slots(BI.routed_experts_reference(x.astype(jnp.float32), lambda e: tuple(w[e] for w in f32), tiles),
-                       tiles, ids, weights, experts)
+    with jax.default_matmul_precision("highest"):     # XLA's f32 dots are TF32 by default on the GPU
+        want = L.add_slots(BI.routed_experts_reference(x.astype(jnp.float32), lambda e: tuple(w[e] for w in f32),
+                                                       tiles), tiles, ids, weights, experts)
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     alone = run(x[-1:], ids[-1:], weights[-1:])
     np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(out[-1]))
@@ -486,7 +489,8 @@ def test_exact_head_matmul_kernel(rows, heads, k, n, dtype):
     x = jnp.asarray(rng.standard_normal((rows, heads, k)), dtype)
     w = jnp.asarray(rng.standard_normal((heads, k, n)) * k ** -0.5, dtype)
     out = BT.head_matmul(x, w)
-    want = BI.head_matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32))
+    with jax.default_matmul_precision("highest"):     # XLA's f32 dots are TF32 by default on the GPU
+        want = BI.head_matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32))
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     np.testing.assert_array_equal(np.asarray(BT.head_matmul(x[-1:], w).astype(jnp.float32)),
                                   np.asarray(out[-1:].astype(jnp.float32)))

@@ -59,7 +59,7 @@ class UniformDrafter(nnx.Module):
     def init_cache(self, num_streams, capacity):
         return DrafterCache((), ())
 
-    def extend_cache(self, cache, hidden, positions, offsets):
+    def extend_cache(self, cache, hidden, positions, offsets, count=None):
         return cache
 
     def draft(self, embed, lm_head, bonus, start, cache, ctx_len):
