@@ -12,6 +12,7 @@ os.environ["XLA_FLAGS"] = f"{FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".st
 import jax  # noqa: E402 (after XLA_FLAGS)
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from kdtree_jax import config as config_lib
@@ -31,6 +32,21 @@ def run_in_child(test_file: str, env: dict, parent_test: str) -> None:
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert "passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+
+
+IN_TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+in_triton_interpreter = pytest.mark.skipif(not IN_TRITON_INTERPRETER,
+                                           reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+
+
+def interpreter_parent(test_file: str):
+    """The parent-process test of a file of Triton-interpreter cases (each marked `in_triton_interpreter`): it runs
+    the file's other tests in a child with TRITON_INTERPRET=1 (Triton reads it at its first import) and JAX on the
+    CPU. Assign it to `test_in_the_interpreter` in the file."""
+    @pytest.mark.skipif(IN_TRITON_INTERPRETER, reason="this is the child")
+    def test_in_the_interpreter():
+        run_in_child(test_file, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+    return test_in_the_interpreter
 
 
 def causal_logits(model, tokens, absorbed: bool = True):

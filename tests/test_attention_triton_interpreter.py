@@ -7,24 +7,18 @@ row) was written. Shapes: ragged prefixes including 0 and N - T, dims that are n
 kernel), split-K with more splits than blocks, random ancestor masks. Triton must be in interpreter mode from its
 first import, so the interpreter cases re-run this file in a child process with TRITON_INTERPRET=1.
 """
-import os
 
 import numpy as np
 import pytest
 
-from conftest import run_in_child
+from conftest import in_triton_interpreter, interpreter_parent
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
 SCALE = 0.125
 
-
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("nodes,heads,lat,rope,capacity,block_q,num_splits", [
     (1, 4, 32, 8, 80, 16, 1),
     (5, 4, 32, 8, 80, 16, 3),
@@ -49,7 +43,7 @@ def test_kernel_matches_the_reference(nodes, heads, lat, rope, capacity, block_q
     assert rel_err(out, numpy_attention(*inputs)) < 1e-5
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fully_masked_rows(num_splits):
     """Ragged prefill (prefix 0, causal & valid): padding rows see nothing and return 0, not NaN; with a prefix they
@@ -72,7 +66,7 @@ def test_fully_masked_rows(num_splits):
         assert (padding == 0) if prefix[1] == 0 else (padding > 0)
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("normalized,empty_max,splits,block", [(False, -1e30, 5, None), (True, float("-inf"), 5, None),
                                                               (False, -1e30, 37, (8, 4, 16)),
                                                               (True, float("-inf"), 300, (64, 16, 8))])

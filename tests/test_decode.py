@@ -212,6 +212,34 @@ def test_greedy_auto_equals_ar_across_many_catch_ups(setup, ar_decoder, monkeypa
     assert (res.budgets == 0).sum() > 3 * D.DEFERRED_ROWS and (res.budgets > 0).sum() > budget.MIN_DRAFTED
 
 
+def test_deferred_context_drafts_as_the_eager_one(setup, monkeypatch):
+    """The auto loop with AR rounds that defer the drafter's context (`defer_row`, caught up at each segment's start)
+    against AR rounds that extend it at once: every round verifies the same budget and emits the same count, so every
+    probe drafted from the same context (a random drafter, AR after MIN_DRAFTED rounds, probes every few rounds)."""
+    from kdtree_jax import decode as D
+    _, target, drafter = setup
+    monkeypatch.setattr(budget, "PROBE_SHARE", 1.0)             # probe gaps from PROBE_FIRST_GAP on
+    spec = DecodeSpec(policy="ddtree", auto_budgets=AUTO, block_size=BLOCK, max_new_tokens=40)
+    costs = budget.StepCosts(AUTO, (0.8, 1.0, 1.2))
+
+    def eager_ar_round(target, drafter, spec, st, step_costs):
+        keys, sub = D.split_each(st.keys)
+        tree = D.root_only_tree(st.bonus)
+        cache, dcache, verdict, finite, _ = D.verify_and_commit(target, drafter, spec, st, tree, sub)
+        st = st._replace(deferred=st.deferred._replace(start=cache.length))
+        auto = budget.plan_after_ar(st.auto, spec.auto_budgets, step_costs, spec.depth)
+        return D.finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, 0, auto, finite)
+
+    deferred = Decoder(target, drafter).generate(PROMPTS, spec, costs=costs)
+    monkeypatch.setattr(D, "ar_round", eager_ar_round)
+    eager = Decoder(target, drafter).generate(PROMPTS, spec, costs=costs)
+    probes = np.flatnonzero(deferred.budgets[budget.MIN_DRAFTED:] > 0)
+    assert len(probes) >= 2 and (deferred.budgets == 0).sum() > 8
+    np.testing.assert_array_equal(deferred.budgets, eager.budgets)
+    np.testing.assert_array_equal(deferred.taus, eager.taus)
+    assert deferred.tokens == eager.tokens
+
+
 def _eqns(jaxpr, primitive: str) -> list:
     """The equations of `primitive` ("cond": lax.cond and lax.switch; "while") in a jaxpr, through its jit calls but
     not into control flow."""

@@ -5,25 +5,19 @@ was written. A tree node's attention is bitwise its AR step's at the same positi
 to the cache, one node, another prefix). Fresh random inputs per case; shapes off the tiles (heads, widths, experts'
 dims not powers of two; trees deeper than a key step; ids outside the local experts). Triton must be in interpreter
 mode from its first import, so the cases re-run this file in a child process with TRITON_INTERPRET=1."""
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err, run_in_child
+from conftest import rel_err, in_triton_interpreter, interpreter_parent
 from pallas_kernels import batch_invariant as BI
 from pallas_kernels import batch_invariant_triton as BT
 from pallas_kernels import exact_layout as L
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
 SCALE = 0.125
 
-
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
 def ar_step_of(inputs, stream: int, node: int):
@@ -65,7 +59,7 @@ def numpy_experts(x, stacked, ids, weights):
     return out
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity", [
     (2, 1, 4, 32, 8, 80),          # AR steps
     (3, 9, 8, 64, 16, 120),
@@ -84,7 +78,7 @@ def test_attention_matches_the_reference(streams, nodes, heads, lat, rope, capac
     assert rel_err(out, numpy_attention(*inputs)) < 1e-5
 
 
-@in_child
+@in_triton_interpreter
 def test_a_nodes_attention_is_its_ar_steps_bitwise():
     """Every node of two random trees (one deeper than a key step, its path crossing step boundaries) == the AR step
     at its position, bit for bit."""
@@ -100,7 +94,7 @@ def test_a_nodes_attention_is_its_ar_steps_bitwise():
             np.testing.assert_array_equal(ar[0, 0], tree[s, t], err_msg=f"stream {s} node {t}")
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("m,k,d,i,experts", [
     (1, 2, 64, 64, 4),             # an AR step: two pairs
     (33, 2, 96, 80, 16),           # D and I off the 64-wide block; experts with several tiles
@@ -121,7 +115,7 @@ def test_expert_tiles_match_the_reference(m, k, d, i, experts):
     assert rel_err(out, numpy_experts(x, stacked, ids, weights)) < 1e-5
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("lead,heads,k,n", [((1, 1), 8, 32, 64), ((3, 7), 4, 128, 24), ((2, 20), 3, 40, 100)])
 def test_head_matmul_matches_the_reference(lead, heads, k, n):
     """The head products (W_UK's K = 32, W_UV's N off the column block, K off the step, rows past a 16-row tile)."""

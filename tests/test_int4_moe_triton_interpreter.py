@@ -4,7 +4,6 @@ reference; outputs start as NaN, so finite results prove every element was writt
 of 256 (rows past I in the last block must not read the next expert: an unrouted expert's scales are poisoned with
 NaN), D not a multiple of the row block, ids of other devices (out of range) and repeated experts. Triton must be in
 interpreter mode from its first import, so the test re-runs this file in a child process with TRITON_INTERPRET=1."""
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,19 +11,13 @@ import pytest
 import triton
 import triton.language as tl
 
-from conftest import run_in_child
+from conftest import in_triton_interpreter, interpreter_parent
 from pallas_kernels import int4_moe_triton as MT
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
-
-
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("experts,hidden,inter,ids,block_m,tiling", [
     (3, 256, 128, [[0, 7], [1, 0], [0, -1], [1, 1]], 16, {}),      # I = 128: the gate_up grid covers 256 rows
     (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 16, {}),       # D, I off the 64-row block
@@ -58,7 +51,7 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, t
     assert rel_err(out, numpy_moe(x, ct, ids, topk_weights)) < 1e-5
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("tokens,top_k,experts,block_m,foreign", [
     (1, 8, 384, 16, 0.0),          # K2.6 decode: one pair per block
     (37, 8, 16, 16, 0.2),          # runs longer than a block, a fifth of the ids another device's (out of range)
@@ -87,7 +80,7 @@ def test_route_kernel_equals_route_pairs(tokens, top_k, experts, block_m, foreig
     np.testing.assert_array_equal(got[3], np.where(want.pair_ok, want.pair_row, -1))
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("weighted,xla", [(False, False), (True, False), (True, True)],
                          ids=["combine", "weighted_combine", "weighted_combine_in_xla"])
 def test_combine_pairs_sums_each_tokens_rows(weighted, xla):
@@ -134,7 +127,7 @@ def _nibble_dots_kernel(tiles_ptr, act_ptr, out_ptr, BN: tl.constexpr, BM: tl.co
     tl.store(out_ptr + out, MT._nibble_dots(tiles, act_at, cols, WIDTH, rows_ok, tl.zeros((BN, BM), tl.float32)))
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("width,first_col,words", [(512, 256, 32), (512, 16, 16), (320, 272, 16)])
 def test_nibble_dots_equal_their_einsum(width, first_col, words):
     """`_nibble_dots` (nibble i's inputs 32 i columns after nibble 0's) equals its einsum on random f32 tiles, for a

@@ -5,22 +5,15 @@ to the lower id; each id once when fewer than k experts can be chosen; a row's r
 inputs refused. Fresh random logits per case. Triton
 must be in interpreter mode from its first import, so the test re-runs this file in a child process with
 TRITON_INTERPRET=1."""
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err, run_in_child
+from conftest import rel_err, in_triton_interpreter, interpreter_parent
 from pallas_kernels import router_topk as RT
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
-
-
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
 def _inputs(seed, m, e, levels=None):
@@ -32,7 +25,7 @@ def _inputs(seed, m, e, levels=None):
     return jnp.asarray(logits, jnp.float32), jnp.asarray(bias, jnp.float32)
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("m,e,k,normalize,scale", [(5, 384, 8, True, 2.827), (3, 16, 2, True, 1.0),
                                                    (7, 64, 6, True, 1.0), (4, 100, 3, False, 1.5)])
 def test_the_kernel_matches_the_reference(m, e, k, normalize, scale):
@@ -46,7 +39,7 @@ def test_the_kernel_matches_the_reference(m, e, k, normalize, scale):
     assert rel_err(weights, want_weights) < 1e-6
 
 
-@in_child
+@in_triton_interpreter
 def test_ties_go_to_the_lower_id_and_a_row_does_not_depend_on_the_others():
     from triton_interpreter import interpreter_call
 
@@ -59,7 +52,7 @@ def test_ties_go_to_the_lower_id_and_a_row_does_not_depend_on_the_others():
         np.testing.assert_array_equal(np.asarray(alone_weights[0]), np.asarray(weights[r]))
 
 
-@in_child
+@in_triton_interpreter
 def test_each_id_once_when_fewer_than_k_experts_can_be_chosen():
     """Only 3 experts with a finite score + bias for k = 8 (the rest -inf: ties) -> the same ids as lax.top_k, each
     once; a row of NaN logits -> k distinct ids in range."""

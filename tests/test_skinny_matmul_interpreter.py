@@ -5,22 +5,15 @@ inputs per case (never zeros); shapes off the tiles (N not a multiple of the col
 past one 16-row tile); with and without the RMSNorm prologue, the residual epilogue and split-K. Row invariance: a
 row's result is bitwise the same among other rows and at another M, at its place in the tile. Triton must be in
 interpreter mode from its first import, so the test re-runs this file in a child process with TRITON_INTERPRET=1."""
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err, run_in_child
+from conftest import rel_err, in_triton_interpreter, interpreter_parent
 from pallas_kernels import skinny_matmul as SM
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
-
-
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
 def _inputs(seed, m, k, n, dtype):
@@ -32,7 +25,7 @@ def _inputs(seed, m, k, n, dtype):
     return x, w, g, residual
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("m,k,n,norm,residual,tiling", [
     (1, 256, 96, False, False, None),                    # N off the 64-column block
     (5, 512, 200, True, False, None),
@@ -55,7 +48,7 @@ def test_kernels_match_the_reference(m, k, n, norm, residual, tiling):
     assert rel_err(got, want) < 1e-5
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("tiling", [None, SM.Tiling(64, 128, 2)])
 def test_a_rows_result_does_not_depend_on_the_other_rows(tiling):
     """Row r of 37 == the same row at the same place in its 16-row tile (r % 16) of a smaller batch whose other rows

@@ -9,21 +9,14 @@ The interpreter's outputs start as poison (-7 for ints, NaN for floats), so a sl
 match. Triton must be in interpreter mode from its first import, so the test re-runs this file in a child process
 with TRITON_INTERPRET=1.
 """
-import os
 
 import numpy as np
 import pytest
 
-from conftest import random_targets, run_in_child
+from conftest import random_targets, in_triton_interpreter, interpreter_parent
 from pallas_kernels import tree as T
 
-IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-in_child = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child (test_in_the_interpreter)")
-
-
-@pytest.mark.skipif(IN_CHILD, reason="this is the child")
-def test_in_the_interpreter():
-    run_in_child(__file__, dict(TRITON_INTERPRET="1", JAX_PLATFORMS="cpu"), "test_in_the_interpreter")
+test_in_the_interpreter = interpreter_parent(__file__)
 
 
 def assert_same(got, want, fields):
@@ -67,7 +60,7 @@ def random_draft(rng, n_streams, block, vocab):
     return logits, root
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("budget,block,vocab,topk", [
     (0, 4, 64, None),  # ar: root only
     (3, 4, 64, 1),  # chain
@@ -85,7 +78,7 @@ def test_build_kernel_matches_reference(budget, block, vocab, topk):
                 T.TreeArrays._fields)
 
 
-@in_child
+@in_triton_interpreter
 def test_build_kernel_minus_inf_scores():
     rng = np.random.default_rng(11)
     logits = random_logits(rng, 3, 3, 6, ties=False)
@@ -96,7 +89,7 @@ def test_build_kernel_minus_inf_scores():
     assert_same(got, T.build_tree_heapq(logits, root, 40), T.TreeArrays._fields)
 
 
-@in_child
+@in_triton_interpreter
 @pytest.mark.parametrize("budget,block,topk", [(0, 4, None), (3, 4, 1), (7, 8, None), (64, 16, 4), (40, 5, None)])
 def test_accept_kernel_matches_reference(budget, block, topk):
     rng = np.random.default_rng(budget + 7 * block)
@@ -109,7 +102,7 @@ def test_accept_kernel_matches_reference(budget, block, topk):
         assert_same(accept_kernel(tree, target, block - 1), want, T.AcceptResult._fields)
 
 
-@in_child
+@in_triton_interpreter
 def test_accept_kernel_full_depth():
     """Targets that follow the first child everywhere: the walk reaches the deepest level of a chain."""
     rng = np.random.default_rng(5)
