@@ -11,8 +11,9 @@ references) XLA runs it in fixed-shape pieces:
 - `matmul`: the rows padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
   product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has;
   `head_matmul` the same for each head.
-- `row_sum`: a row's sum as a `matmul` by ones (an XLA reduce may order a row's terms by how many rows there are:
-  measured on the CPU); the router's sum over its top-k slots runs left to right (`router_topk`).
+- `rms_norm`: a row's sum of squares as `row_sum`, a `matmul` by ones (an XLA reduce may order a row's terms by
+  how many rows there are: measured on the CPU); the kernel sums it in fixed steps along the row. The router's sum
+  over its top-k slots runs left to right (`router_topk`).
 - `attention`: each query attends over its own sequence in position order, the committed prefix followed by its
   ancestors in the block (a tree node's keys are gathered from the rows where the verify wrote them): the AR step at
   the same position sees the same keys at the same indices. The reference pads the sequence to the cache's capacity
@@ -61,6 +62,21 @@ def matmul(x, w, *, out_dtype=None):
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
     out = lax.map(lambda tile: fixed_dot(tile, w), rows)
     return out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, w.shape[-1]).astype(out_dtype or x.dtype)
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm of each row of x [..., K] by weight [K] in f32, rounded to x's dtype, each row's sum of squares in one
+    order: one Triton kernel where `ops.exact_kernels_take`, else `rms_norm_reference`."""
+    if ops.exact_kernels_take(x):
+        return batch_invariant_triton.rms_norm(x, weight, eps=float(eps))
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x, weight, eps: float):
+    """`rms_norm` with the row's sum of squares as `row_sum` (a product by ones)."""
+    x32 = x.astype(jnp.float32)
+    mean_sq = (row_sum(x32 * x32) / x.shape[-1])[..., None]
+    return (x32 * lax.rsqrt(mean_sq + eps) * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def row_sum(x):

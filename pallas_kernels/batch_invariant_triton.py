@@ -1,6 +1,11 @@
 """The exact mode's tree-verify attention and routed experts as Triton kernels (launched by `triton_call`): the GPU
 kernels of `batch_invariant.attention` and `batch_invariant.routed_experts`, row-invariant by construction.
 
+rms_norm: program = row, the squares summed lane by lane over K in fixed steps, then across the lanes; the norm
+and its weight applied in the same kernel (the reference sums a row as a product by ones: three launches).
+
+head_matmul: program = (column block, 16-row tile, head), the sum over K in fixed steps.
+
 attention: program (node t, stream s), the node's H heads the rows of one tile (padded to 16 or a power of two). It
 walks the node's key sequence in position order, `attention_block_keys` positions a step: position n < prefix is
 cache row n, position prefix + j the block row of the node's ancestor at depth j (`exact_layout.
@@ -139,6 +144,52 @@ def attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, scale: float,
     call = bound_to(launcher, interpret=False, op="batch_invariant_triton.attention",
                     reference="batch_invariant.attention_reference")
     return run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale)
+
+
+def norm_block(k: int) -> int:
+    """The RMSNorm's elements per step along the row: K's power of two, at most 1024. A function of K alone."""
+    return min(1024, triton.next_power_of_2(k))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row r): out[r] = x[r] / sqrt(sum(x[r]^2) / K + EPS) * w in f32, rounded to out's dtype; the squares
+    summed lane by lane over K in BLOCK steps, then across the lanes. x [M, K], w [K], out [M, K]."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    squares = tl.zeros((BLOCK,), tl.float32)
+    for k0 in tl.range(0, K, BLOCK):
+        x = tl.load(x_ptr + r * K + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        squares += x * x
+    root = tl.sqrt_rn(tl.sum(squares, axis=0) / K + EPS)
+    for k0 in tl.range(0, K, BLOCK):
+        ok = k0 + cols < K
+        x = tl.load(x_ptr + r * K + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * K + k0 + cols, (x / root * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def run_rms_norm(call, x, weight, eps: float):
+    """The host side through `call` (as `run_attention`'s): x [..., K] (bf16 / f32), weight [K] (any float) ->
+    [..., K] in x's dtype, one launch, a program a row."""
+    k = x.shape[-1]
+    if weight.shape != (k,) or x.dtype not in map(jnp.dtype, FLOATS) or not jnp.issubdtype(weight.dtype,
+                                                                                            jnp.floating):
+        raise ValueError(f"batch_invariant_triton.rms_norm takes x [..., K] (bfloat16 or float32) and a float weight "
+                         f"[K]; got x {x.shape} {x.dtype}, weight {weight.shape} {weight.dtype}")
+    m = math.prod(x.shape[:-1])
+    out = call(x.reshape(m, k), weight, kernel=_rms_norm_kernel, out_shape=jax.ShapeDtypeStruct((m, k), x.dtype),
+               grid=(m,), num_warps=4, num_stages=1, K=k, EPS=float(eps), BLOCK=norm_block(k))
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "launcher"))
+def rms_norm(x, weight, *, eps: float, launcher: str = LAUNCHER):
+    """RMSNorm of each row of x [..., K] by weight [K] -> x's dtype, a row's sum of squares in one order whatever
+    the rows (`batch_invariant.rms_norm`'s kernel)."""
+    call = bound_to(launcher, interpret=False, op="batch_invariant_triton.rms_norm",
+                    reference="batch_invariant.rms_norm_reference")
+    return run_rms_norm(call, x, weight, eps)
 
 
 def head_block_k(k: int) -> int:

@@ -176,12 +176,14 @@ def test_the_exact_forward_computes_the_same_function(name, quant):
 
 
 def test_matmul_and_row_sum_give_a_row_the_same_bits_at_any_row_count():
-    """A row alone (M = 1), among 37 rows and in the second tile of 70 (each shape its own program)."""
+    """A row alone (M = 1), among 37 rows and in the second tile of 70 (each shape its own program): the products,
+    the row sums and the RMSNorm built on them."""
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.normal(size=(70, 300)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(300, 130)), jnp.bfloat16)
+    g = jnp.asarray(1 + 0.1 * rng.normal(size=300), jnp.bfloat16)
     for fn in (jax.jit(lambda x: batch_invariant.matmul(x, w, out_dtype=jnp.float32)),
-               jax.jit(batch_invariant.row_sum)):
+               jax.jit(batch_invariant.row_sum), jax.jit(lambda x: batch_invariant.rms_norm(x, g, 1e-6))):
         rows = {m: np.asarray(fn(x[:m])) for m in (37, 70)}
         for i in (0, 5, 36):
             assert np.array_equal(np.asarray(fn(x[i:i + 1]))[0], rows[37][i])

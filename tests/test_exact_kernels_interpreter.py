@@ -130,6 +130,23 @@ def test_head_matmul_matches_the_reference(lead, heads, k, n):
     assert rel_err(out, np.einsum("...hk,hkn->...hn", np.asarray(x, np.float64), np.asarray(w, np.float64))) < 1e-5
 
 
+@in_triton_interpreter
+@pytest.mark.parametrize("lead,k", [((1,), 256), ((3, 5), 1536), ((2, 7), 100)])
+def test_rms_norm_matches_the_reference(lead, k):
+    """The RMSNorm (one row, several steps along a row, K off the step)."""
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(rng.standard_normal((*lead, k)) * 3, jnp.float32)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.float32)
+    out = BT.run_rms_norm(interpreter_call, x, g, 1e-6)
+    assert out.shape == x.shape and np.isfinite(np.asarray(out)).all()
+    assert rel_err(out, BI.rms_norm_reference(x, g, 1e-6)) < 1e-6
+    x64 = np.asarray(x, np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
+    assert rel_err(out, want) < 1e-6
+
+
 def test_the_kernels_refuse_mismatched_operands():
     rng = np.random.default_rng(0)
     x, (gate, up, down), ids, _ = expert_inputs(rng, 4, 2, 64, 32, 3)
@@ -140,6 +157,8 @@ def test_the_kernels_refuse_mismatched_operands():
         BT.check_experts(x, gate, up, down[:, :16], tiles.rows, tiles.expert)
     with pytest.raises(ValueError, match="pair_tiles"):
         BT.check_experts(x, gate, up, down, tiles.rows[:, :8], tiles.expert)
+    with pytest.raises(ValueError, match="float weight"):
+        BT.run_rms_norm(None, jnp.zeros((3, 32), jnp.float32), jnp.zeros((16,), jnp.float32), 1e-6)
     with pytest.raises(ValueError, match="w \\[H, K, N\\]"):
         BT.run_head_matmul(None, jnp.zeros((3, 4, 32), jnp.float32), jnp.zeros((4, 16, 8), jnp.float32), jnp.float32)
     q = jnp.zeros((1, 2, 4, 32), jnp.float32)
@@ -155,3 +174,4 @@ def test_the_tiles_are_functions_of_the_model_alone():
     assert BT.attention_block_keys(512, jnp.float32) == 16
     assert [BT.head_rows(h) for h in (1, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
     assert [BT.head_block_k(k) for k in (8, 32, 128, 512)] == [16, 32, 64, 64]
+    assert [BT.norm_block(k) for k in (64, 100, 1536, 7168)] == [64, 128, 1024, 1024]

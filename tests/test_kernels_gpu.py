@@ -494,3 +494,20 @@ def test_exact_head_matmul_kernel(rows, heads, k, n, dtype):
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     np.testing.assert_array_equal(np.asarray(BT.head_matmul(x[-1:], w).astype(jnp.float32)),
                                   np.asarray(out[-1:].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("rows,k,dtype", [(264, 7168, jnp.bfloat16), (33, 1536, jnp.bfloat16), (9, 256, jnp.float32)])
+def test_exact_rms_norm_kernel(rows, k, dtype):
+    """The exact mode's RMSNorm == the reference, and the last row bitwise the same alone as among `rows`."""
+    from pallas_kernels import batch_invariant as BI
+    from pallas_kernels import batch_invariant_triton as BT
+
+    rng = np.random.default_rng(rows + k)
+    x = jnp.asarray(rng.standard_normal((rows, k)) * 3, dtype)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype)
+    out = BT.rms_norm(x, g, eps=1e-6)
+    with jax.default_matmul_precision("highest"):     # the reference's row sums are products
+        want = BI.rms_norm_reference(x.astype(jnp.float32), g, 1e-6)
+    assert rel_err(out, want) < (1e-6 if dtype == jnp.float32 else BF16_TOL)
+    np.testing.assert_array_equal(np.asarray(BT.rms_norm(x[-1:], g, eps=1e-6).astype(jnp.float32)),
+                                  np.asarray(out[-1:].astype(jnp.float32)))

@@ -248,3 +248,11 @@ def test_exact_head_matmul_lowers_to_one_triton_cubin(heads, k, n):
     from pallas_kernels import batch_invariant_triton as BT
     text = lower_for_h200(BT.head_matmul, spec((8, 33, heads, k), BF16), spec((heads, k, n), BF16))
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 and 'name = "_head_product_kernel"' in text
+
+
+@pytest.mark.parametrize("k,dtype", [(D, BF16), (1536, BF16), (512, F32)])
+def test_exact_rms_norm_lowers_to_one_triton_cubin(k, dtype):
+    """The exact mode's RMSNorm at K2.6's hidden, q_lora and kv_lora widths, compiled by Triton for sm_90."""
+    from pallas_kernels import batch_invariant_triton as BT
+    text = lower_for_h200(functools.partial(BT.rms_norm, eps=1e-6), spec((8, 33, k), dtype), spec((k,), dtype))
+    assert text.count(f"@{triton_ffi.TARGET}(") == 1 and 'name = "_rms_norm_kernel"' in text

@@ -27,12 +27,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x, *, exact: bool = False):
-        """exact: the mean of squares in one order per row (`batch_invariant.row_sum`)."""
-        x32 = x.astype(jnp.float32)
+        """exact: the mean of squares in one order per row (`batch_invariant.rms_norm`)."""
         if exact:
-            mean_sq = (batch_invariant.row_sum(x32 * x32) / x.shape[-1])[..., None]
-        else:
-            mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+            return batch_invariant.rms_norm(x, self.weight[...], self.eps)
+        x32 = x.astype(jnp.float32)
+        mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         x32 = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
