@@ -168,11 +168,10 @@ def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights, 
     [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k]
     -> [M, D] f32. stacked: (gate [E, D, I], up [E, D, I], down [E, I, D]) in x's dtype where the experts are held
     so (not INT4): the Triton kernels run on them where `ops.exact_kernels_take`; else `routed_experts_reference`."""
-    tiles = exact_layout.pair_tiles(ids, num_experts)
     if stacked is not None and ops.exact_kernels_take(x, *stacked):
-        y_tiles = batch_invariant_triton.expert_tiles(x, *stacked, tiles.rows, tiles.expert)
-    else:
-        y_tiles = routed_experts_reference(x, expert_weights, tiles)
+        return batch_invariant_triton.routed_experts(x, *stacked, ids, weights)
+    tiles = exact_layout.pair_tiles(ids, num_experts)
+    y_tiles = routed_experts_reference(x, expert_weights, tiles)
     return exact_layout.add_slots(y_tiles, tiles, ids, weights, num_experts)
 
 

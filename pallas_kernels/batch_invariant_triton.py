@@ -14,11 +14,12 @@ walks the same keys at the same positions in the same steps with the same tile, 
 step's result whatever T, the tree, where its rows are stored and the other streams. The price: each node reads its
 stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per query tile.
 
-routed experts: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert (`exact_layout.pair_tiles`);
-one kernel computes h = silu(x gate) * (x up) per tile, rounded to x's dtype, over D in EXPERT_BLOCK steps; a second
-h down over I in EXPERT_BLOCK steps (f32); XLA adds a token's k slots in slot order (`exact_layout.add_slots`). A
-pair is one row of a fixed-shape tile, so its sums do not depend on which pairs share its expert. Empty tiles
-return at once (the expert's weights are not read).
+routed experts: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert, laid out by int4_moe's routing
+kernel (the same blocks as `exact_layout.pair_tiles`, one launch); one kernel computes h = silu(x gate) * (x up) per
+tile, rounded to x's dtype, over D in EXPERT_BLOCK steps; a second h down over I in EXPERT_BLOCK steps (f32);
+int4_moe's weighted combine adds a token's k slots in slot order in f32 (`exact_layout.add_slots`' sum). A pair is
+one row of a fixed-shape tile, so its sums do not depend on which pairs share its expert or where in its tile it
+sits. Empty tiles return at once (the expert's weights are not read).
 
 tl.dot's tile is the same in every call of a model (a function of H, C, R, D, I and the dtype, never of T, M or the
 number of streams): the same instructions run in the same order on a row, and a row's result depends on the row
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import MIN_DOT_DIM, exact_layout
+from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels import tree_verify_attention as op
 from pallas_kernels.triton_call import bound_to
 
@@ -331,6 +333,26 @@ def run_expert_tiles(call, x, gate, up, down, rows, expert):
     return call(h, rows, expert, down, kernel=_down_kernel,
                 out_shape=jax.ShapeDtypeStruct((tiles, exact_layout.PAIR_TILE, d), jnp.float32),
                 grid=(tiles, triton.cdiv(d, EXPERT_BLOCK)), num_warps=4, num_stages=2, **constants)
+
+
+def run_routed_experts(call, x, gate, up, down, ids, weights):
+    """The routed experts through `call`, four launches: int4_moe's routing kernel (`int4_moe_triton.route`: the
+    pairs in blocks of PAIR_TILE rows of one expert, one program), the two expert kernels over those blocks, and
+    int4_moe's weighted combine (a token's k slots added in slot order, in f32). x [M, D], gate / up [E, D, I], down
+    [E, I, D], ids / weights [M, k] (an id outside [0, E) adds nothing) -> [M, D] f32."""
+    block_expert, block_token, _, pair_row = moe_triton.route(call, ids, weights, gate.shape[0], exact_layout.PAIR_TILE)
+    y = run_expert_tiles(call, x, gate, up, down, block_token.reshape(-1, exact_layout.PAIR_TILE), block_expert)
+    return moe_triton.combine_pairs(call, pair_row, y.reshape(-1, x.shape[1]), ids.shape, jnp.float32,
+                                    pair_weight=weights.reshape(-1))
+
+
+@functools.partial(jax.jit, static_argnames=("launcher",))
+def routed_experts(x, gate, up, down, ids, weights, *, launcher: str = LAUNCHER):
+    """x [M, D], gate / up [E, D, I], down [E, I, D] (one dtype), ids / weights [M, k] -> [M, D] f32
+    (`batch_invariant.routed_experts`' kernels: `run_routed_experts`)."""
+    call = bound_to(launcher, interpret=False, op="batch_invariant_triton.routed_experts",
+                    reference="batch_invariant.routed_experts_reference")
+    return run_routed_experts(call, x, gate, up, down, jnp.asarray(ids, jnp.int32), weights)
 
 
 @functools.partial(jax.jit, static_argnames=("launcher",))

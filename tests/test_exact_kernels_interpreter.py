@@ -113,6 +113,9 @@ def test_expert_tiles_match_the_reference(m, k, d, i, experts):
                             ids, weights, experts)
     assert rel_err(out, reference) < 1e-5
     assert rel_err(out, numpy_experts(x, stacked, ids, weights)) < 1e-5
+    routed = BT.run_routed_experts(interpreter_call, x, *stacked, ids, weights)   # int4_moe's routing and combine
+    assert routed.dtype == jnp.float32 and np.isfinite(np.asarray(routed)).all()
+    assert rel_err(routed, reference) < 1e-5
 
 
 @in_triton_interpreter

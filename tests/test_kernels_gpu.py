@@ -451,7 +451,9 @@ def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtyp
 ])
 def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
     """The exact mode's routed-expert kernels == their reference, and the last token's result bitwise the same
-    computed alone (its pairs first in their tiles) and among m tokens (its pairs after others of their experts)."""
+    computed alone (its pairs first in their tiles) and among m tokens (its pairs after others of their experts);
+    the same for `routed_experts` (int4_moe's routing kernel and combine: what the model runs), which equals the XLA
+    layout's result (up to the combine's rounding: an FMA where XLA may multiply and add)."""
     from pallas_kernels import batch_invariant as BI
     from pallas_kernels import batch_invariant_triton as BT
     from pallas_kernels import exact_layout as L
@@ -466,6 +468,10 @@ def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
                            ids, weights, experts)
 
     out = run(x, ids, weights)
+    routed = BT.routed_experts(x, *stacked, ids, weights)
+    assert rel_err(routed, out) < 1e-6
+    np.testing.assert_array_equal(np.asarray(BT.routed_experts(x[-1:], *stacked, ids[-1:], weights[-1:]))[0],
+                                  np.asarray(routed[-1]))
     assert np.isfinite(np.asarray(out)).all()
     tiles = L.pair_tiles(ids, experts)
     f32 = tuple(w.astype(jnp.float32) for w in stacked)

@@ -256,3 +256,18 @@ def test_exact_rms_norm_lowers_to_one_triton_cubin(k, dtype):
     from pallas_kernels import batch_invariant_triton as BT
     text = lower_for_h200(functools.partial(BT.rms_norm, eps=1e-6), spec((8, 33, k), dtype), spec((k,), dtype))
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 and 'name = "_rms_norm_kernel"' in text
+
+
+@pytest.mark.parametrize("m,d,i,experts", [(8, D, I, 48), (256, 256, 128, 16)])
+def test_exact_routed_experts_lower_to_four_triton_cubins(m, d, i, experts):
+    """The exact mode's routed experts as the model runs them up to int4_moe's MAX_ROUTED_PAIRS (512) pairs: its
+    routing kernel, the gate_up and down kernels, its weighted combine; nothing else from XLA for the layout (no
+    sort). (Above, int4_moe routes through XLA.)"""
+    from pallas_kernels import batch_invariant_triton as BT
+    k = 8 if d == D else 2
+    text = lower_for_h200(BT.routed_experts, spec((m, d), BF16), spec((experts, d, i), BF16),
+                          spec((experts, d, i), BF16), spec((experts, i, d), BF16), spec((m, k), I32),
+                          spec((m, k), F32))
+    assert text.count(f"@{triton_ffi.TARGET}(") == 4 and "stablehlo.sort" not in text
+    for name in ("_route_kernel", "_gate_up_kernel", "_down_kernel", "_weighted_combine_kernel"):
+        assert f'name = "{name}"' in text
