@@ -235,7 +235,7 @@ class Handover:
 
     A round of the auto loop costs more than the same round of a fixed loop: a drafted one builds the tree of the
     next candidate up and computes the expectations, an AR one keeps its row of the drafter's hidden layers (its
-    context projection is deferred to the next segment's start: before that, AR rounds of the auto loop cost 9-16%
+    context projection is deferred to the end of its AR segment: before that, AR rounds of the auto loop cost 9-16%
     more than the AR loop's on an H100; decode.md, "Fourth GPU run"), and a segment's end costs two predicate
     reads. So when the auto loop verified one budget B in at least HANDOVER_SHARE of a call's rounds, the next
     calls run the fixed loop of that B (B = 0: the plain AR loop); every so many calls (HANDOVER_FIRST_GAP,
@@ -349,8 +349,9 @@ def choose(forecast, costs, current=None):
     if current is None:
         return jnp.argmax(rate).astype(jnp.int32)
     index = jnp.arange(rate.shape[0])
-    bar = jnp.where(index > current, 1.0, jnp.where(index < current, 1.0 + SWITCH_MARGIN, 0.0)) * rate[current]
-    return jnp.argmax(jnp.where(rate > bar, rate, -jnp.inf)).astype(jnp.int32)
+    bar = jnp.where(index > current, 1.0, 1.0 + SWITCH_MARGIN) * rate[current]
+    better = jnp.where((rate > bar) & (index != current), rate, -jnp.inf)
+    return jnp.where(jnp.max(better) > -jnp.inf, jnp.argmax(better), current).astype(jnp.int32)
 
 
 def observe(state: BudgetState, score, on_path, verified) -> BudgetState:

@@ -112,7 +112,7 @@ class LoopState(NamedTuple):
 class DeferredContext(NamedTuple):
     """The target's hidden rows (at the drafter's context layers) of tokens committed by the auto loop's AR rounds
     and not yet in the drafter's context: an AR round stores its row here instead of running the drafter's context
-    projection, and the next segment's start projects them all at once (`catch_up_context`). Without this an AR
+    projection, and the AR segment's end projects them all at once (`catch_up_context`). Without this an AR
     round of the auto loop cost 9-16% more than the AR loop's (decode.md, "Fourth GPU run")."""
     hidden: tuple  # per context layer [S, DEFERRED_ROWS, D]: row j holds position start[s] + j
     start: jax.Array  # [S] int32: the first position not in the drafter's context (<= the cache length)
@@ -613,22 +613,21 @@ def auto_segment(target: Transformer, drafter: Drafter, spec: DecodeSpec, limit,
                  st: LoopState) -> LoopState:
     """A step of the auto loop (kdtree_jax.budget): the segment of the budget st.auto.next_index names, an inner
     while loop of rounds at that B (`ar_round` for B = 0, else `drafted_round`) for as long as each round plans the
-    same B for the next (and the loop is `running`; an AR segment also ends after DEFERRED_ROWS rounds). The
-    segment starts by catching the drafter's context up with the rows AR rounds deferred (`catch_up_context`). One
+    same B for the next (and the loop is `running`; an AR segment also ends after DEFERRED_ROWS rounds). An AR
+    segment ends by catching the drafter's context up with the rows its rounds deferred (`catch_up_context`), so
+    every segment starts with the context whole and a drafted one needs no catch-up. One
     `lax.switch` a segment: on XLA:GPU every conditional is a host read of its predicate, and rounds that passed two
     a round cost 12-30% more than the fixed loop's (decode.md, "Third GPU run"). step_costs: [C] seconds of a round
     at each candidate."""
     def segment(index, st):
         b = spec.auto_budgets[index]
-        st = catch_up_context(drafter, st)
-        if b == 0:
-            one_round = ar_round
-            room = lambda s: jnp.max(s.cache.length - s.deferred.start) < DEFERRED_ROWS  # noqa: E731
-        else:
-            one_round = functools.partial(drafted_round, budget=b)
-            room = lambda s: True  # noqa: E731
-        same = lambda s: running(spec, limit, s) & (s.auto.next_index == index) & room(s)  # noqa: E731
-        return jax.lax.while_loop(same, lambda s: one_round(target, drafter, spec, s, step_costs), st)
+        same = lambda s: running(spec, limit, s) & (s.auto.next_index == index)  # noqa: E731
+        if b > 0:
+            drafted = functools.partial(drafted_round, budget=b)
+            return jax.lax.while_loop(same, lambda s: drafted(target, drafter, spec, s, step_costs), st)
+        room = lambda s: same(s) & (jnp.max(s.cache.length - s.deferred.start) < DEFERRED_ROWS)  # noqa: E731
+        st = jax.lax.while_loop(room, lambda s: ar_round(target, drafter, spec, s, step_costs), st)
+        return catch_up_context(drafter, st)
     branches = [functools.partial(segment, i) for i in range(len(spec.auto_budgets))]
     return jax.lax.switch(st.auto.next_index, branches, st)
 
@@ -667,7 +666,7 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     calibration, then plan the next round from what each budget accepted and the drafter's expected gain above
     (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own). Candidates above
     the built tree look no better than it this round, so the loop climbs one candidate at a time. The drafter's
-    context must hold every committed row (its segment caught it up); the round extends it itself."""
+    context holds every committed row (an AR segment catches it up at its end); the round extends it itself."""
     candidates = spec.auto_budgets
     spec_budgets = [b for b in candidates if b > 0]
     build = min([b for b in candidates if b > budget], default=budget)
@@ -690,7 +689,7 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
 
 def ar_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: LoopState, step_costs) -> LoopState:
     """An AR round of the auto loop: the root alone verified, its row at the drafter's context layers deferred
-    (`defer_row`: the next segment's start projects it), and the count down to the next probe."""
+    (`defer_row`: its segment's end projects it), and the count down to the next probe."""
     keys, sub = split_each(st.keys)
     tree = root_only_tree(st.bonus)
     cache, dcache, verdict, finite, hidden = verify_and_commit(target, drafter, spec, st, tree, sub,

@@ -4,7 +4,8 @@ kernels of `batch_invariant.attention` and `batch_invariant.routed_experts`, row
 rms_norm: program = row, the squares summed lane by lane over K in fixed steps, then across the lanes; the norm
 and its weight applied in the same kernel (the reference sums a row as a product by ones: three launches).
 
-head_matmul: program = (column block, 16-row tile, head), the sum over K in fixed steps.
+head_matmul: program = (16-row tile, column block, head), the sum over K in fixed steps (row tiles on the grid's
+first axis, which CUDA does not cap at 65535).
 
 attention: program (node t, stream s), the node's H heads the rows of one tile (padded to 16 or a power of two). It
 walks the node's key sequence in position order, `attention_block_keys` positions a step: position n < prefix is
@@ -94,10 +95,12 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
     row_sum = tl.zeros((BH,), tl.float32)
     for b in range(0, tl.cdiv(last + 1, BK)):
         n = b * BK + tl.arange(0, BK)                                   # positions of this step
-        key_ok = n <= last
         j = tl.minimum(tl.maximum(n - prefix, 0), NUM_NODES - 1)        # depth in the block
-        ancestor = tl.load(ancestors_ptr + node.to(tl.int64) * NUM_NODES + j, mask=key_ok & (n >= prefix), other=0)
-        row = tl.where(n < prefix, n, prefix + ancestor)[:, None]
+        ancestor = tl.load(ancestors_ptr + node.to(tl.int64) * NUM_NODES + j, mask=(n <= last) & (n >= prefix),
+                           other=0)
+        rows = tl.where(n < prefix, n, prefix + ancestor)
+        key_ok = (n <= last) & (rows < CAPACITY)                        # a prefix past N - T reads no other stream
+        row = rows[:, None]
         k_lat = tl.load(c_base + row * LAT + lat[None, :], mask=key_ok[:, None] & lat_ok[None, :], other=0.0)
         k_rope = tl.load(r_base + row * ROPE + rope[None, :], mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
         logits = tl.zeros((BH, BK), tl.float32)
@@ -202,10 +205,10 @@ def head_block_k(k: int) -> int:
 @triton.jit
 def _head_product_kernel(x_ptr, w_ptr, out_ptr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                          N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (column block, row tile, head h): out[rows, h, cols] = x[rows, h] w[h, :, cols], the f32 sums over K
+    """Program (row tile, column block, head h): out[rows, h, cols] = x[rows, h] w[h, :, cols], the f32 sums over K
     in BK steps, rounded to out's dtype. x [M, H, K], w [H, K, N], out [M, H, N]; rows past M load as zeros and are
     not written."""
-    nb, mt, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    mt, nb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (mt * BM + tl.arange(0, BM)).to(tl.int64)
     row_ok = rows < M
     cols = nb * BN + tl.arange(0, BN)
@@ -233,7 +236,7 @@ def run_head_matmul(call, x, w, out_dtype):
     m, n = math.prod(lead), w.shape[2]
     out = call(x.reshape(m, h, k), w, kernel=_head_product_kernel,
                out_shape=jax.ShapeDtypeStruct((m, h, n), out_dtype),
-               grid=(triton.cdiv(n, HEAD_BLOCK_N), triton.cdiv(m, MIN_DOT_DIM), h), num_warps=4, num_stages=2,
+               grid=(triton.cdiv(m, MIN_DOT_DIM), triton.cdiv(n, HEAD_BLOCK_N), h), num_warps=4, num_stages=2,
                M=m, H=h, K=k, N=n, BM=MIN_DOT_DIM, BN=HEAD_BLOCK_N, BK=head_block_k(k),
                IEEE=x.dtype == jnp.float32)
     return out.reshape(*lead, h, n)

@@ -48,6 +48,10 @@ def test_the_choice_maximises_tokens_per_second_against_a_hand_made_table():
     above = (1.2 + 1) / 1.5 * 2.5 * (1 + margin / 4) - 1                # B=16's rate a quarter margin over B=4's
     assert int(budget.choose(jnp.asarray([1.2, above]), spec_costs, jnp.int32(0))) == 1
     assert int(budget.choose(jnp.asarray([1.2, (1.2 + 1) / 1.5 * 2.5 - 1]), spec_costs, jnp.int32(0))) == 0
+    # the current budget stays when nothing beats it, also at a rate that is not a positive number
+    assert int(budget.choose(jnp.asarray([1.2, jnp.nan, 3.0]), jnp.ones(3), jnp.int32(1))) == 1
+    assert int(budget.choose(jnp.asarray([1.2, 2.0, 3.0]), jnp.asarray([1.0, 0.0, 1.0]), jnp.int32(1))) == 1
+    assert int(budget.choose(jnp.asarray([1.2, 2.0]), jnp.asarray([jnp.inf, jnp.inf]), jnp.int32(1))) == 1
 
 
 def test_accepted_at_each_budget_is_the_walk_up_to_its_first_node_past_b():

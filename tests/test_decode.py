@@ -168,7 +168,7 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
 
 def test_ar_rounds_defer_the_drafter_context_and_a_segment_catches_it_up(setup):
     """An AR round of the auto loop keeps its row at the drafter's context layers (`defer_row`) instead of projecting
-    it; a segment's start (`catch_up_context`) projects the deferred rows at once. The drafter's context then equals
+    it; an AR segment's end (`catch_up_context`) projects the deferred rows at once. The drafter's context then equals
     extending it round by round, and rows at or past each stream's length are untouched (a stream that stopped
     deferring, and a stream near the cache's end: nothing is written past N)."""
     from kdtree_jax import decode as D
@@ -200,7 +200,7 @@ def test_ar_rounds_defer_the_drafter_context_and_a_segment_catches_it_up(setup):
 
 
 def test_greedy_auto_equals_ar_across_many_catch_ups(setup, ar_decoder, monkeypatch):
-    """AR segments cut every DEFERRED_ROWS = 3 rounds (each segment's start catches the drafter's context up), a
+    """AR segments cut every DEFERRED_ROWS = 3 rounds (each one's end catches the drafter's context up), a
     random drafter, AR after MIN_DRAFTED drafted rounds and a probe after them (an AR round at 0.8 of a drafted one:
     a probe gap of 9 rounds): the greedy output is AR's."""
     from kdtree_jax import decode as D
@@ -213,7 +213,7 @@ def test_greedy_auto_equals_ar_across_many_catch_ups(setup, ar_decoder, monkeypa
 
 
 def test_deferred_context_drafts_as_the_eager_one(setup, monkeypatch):
-    """The auto loop with AR rounds that defer the drafter's context (`defer_row`, caught up at each segment's start)
+    """The auto loop with AR rounds that defer the drafter's context (`defer_row`, caught up at each AR segment's end)
     against AR rounds that extend it at once: every round verifies the same budget and emits the same count, so every
     probe drafted from the same context (a random drafter, AR after MIN_DRAFTED rounds, probes every few rounds)."""
     from kdtree_jax import decode as D
