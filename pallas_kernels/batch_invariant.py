@@ -162,14 +162,17 @@ def attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, sca
     return out.reshape(s, t, h, c).astype(q_lat.dtype)
 
 
-def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights, *, stacked=None):
+def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights, *, stacked=None, int4=None):
     """The routed experts, each (token, expert) pair one row of a fixed-shape tile of PAIR_TILE pairs of one expert
     (`exact_layout.pair_tiles`), a token's k results added in slot order: x [M, D]; expert_weights(e) -> (gate
     [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k]
     -> [M, D] f32. stacked: (gate [E, D, I], up [E, D, I], down [E, I, D]) in x's dtype where the experts are held
-    so (not INT4): the Triton kernels run on them where `ops.exact_kernels_take`; else `routed_experts_reference`."""
+    so, int4: the `Int4Experts` where they are INT4: the Triton kernels run on them where `ops.exact_kernels_take`;
+    else `routed_experts_reference`."""
     if stacked is not None and ops.exact_kernels_take(x, *stacked):
         return batch_invariant_triton.routed_experts(x, *stacked, ids, weights)
+    if int4 is not None and ops.exact_kernels_take(x):
+        return batch_invariant_triton.int4_routed_experts(x, int4, ids, weights)
     tiles = exact_layout.pair_tiles(ids, num_experts)
     y_tiles = routed_experts_reference(x, expert_weights, tiles)
     return exact_layout.add_slots(y_tiles, tiles, ids, weights, num_experts)

@@ -20,7 +20,8 @@ kernel (the same blocks as `exact_layout.pair_tiles`, one launch); one kernel co
 tile, rounded to x's dtype, over D in EXPERT_BLOCK steps; a second h down over I in EXPERT_BLOCK steps (f32);
 int4_moe's weighted combine adds a token's k slots in slot order in f32 (`exact_layout.add_slots`' sum). A pair is
 one row of a fixed-shape tile, so its sums do not depend on which pairs share its expert or where in its tile it
-sits. Empty tiles return at once (the expert's weights are not read).
+sits. Empty tiles return at once (the expert's weights are not read). INT4 experts run int4_moe's own kernels at
+one fixed tiling (`int4_routed_experts`).
 
 tl.dot's tile is the same in every call of a model (a function of H, C, R, D, I and the dtype, never of T, M or the
 number of streams): the same instructions run in the same order on a row, and a row's result depends on the row
@@ -356,6 +357,22 @@ def routed_experts(x, gate, up, down, ids, weights, *, launcher: str = LAUNCHER)
     call = bound_to(launcher, interpret=False, op="batch_invariant_triton.routed_experts",
                     reference="batch_invariant.routed_experts_reference")
     return run_routed_experts(call, x, gate, up, down, jnp.asarray(ids, jnp.int32), weights)
+
+
+# The INT4 experts' tiling in the exact mode: int4_moe's decode tiling (16-pair blocks, 128 rows a program, no
+# split-K), whatever M; `ops.int4_moe` picks its tiling (and kernel) by the pairs per expert instead.
+EXACT_INT4_CONFIG = moe_triton.TritonMoeConfig(block_m=exact_layout.PAIR_TILE, block_n=128, words=32, num_warps=4,
+                                               num_stages=3)
+
+
+def int4_routed_experts(x, experts, ids, weights, *, launcher: str | None = None):
+    """INT4 routed experts (`int4_moe.Int4Experts`) for the exact mode: int4_moe's Triton kernels at
+    EXACT_INT4_CONFIG, a tiling fixed whatever M (each pair a row of a 16-row block, the sums over D and I in fixed
+    steps, a token's slots added in slot order): x [M, D], ids / weights [M, k] -> [M, D] f32 (rounded to x's dtype
+    by the combine first). launcher: int4_moe's (`int4_moe_triton.int4_moe`)."""
+    out = moe_triton.int4_moe(x, experts, ids, weights.astype(jnp.float32), config=EXACT_INT4_CONFIG,
+                              launcher=launcher)
+    return out.astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("launcher",))

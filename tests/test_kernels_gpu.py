@@ -517,3 +517,21 @@ def test_exact_rms_norm_kernel(rows, k, dtype):
     assert rel_err(out, want) < (1e-6 if dtype == jnp.float32 else BF16_TOL)
     np.testing.assert_array_equal(np.asarray(BT.rms_norm(x[-1:], g, eps=1e-6).astype(jnp.float32)),
                                   np.asarray(out[-1:].astype(jnp.float32)))
+
+
+def test_exact_int4_experts():
+    """The exact mode's INT4 experts (K2.6's dims, 8 of its experts): int4_moe's kernels at EXACT_INT4_CONFIG ==
+    the reference, and the last token's result bitwise the same alone as among 264 tokens (int4_moe's own tiling
+    would change with M)."""
+    from pallas_kernels import batch_invariant_triton as BT
+
+    cfg = dataclasses.replace(K26, num_experts=8)
+    experts = random_experts(cfg)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((264, cfg.hidden_size)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, 8, (264, 8)), jnp.int32)
+    weights = jnp.asarray(rng.random((264, 8)), jnp.float32)
+    out = BT.int4_routed_experts(x, experts, ids, weights)
+    assert rel_err(out, M.int4_moe_reference(x, experts, ids, weights)) < BF16_TOL
+    np.testing.assert_array_equal(np.asarray(BT.int4_routed_experts(x[-1:], experts, ids[-1:], weights[-1:]))[0],
+                                  np.asarray(out[-1]))

@@ -271,3 +271,14 @@ def test_exact_routed_experts_lower_to_four_triton_cubins(m, d, i, experts):
     assert text.count(f"@{triton_ffi.TARGET}(") == 4 and "stablehlo.sort" not in text
     for name in ("_route_kernel", "_gate_up_kernel", "_down_kernel", "_weighted_combine_kernel"):
         assert f'name = "{name}"' in text
+
+
+def test_exact_int4_experts_lower_to_int4_moes_triton_kernels_at_one_tiling():
+    """The exact mode's INT4 experts (K2.6's, 8 tokens and 264): int4_moe's routing, gate_up, down and combine
+    kernels at EXACT_INT4_CONFIG whatever M (no split-K reduce)."""
+    from pallas_kernels import batch_invariant_triton as BT
+    for m in (8, 264):
+        text = lower_for_h200(functools.partial(BT.int4_routed_experts, launcher="ffi"), spec((m, D), BF16),
+                              k26_experts(), spec((m, TOP_K), I32), spec((m, TOP_K), F32))
+        assert 'name = "_gate_up_kernel"' in text and 'name = "_down_kernel"' in text
+        assert 'name = "_gate_up_reduce_kernel"' not in text

@@ -110,9 +110,9 @@ class MoE(nnx.Module):
 
         def local(x, experts, ids, weights):
             held = jax.tree.leaves(experts)[0].shape[0]
-            stacked = None if self.cfg.expert_quant == "int4" else experts
+            int4 = self.cfg.expert_quant == "int4"
             return batch_invariant.routed_experts(x, lambda e: expert_weights(experts, e), held, ids, weights,
-                                                  stacked=stacked)
+                                                  stacked=None if int4 else experts, int4=experts if int4 else None)
 
         shared = (batch_invariant.gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
         return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)
