@@ -236,8 +236,7 @@ def exact_dense_takes(x, w) -> bool:
     kernels running compiled on the GPU, one dtype (bf16 or f32), K a multiple of 64, no mesh (a Triton call has no
     GSPMD partitioning). Any M: the kernel's order along K does not depend on it. Not behind `set_dense_kernel`:
     the exact mode's other path is a loop of 64-row tiles (decode.md, "Exact mode")."""
-    return (_compiled_on_gpu() and x.shape[0] > 0 and x.shape[-1] % 64 == 0 and x.dtype == w.dtype
-            and x.dtype in _skinny_matmul.FLOATS and jax.sharding.get_abstract_mesh().empty)
+    return exact_kernels_take(x, w) and x.shape[0] > 0 and x.shape[-1] % 64 == 0
 
 
 def exact_kernels_take(*operands) -> bool:
