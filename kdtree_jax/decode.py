@@ -10,7 +10,8 @@ ddtree with `auto_budgets` (`--budget=auto`) verifies each round a B from a comp
 before from the device's measured step costs and what each budget accepted (kdtree_jax.budget): an AR round (no
 draft) or a draft built at the next candidate above B (at B, the largest), of which the first B + 1 nodes are
 verified. Rounds of one B run as a segment (an inner while loop, static shapes); the outer loop's `lax.switch`
-starts the segment of the B the last round planned.
+starts the segment of the B the last round planned. An AR round of that loop keeps its row for the drafter's context
+and the AR segment's end projects the rows at once (`DeferredContext`).
 Greedy output is identical for all policies (the losslessness invariant the tests check).
 """
 from __future__ import annotations
