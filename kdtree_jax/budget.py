@@ -386,9 +386,9 @@ def accepted_at_each_budget(path, budgets, active) -> jax.Array:
 
 def plan_after_draft(state: BudgetState, expected, accepted, current: int, candidates, step_costs,
                      max_accepted: int) -> BudgetState:
-    """After a drafted round: update the forecast and plan the next round: the best B by the forecast (staying at
-    this round's B within SWITCH_MARGIN, `choose`), or AR rounds until a probe when AR's rate beats every drafted
-    one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
+    """After a drafted round: update the forecast and plan the next round: the best B by the forecast (from this
+    round's B, up on any gain, down by SWITCH_MARGIN: `choose`), or AR rounds until a probe when AR's rate beats
+    every drafted one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
 
     current: this round's B, as an index into the candidates > 0 (static).
     expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0; accepted [C']: the

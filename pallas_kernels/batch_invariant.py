@@ -19,8 +19,8 @@ references) XLA runs it in fixed-shape pieces:
   the same position sees the same keys at the same indices. The reference pads the sequence to the cache's capacity
   and runs QUERY_TILE queries a step as one batched product of fixed shape (the softmax's sum is one more column of
   the value product); the kernel walks it in fixed steps of positions with an online softmax.
-- `routed_experts`: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert (`exact_layout`), each pair
-  a row of its tile's fixed-shape products, and a token's k results added in slot order, whatever the number of
+- `routed_experts`: the (token, expert) pairs in blocks of PAIR_TILE pairs of one expert (`int4_moe.route_pairs`),
+  each pair a row of its block's fixed-shape products, and a token's k results added in slot order, whatever the number of
   tokens sharing an expert.
 
 The references' products are `fixed_dot`: operands and result behind `lax.optimization_barrier`, so that each
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import batch_invariant_triton, exact_layout, ops
+from pallas_kernels import batch_invariant_triton, exact_layout, int4_moe, ops
 
 ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is one tile, as is an AR step of 64
 QUERY_TILE = 16  # queries per step of `attention` (each still over its own key sequence: a batched product)
@@ -163,29 +163,31 @@ def attention_reference(q_lat, q_rope, c_kv, k_rope, prefix_len, visible, *, sca
 
 
 def routed_experts(x, expert_weights: Callable, num_experts: int, ids, weights, *, stacked=None, int4=None):
-    """The routed experts, each (token, expert) pair one row of a fixed-shape tile of PAIR_TILE pairs of one expert
-    (`exact_layout.pair_tiles`), a token's k results added in slot order: x [M, D]; expert_weights(e) -> (gate
-    [D, I], up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k]
-    -> [M, D] f32. stacked: (gate [E, D, I], up [E, D, I], down [E, I, D]) in x's dtype where the experts are held
-    so, int4: the `Int4Experts` where they are INT4: the Triton kernels run on them where `ops.exact_kernels_take`;
-    else `routed_experts_reference`."""
+    """The routed experts, each (token, expert) pair one row of a fixed-shape block of PAIR_TILE pairs of one expert
+    (`int4_moe.route_pairs`), a token's k results added in slot order: x [M, D]; expert_weights(e) -> (gate [D, I],
+    up [D, I], down [I, D]) of expert e; ids [M, k] (outside [0, num_experts): zero weight); weights [M, k] -> [M, D]
+    f32. stacked: (gate [E, D, I], up [E, D, I], down [E, I, D]) in x's dtype where the experts are held so, int4:
+    the `Int4Experts` where they are INT4: the Triton kernels run on them where `ops.exact_kernels_take`; else
+    `routed_experts_reference`."""
     if stacked is not None and ops.exact_kernels_take(x, *stacked):
         return batch_invariant_triton.routed_experts(x, *stacked, ids, weights)
     if int4 is not None and ops.exact_kernels_take(x):
         return batch_invariant_triton.int4_routed_experts(x, int4, ids, weights)
-    tiles = exact_layout.pair_tiles(ids, num_experts)
-    y_tiles = routed_experts_reference(x, expert_weights, tiles)
-    return exact_layout.add_slots(y_tiles, tiles, ids, weights, num_experts)
+    routing = int4_moe.route_pairs(ids, weights, num_experts, exact_layout.PAIR_TILE)
+    y = routed_experts_reference(x, expert_weights, routing.block_token, jnp.minimum(routing.block_expert,
+                                                                                      num_experts - 1))
+    return exact_layout.add_slots(y.reshape(-1, x.shape[-1]), routing.pair_row_or_none(), weights)
 
 
-def routed_experts_reference(x, expert_weights: Callable, tiles: exact_layout.PairTiles):
-    """Each tile's products in XLA, one tile after another (each expert's weights taken once a tile): x [M, D],
-    expert_weights as `routed_experts` -> y [tiles, PAIR_TILE, D] f32 (an empty slot's row: zeros)."""
-    xs = jnp.pad(x, ((0, 1), (0, 0)))[tiles.rows]                          # [tiles, PAIR_TILE, D]; row M: zeros
+def routed_experts_reference(x, expert_weights: Callable, rows, expert):
+    """Each block's products in XLA, one block after another (each expert's weights taken once a block): x [M, D],
+    expert_weights as `routed_experts`, rows [B, PAIR_TILE] (the token of each row, M: none), expert [B] -> y [B,
+    PAIR_TILE, D] f32 (an empty row: zeros)."""
+    xs = jnp.pad(x, ((0, 1), (0, 0)))[rows]                                # [B, PAIR_TILE, D]; row M: zeros
 
     def one(args):
         x1, e = args                                                        # [PAIR_TILE, D], ()
         gate, up, down = expert_weights(e)
         return fixed_dot((jax.nn.silu(fixed_dot(x1, gate)) * fixed_dot(x1, up)).astype(x.dtype), down)
 
-    return lax.map(one, (xs, tiles.expert))
+    return lax.map(one, (xs, expert))

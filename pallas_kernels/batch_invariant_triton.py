@@ -1,5 +1,5 @@
-"""The exact mode's tree-verify attention and routed experts as Triton kernels (launched by `triton_call`): the GPU
-kernels of `batch_invariant.attention` and `batch_invariant.routed_experts`, row-invariant by construction.
+"""The exact mode's RMSNorm, head products, tree-verify attention and routed experts as Triton kernels (launched by
+`triton_call`): the GPU kernels of `batch_invariant`'s functions of those names, row-invariant by construction.
 
 rms_norm: program = row, the squares summed lane by lane over K in fixed steps, then across the lanes; the norm
 and its weight applied in the same kernel (the reference sums a row as a product by ones: three launches).
@@ -16,9 +16,9 @@ step's result whatever T, the tree, where its rows are stored and the other stre
 stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per query tile.
 
 routed experts: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert, laid out by int4_moe's routing
-kernel (the same blocks as `exact_layout.pair_tiles`, one launch); one kernel computes h = silu(x gate) * (x up) per
+kernel (the blocks of `int4_moe.route_pairs`, one launch); one kernel computes h = silu(x gate) * (x up) per
 tile, rounded to x's dtype, over D in EXPERT_BLOCK steps; a second h down over I in EXPERT_BLOCK steps (f32);
-int4_moe's weighted combine adds a token's k slots in slot order in f32 (`exact_layout.add_slots`' sum). A pair is
+int4_moe's weighted combine adds a token's k slots in slot order in f32 (`exact_layout.add_slots`). A pair is
 one row of a fixed-shape tile, so its sums do not depend on which pairs share its expert or where in its tile it
 sits. Empty tiles return at once (the expert's weights are not read). INT4 experts run int4_moe's own kernels at
 one fixed tiling (`int4_routed_experts`).
@@ -41,12 +41,12 @@ import triton.language as tl
 from pallas_kernels import MIN_DOT_DIM, exact_layout
 from pallas_kernels import int4_moe_triton as moe_triton
 from pallas_kernels import tree_verify_attention as op
+from pallas_kernels.skinny_matmul import FLOATS
 from pallas_kernels.triton_call import bound_to
 
 LAUNCHER = "ffi"     # typed custom call, command-buffer compatible (triton_call.py), as skinny_matmul's
 EXPERT_BLOCK = 64    # the experts' output columns per program and their K per step
 HEAD_BLOCK_N = 64    # the head products' output columns per program
-FLOATS = (jnp.bfloat16, jnp.float32)
 _NEG_INF = tl.constexpr(op.NEG_INF)
 
 
@@ -321,7 +321,8 @@ def check_experts(x, gate, up, down, rows, expert):
                          f"float32; got {sorted(str(t) for t in dtypes)}: cast x to the experts' dtype")
     if rows.ndim != 2 or rows.shape[1] != exact_layout.PAIR_TILE or expert.shape != rows.shape[:1]:
         raise ValueError(f"batch_invariant_triton.expert_tiles: rows {rows.shape} and expert {expert.shape} must be "
-                         f"[tiles, {exact_layout.PAIR_TILE}] and [tiles] (`exact_layout.pair_tiles`)")
+                         f"[tiles, {exact_layout.PAIR_TILE}] and [tiles] (`int4_moe.route_pairs`' block_token and "
+                         f"block_expert)")
 
 
 def run_expert_tiles(call, x, gate, up, down, rows, expert):
@@ -378,7 +379,7 @@ def int4_routed_experts(x, experts, ids, weights, *, launcher: str | None = None
 @functools.partial(jax.jit, static_argnames=("launcher",))
 def expert_tiles(x, gate, up, down, rows, expert, *, launcher: str = LAUNCHER):
     """x [M, D], gate / up [E, D, I], down [E, I, D] (one dtype), rows [tiles, PAIR_TILE], expert [tiles]
-    (`exact_layout.pair_tiles`) -> y [tiles, PAIR_TILE, D] f32 (`batch_invariant.routed_experts_reference`'s)."""
+    (`int4_moe.route_pairs`) -> y [tiles, PAIR_TILE, D] f32 (`batch_invariant.routed_experts_reference`'s)."""
     call = bound_to(launcher, interpret=False, op="batch_invariant_triton.expert_tiles",
                     reference="batch_invariant.routed_experts_reference")
     return run_expert_tiles(call, x, gate, up, down, rows, expert)

@@ -240,7 +240,8 @@ def exact_dense_takes(x, w) -> bool:
 
 
 def exact_kernels_take(*operands) -> bool:
-    """Whether the exact mode's attention and routed experts run their Triton kernels (`batch_invariant_triton`):
+    """Whether the exact mode's norms, head products, attention and routed experts run their Triton kernels
+    (`batch_invariant_triton`):
     kernels running compiled on the GPU, operands of one dtype (bf16 or f32), no mesh (a Triton call has no GSPMD
     partitioning)."""
     dtypes = {x.dtype for x in operands}

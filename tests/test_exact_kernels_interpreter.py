@@ -14,6 +14,7 @@ from conftest import rel_err, in_triton_interpreter, interpreter_parent
 from pallas_kernels import batch_invariant as BI
 from pallas_kernels import batch_invariant_triton as BT
 from pallas_kernels import exact_layout as L
+from pallas_kernels.int4_moe import route_pairs
 
 SCALE = 0.125
 
@@ -105,12 +106,11 @@ def test_expert_tiles_match_the_reference(m, k, d, i, experts):
 
     rng = np.random.default_rng(m * 100 + d + experts)
     x, stacked, ids, weights = expert_inputs(rng, m, k, d, i, experts)
-    tiles = L.pair_tiles(ids, experts)
-    y_tiles = BT.run_expert_tiles(interpreter_call, x, *stacked, tiles.rows, tiles.expert)
-    out = L.add_slots(y_tiles, tiles, ids, weights, experts)
+    routing = route_pairs(ids, weights, experts, L.PAIR_TILE)
+    y = BT.run_expert_tiles(interpreter_call, x, *stacked, routing.block_token, routing.block_expert)
+    out = L.add_slots(y.reshape(-1, d), routing.pair_row_or_none(), weights)
     assert np.isfinite(np.asarray(out)).all()
-    reference = L.add_slots(BI.routed_experts_reference(x, lambda e: tuple(w[e] for w in stacked), tiles), tiles,
-                            ids, weights, experts)
+    reference = BI.routed_experts(x, lambda e: tuple(w[e] for w in stacked), experts, ids, weights)
     assert rel_err(out, reference) < 1e-5
     assert rel_err(out, numpy_experts(x, stacked, ids, weights)) < 1e-5
     routed = BT.run_routed_experts(interpreter_call, x, *stacked, ids, weights)   # int4_moe's routing and combine
@@ -153,13 +153,13 @@ def test_rms_norm_matches_the_reference(lead, k):
 def test_the_kernels_refuse_mismatched_operands():
     rng = np.random.default_rng(0)
     x, (gate, up, down), ids, _ = expert_inputs(rng, 4, 2, 64, 32, 3)
-    tiles = L.pair_tiles(ids, 3)
+    expert, rows = route_pairs(ids, jnp.ones(ids.shape), 3, L.PAIR_TILE)[:2]
     with pytest.raises(ValueError, match="one dtype"):
-        BT.check_experts(x.astype(jnp.bfloat16), gate, up, down, tiles.rows, tiles.expert)
+        BT.check_experts(x.astype(jnp.bfloat16), gate, up, down, rows, expert)
     with pytest.raises(ValueError, match="down"):
-        BT.check_experts(x, gate, up, down[:, :16], tiles.rows, tiles.expert)
-    with pytest.raises(ValueError, match="pair_tiles"):
-        BT.check_experts(x, gate, up, down, tiles.rows[:, :8], tiles.expert)
+        BT.check_experts(x, gate, up, down[:, :16], rows, expert)
+    with pytest.raises(ValueError, match="route_pairs"):
+        BT.check_experts(x, gate, up, down, rows[:, :8], expert)
     with pytest.raises(ValueError, match="float weight"):
         BT.run_rms_norm(None, jnp.zeros((3, 32), jnp.float32), jnp.zeros((16,), jnp.float32), 1e-6)
     with pytest.raises(ValueError, match="w \\[H, K, N\\]"):

@@ -463,9 +463,9 @@ def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
     x, stacked, ids, weights = expert_inputs(rng, m, k, d, i, experts, dtype)
 
     def run(x, ids, weights):
-        tiles = L.pair_tiles(ids, experts)
-        return L.add_slots(BT.expert_tiles(x, *stacked, tiles.rows, tiles.expert), tiles,
-                           ids, weights, experts)
+        routing = M.route_pairs(ids, weights, experts, L.PAIR_TILE)
+        y = BT.expert_tiles(x, *stacked, routing.block_token, routing.block_expert)
+        return L.add_slots(y.reshape(-1, d), routing.pair_row_or_none(), weights)
 
     out = run(x, ids, weights)
     routed = BT.routed_experts(x, *stacked, ids, weights)
@@ -473,11 +473,9 @@ def test_exact_expert_tiles_kernel(m, k, d, i, experts, dtype):
     np.testing.assert_array_equal(np.asarray(BT.routed_experts(x[-1:], *stacked, ids[-1:], weights[-1:]))[0],
                                   np.asarray(routed[-1]))
     assert np.isfinite(np.asarray(out)).all()
-    tiles = L.pair_tiles(ids, experts)
     f32 = tuple(w.astype(jnp.float32) for w in stacked)
     with jax.default_matmul_precision("highest"):     # XLA's f32 dots are TF32 by default on the GPU
-        want = L.add_slots(BI.routed_experts_reference(x.astype(jnp.float32), lambda e: tuple(w[e] for w in f32),
-                                                       tiles), tiles, ids, weights, experts)
+        want = BI.routed_experts(x.astype(jnp.float32), lambda e: tuple(w[e] for w in f32), experts, ids, weights)
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     alone = run(x[-1:], ids[-1:], weights[-1:])
     np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(out[-1]))
