@@ -37,12 +37,18 @@ starts where the last one left off: in AR rounds when AR was winning, instead of
 again (after calls handed to a fixed loop, `Handover`, the countdown to the next probe is cut to one round).
 
 AR against drafting. When an AR round's 1 / c_0 beats every drafted rate by AR_MARGIN, after at least MIN_DRAFTED
-drafted rounds, the loop runs AR rounds and drafts again (a probe, at the forecast's best B) after
-PROBE_FIRST_GAP AR rounds, the gap doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what
-keeps a probe's extra cost (the cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time
+drafted rounds, the loop runs AR rounds and drafts again (a probe, at the forecast's best B) after PROBE_FIRST_GAP AR
+rounds, the gap doubling up to PROBE_MAX_GAP while AR keeps winning, and never shorter than what keeps a probe's
+extra cost (the cheapest drafted round over an AR round) under PROBE_SHARE of the AR rounds' time
 (`probe_gap_floor`). The choice is per batch, not per stream: the verify is one forward of static shape [S, B + 1]
 whose cost depends on the largest B in the batch, and given that size every stream accepts the most from all of
 its B + 1 nodes.
+
+The decision to stop drafting reads a steadier forecast of the same observations (`BudgetState.steady`,
+STEADY_WEIGHT: about 16 rounds of memory). At T = 1 one round accepts mostly 0 or 1 or more nodes; with the
+four-round forecast a few poor rounds sent the loop to AR, and a probe moves a forecast by one round's weight only
+(an H100 at T = 1 batch 1 ran AR rounds in 1915 of 2989 rounds though B = 32 paid 1.24x; decode.md, "Fourth GPU
+run"). The choice among the budgets keeps the four-round forecast, which follows a prompt's changes.
 
 Lossless: B is fixed before the target sees the round's nodes, from past rounds only; the greedy output equals
 AR's, and at T > 0 each emitted token is still the target's sample at its node.
@@ -68,6 +74,7 @@ NUM_BINS = 12  # confidence bins: bin j holds path probabilities in (2^-(j+1), 2
 DECAY = 0.95  # per drafted round, of the calibration sums (about 20 rounds of memory)
 PRIOR = 1.0  # pseudo-counts (in accepted nodes) of the calibration, at ratio 1
 FORECAST_WEIGHT = 0.25  # weight of the newest drafted round in the forecast of E_B (the first rounds: a plain mean)
+STEADY_WEIGHT = 1.0 / 16  # the same for the steady forecast, which alone decides whether to stop drafting
 SWITCH_MARGIN = 0.02  # the next round moves to a smaller B only when its forecast rate beats the current's by this share
 AR_MARGIN = 0.05  # drafting stops only when AR's rate beats the best drafted forecast rate by this share ...
 MIN_DRAFTED = 4  # ... and only after this many drafted rounds (one round's acceptance is noisy, and a
@@ -270,6 +277,7 @@ class BudgetState(NamedTuple):
     predicted: jax.Array  # [NUM_BINS] f32: decayed sum of the drafter path probabilities of verified nodes, by bin
     accepted: jax.Array  # [NUM_BINS] f32: decayed count of those nodes found on the accepted path
     forecast: jax.Array  # [C'] f32: expected accepted nodes per candidate budget > 0 (mean over active streams)
+    steady: jax.Array  # [C'] f32: the same observations averaged over more rounds (STEADY_WEIGHT): drafting or AR
     drafted_rounds: jax.Array  # int32: drafted rounds so far (the forecast is a plain mean over the first ones)
     next_index: jax.Array  # int32: index into the candidates of the next round's B (0 with candidates[0] = 0: AR)
     ar_left: jax.Array  # int32: AR rounds left before the next probe
@@ -287,8 +295,9 @@ def init_state(candidates, step_costs, max_accepted: int) -> BudgetState:
     else it is candidates[0] (an AR round when that is 0)."""
     draft = could_pay(candidates, step_costs, max_accepted)
     largest = len(candidates) - 1 - jnp.argmax(jnp.isfinite(step_costs[::-1]))
-    return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32),
-                       jnp.zeros(len(spec_indices(candidates)), jnp.float32), jnp.int32(0),
+    forecast = jnp.zeros(len(spec_indices(candidates)), jnp.float32)
+    return BudgetState(jnp.zeros(NUM_BINS, jnp.float32), jnp.zeros(NUM_BINS, jnp.float32), forecast, forecast,
+                       jnp.int32(0),
                        jnp.where(draft, largest, 0).astype(jnp.int32), jnp.int32(PROBE_FIRST_GAP),
                        jnp.int32(PROBE_FIRST_GAP))
 
@@ -388,7 +397,7 @@ def plan_after_draft(state: BudgetState, expected, accepted, current: int, candi
                      max_accepted: int) -> BudgetState:
     """After a drafted round: update the forecast and plan the next round: the best B by the forecast (from this
     round's B, up on any gain, down by SWITCH_MARGIN: `choose`), or AR rounds until a probe when AR's rate beats
-    every drafted one by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
+    every drafted one of the steady forecast by AR_MARGIN after at least MIN_DRAFTED drafted rounds.
 
     current: this round's B, as an index into the candidates > 0 (static).
     expected [C']: the round's tree's calibrated expected accepted nodes at each candidate B > 0; accepted [C']: the
@@ -399,17 +408,17 @@ def plan_after_draft(state: BudgetState, expected, accepted, current: int, candi
     expects about half the nodes it gets accepted, and a first round judged by it sent the loop to AR for 40 rounds
     (decode.md, "Segments")."""
     n = state.drafted_rounds + 1
-    weight = jnp.maximum(FORECAST_WEIGHT, 1.0 / n.astype(jnp.float32))
     costs = _spec_costs(candidates, step_costs)
     above = jnp.arange(costs.shape[0]) > current
-    seen = jnp.where(above, accepted[current] + expected - expected[current], accepted)
-    forecast = (1 - weight) * state.forecast + weight * jnp.clip(seen, 0.0, max_accepted)
-    draft = ((1.0 + AR_MARGIN) * jnp.max((forecast + 1.0) / costs) >= _ar_rate(candidates, step_costs)) | \
+    seen = jnp.clip(jnp.where(above, accepted[current] + expected - expected[current], accepted), 0.0, max_accepted)
+    average = lambda old, weight: old + jnp.maximum(weight, 1.0 / n.astype(jnp.float32)) * (seen - old)
+    forecast, steady = average(state.forecast, FORECAST_WEIGHT), average(state.steady, STEADY_WEIGHT)
+    draft = ((1.0 + AR_MARGIN) * jnp.max((steady + 1.0) / costs) >= _ar_rate(candidates, step_costs)) | \
         (n < MIN_DRAFTED)
     spec_next = _index_of_spec(candidates, choose(forecast, costs, current))
     gap = jnp.maximum(state.probe_gap, probe_gap_floor(candidates, step_costs))
-    return state._replace(forecast=forecast, drafted_rounds=n, next_index=jnp.where(draft, spec_next, 0),
-                          ar_left=jnp.where(draft, 0, gap),
+    return state._replace(forecast=forecast, steady=steady, drafted_rounds=n,
+                          next_index=jnp.where(draft, spec_next, 0), ar_left=jnp.where(draft, 0, gap),
                           probe_gap=jnp.where(draft, PROBE_FIRST_GAP, jnp.minimum(2 * state.probe_gap,
                                                                                   jnp.maximum(PROBE_MAX_GAP, gap))))
 

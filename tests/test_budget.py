@@ -110,6 +110,29 @@ def test_drafting_against_ar_and_the_probes():
     assert int(budget.probe_gap_floor((4, 16), COSTS[1:])) == 1
 
 
+def test_a_few_poor_rounds_do_not_stop_drafting():
+    """The decision to stop drafting reads the steady forecast (STEADY_WEIGHT): after 40 rounds accepting 1 node at
+    B = 4 (rate 2 / 1.5 = 1.33 against AR's 1), three rounds accepting none bring the four-round forecast to
+    0.42 (rate 0.95: AR would win) but the steady one only to 0.81, and the loop keeps drafting; a long run of poor
+    rounds still turns it to AR. Both forecasts start as plain means."""
+    plan = lambda st, accepted: budget.plan_after_draft(st, jnp.asarray([accepted, accepted]),
+                                                        jnp.asarray([accepted, accepted], jnp.float32), 0,
+                                                        CANDIDATES, COSTS, 15)
+    state = budget.init_state(CANDIDATES, COSTS, max_accepted=15)._replace(next_index=jnp.int32(1))
+    state = plan(plan(state, 1.0), 0.0)
+    np.testing.assert_allclose(state.steady, [0.5, 0.5])
+    for _ in range(38):
+        state = plan(state, 1.0)
+    for _ in range(3):
+        state = plan(state, 0.0)
+    np.testing.assert_allclose(state.forecast[0], 0.75 ** 3, rtol=1e-5)
+    assert 0.8 < state.steady[0] < (15 / 16) ** 3  # the second round's 0 not yet quite forgotten
+    assert (1 + budget.AR_MARGIN) * (state.forecast[0] + 1) / 1.5 < 1 and int(state.next_index) == 1
+    for _ in range(10):
+        state = plan(state, 0.0)
+    assert int(state.next_index) == 0
+
+
 def test_a_forced_candidate_is_the_only_one_run():
     """`calibrate` times each candidate under a cost table with +inf elsewhere (`forced_costs`): a fresh chooser
     starts there and every plan keeps it, whatever the rounds expect and accept."""
