@@ -7,7 +7,9 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
     variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
                contiguous runs of each weight row per load), xla. Timed and dropped: wider grids (default_tiling
-               aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
+               aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md;
+               xla_nk: XLA's product with the weight stored [N, K] (the reduction runs along contiguous memory: a
+               row reduction for XLA's GEMV at small M, where [K, N] gives it a column reduction)
     times      `busy_us` (the sum of the call's device events) is what a product costs inside the decode step, where
                the calls run back to back; `us` (the device span of a call alone) adds the launch gaps between a
                call's events, which made XLA's 2-4 events a product look 2-3x slower than they are in the step
@@ -68,12 +70,16 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                                             for v, (bn, bk) in BLOCK_VARIANTS.items()}}
             fns = {**{v: jax.jit(lambda x, w, g, r, t=t: SM.skinny_matmul(x, w, norm_weight=g, residual=r, tiling=t))
                       for v, t in tilings.items()},
-                   "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r))}
+                   "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r)),
+                   "xla_nk": jax.jit(lambda x, w_t, g, r: SM.skinny_matmul_reference(x, w_t.T, norm_weight=g,
+                                                                                   residual=r))}
             try:
                 x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
                 want = SM.skinny_matmul_reference(x32, w32, norm_weight=g32, residual=r32)
-                errors = {v: rel_err(fn(*args), want) for v, fn in fns.items()}
-                t = time_jobs([Job(v, fn, [args]) for v, fn in fns.items()], reps)
+                args_of = {v: (args[0], args[1].T.copy() if v == "xla_nk" else args[1], *args[2:]) for v in fns}
+                args_of["xla_nk"] = jax.block_until_ready(args_of["xla_nk"])
+                errors = {v: rel_err(fn(*args_of[v]), want) for v, fn in fns.items()}
+                t = time_jobs([Job(v, fn, [args_of[v]]) for v, fn in fns.items()], reps)
             except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on
                 results.append(dict(case, error=f"{type(e).__name__}: {str(e)[:2000]}"))
                 save()
