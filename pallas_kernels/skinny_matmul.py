@@ -42,6 +42,7 @@ from pallas_kernels.triton_call import bound_to
 
 BLOCK_M = 16          # rows per program: tl.dot's smallest tile; rows past M are masked
 TARGET_PROGRAMS = 264  # programs a 16-row tile aims for (two per SM of an H200 / H100, 132 SMs)
+FMA_MAX_ROWS = 8     # the most rows of `Tiling.fma` (its accumulator holds rows x block_k x block_n floats)
 FLOATS = (jnp.bfloat16, jnp.float32)  # the dtypes of x, w, norm_weight, residual and the output
 LAUNCHER = "ffi"      # typed custom call, command-buffer compatible (triton_call.py); not yet measured against "xla"
 
@@ -50,20 +51,25 @@ class Tiling(NamedTuple):
     block_n: int   # output columns per program
     block_k: int   # K per step
     splits: int    # programs along K (1: no partials, no second kernel)
+    fma: bool = False  # products as f32 multiply-adds on the CUDA cores, the rows in tiles of next_pow2(M) <= 8
+    # (no tl.dot: a 16-row tensor-core tile does 16x the work of a row; M <= FMA_MAX_ROWS only). Their sums run
+    # along K per (row, k lane, column), the lanes added at the end: the order depends on the tile's shape, so the
+    # row invariance holds only among M of one tile height
 
 
-def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | None = None) -> Tiling:
+def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | None = None,
+                   fma: bool = False) -> Tiling:
     """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
-    (64 when K is not a multiple of 128), and the largest split of K into whole steps that keeps programs * splits
-    <= TARGET_PROGRAMS. A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
-    replace the first two choices (the benchmark's variants)."""
+    (64 when K is not a multiple of 128; 32 with fma, whose accumulator holds rows x steps x columns floats), and the
+    largest split of K into whole steps that keeps programs * splits <= TARGET_PROGRAMS. A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
+    replace the first two choices (the benchmark's variants); fma: `Tiling.fma`."""
     block_n = block_n or (128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64)
-    block_k = block_k or (128 if k % 128 == 0 else 64)
+    block_k = block_k or (32 if fma else 128 if k % 128 == 0 else 64)
     if k % block_k:
         raise ValueError(f"skinny_matmul: K = {k} is not a multiple of {block_k}; pad the weight's rows")
     steps, programs = k // block_k, triton.cdiv(n, block_n)
     splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= TARGET_PROGRAMS))
-    return Tiling(block_n, block_k, splits)
+    return Tiling(block_n, block_k, splits, fma)
 
 
 def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
@@ -83,13 +89,15 @@ def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residu
 @triton.jit
 def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: tl.constexpr, K: tl.constexpr,
                     N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, IEEE: tl.constexpr):
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, IEEE: tl.constexpr,
+                    FMA: tl.constexpr):
     """Program (columns n, row tile m, split s), over the split's K: out[s, m's rows, n's BN columns] = the f32 sum of
     x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM);
     rows past M read as zeros and are not written. SPLITS = 1 finishes in place: out (the caller's dtype) = that sum
     times rsqrt(sum of x^2 / K + EPS) with NORM, rounded, then with RESIDUAL residual + it in f32, rounded again.
     x [M, K], w [K, N], g [K] (any float dtype), residual [M, N], out [SPLITS, M, N] (f32 when SPLITS > 1), squares
-    [SPLITS, M] f32; g and residual are not read without NORM / RESIDUAL."""
+    [SPLITS, M] f32; g and residual are not read without NORM / RESIDUAL. FMA: the product as f32 multiply-adds
+    into a [BM, BK, BN] accumulator, summed over its BK lanes at the end (`Tiling.fma`)."""
     n, m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
     rows_ok = rows < M
@@ -98,6 +106,8 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
     ks = tl.arange(0, BK)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), tl.float32)
+    if FMA:
+        lanes = tl.zeros((BM, BK, BN), tl.float32)
     squares = tl.zeros((BM,), tl.float32)
     steps: tl.constexpr = K // BK // SPLITS
     for step in tl.range(s * steps, (s + 1) * steps):
@@ -108,10 +118,14 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
             squares += tl.sum(x32 * x32, axis=1)
             xk = (x32 * tl.load(g_ptr + k).to(tl.float32)[None, :]).to(dtype)
         wk = tl.load(w_ptr + k[:, None] * N + cols[None, :], mask=cols_ok[None, :], other=0.0)
-        if IEEE:
+        if FMA:
+            lanes += xk.to(tl.float32)[:, :, None] * wk.to(tl.float32)[None, :, :]
+        elif IEEE:
             acc = tl.dot(xk, wk, acc, input_precision="ieee")
         else:
             acc = tl.dot(xk, wk, acc)
+    if FMA:
+        acc = tl.sum(lanes, axis=1)
     ok = rows_ok[:, None] & cols_ok[None, :]
     if SPLITS == 1:
         if NORM:
@@ -185,13 +199,17 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
     g = norm_weight if norm else x                      # unread without NORM / RESIDUAL: any operand will do
     r = residual if add else x
     split = tiling.splits > 1
+    if tiling.fma and m > FMA_MAX_ROWS:
+        raise ValueError(f"skinny_matmul: the fma tiling takes at most {FMA_MAX_ROWS} rows, got {m}; use a tiling "
+                         "with fma=False")
+    block_m = min(triton.next_power_of_2(m), BLOCK_M) if tiling.fma else BLOCK_M
     part, squares = call(
         x, w, g, r, kernel=_product_kernel,
         out_shape=(jax.ShapeDtypeStruct((tiling.splits, m, n), jnp.float32 if split else out_dtype),
                    jax.ShapeDtypeStruct((tiling.splits, m), jnp.float32)),
-        grid=(triton.cdiv(n, tiling.block_n), triton.cdiv(m, BLOCK_M), tiling.splits), num_warps=4, num_stages=3,
-        M=m, K=k, N=n, BM=BLOCK_M, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
-        RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32)
+        grid=(triton.cdiv(n, tiling.block_n), triton.cdiv(m, block_m), tiling.splits), num_warps=4, num_stages=3,
+        M=m, K=k, N=n, BM=block_m, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
+        RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32, FMA=tiling.fma)
     if not split:
         return part.reshape(m, n)
     return call(part, squares, r, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),

@@ -35,6 +35,9 @@ def _inputs(seed, m, k, n, dtype):
     (9, 512, 96, False, False, SM.Tiling(64, 64, 2)),    # 64-deep steps
     (4, 256, 96, True, False, SM.Tiling(64, 128, 1)),    # no split: the product kernel writes the output
     (6, 256, 70, True, True, SM.Tiling(64, 128, 1)),     # no split: the norm and the residual in the one kernel
+    (1, 256, 96, True, True, SM.Tiling(64, 32, 1, fma=True)),    # multiply-adds on the CUDA cores, one row
+    (3, 512, 100, True, True, SM.Tiling(64, 32, 4, fma=True)),   # ... a 4-row tile, split-K
+    (8, 256, 64, False, False, SM.default_tiling(256, 64, fma=True)),
 ])
 def test_kernels_match_the_reference(m, k, n, norm, residual, tiling):
     from triton_interpreter import interpreter_call
@@ -90,3 +93,6 @@ def test_bad_inputs_are_refused_with_the_fix_named():
         SM.check_inputs(x, jnp.ones((128, 8), jnp.bfloat16), jnp.ones(64), None, jnp.bfloat16)
     with pytest.raises(ValueError, match="residual"):
         SM.check_inputs(x, jnp.ones((128, 8), jnp.bfloat16), None, jnp.ones((2, 9)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        SM.run_kernels(None, jnp.ones((9, 128), jnp.float32), jnp.ones((128, 8), jnp.float32),
+                       tiling=SM.Tiling(64, 32, 1, fma=True))

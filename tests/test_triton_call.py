@@ -118,6 +118,15 @@ def test_skinny_matmul_lowers_to_ffi_launches_of_triton_cubins(rows, k, n, norm,
     assert not any(op in text for op in ("stablehlo.pad", "stablehlo.slice", "stablehlo.convert"))
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_skinny_matmul_fma_tiling_lowers_for_sm90(rows):
+    """The multiply-add tiling (`Tiling.fma`) at q_a's shape with its norm: compiled by Triton for sm_90."""
+    tiling = SM.default_tiling(D, 1536, fma=True)
+    text = lower_for_h200(lambda x, w, g: SM.skinny_matmul(x, w, norm_weight=g, tiling=tiling), spec((rows, D), BF16),
+                          spec((D, 1536), BF16), spec((D,), BF16))
+    assert text.count('cubin = "\\7FELF') == 1 + (tiling.splits > 1) and 'name = "_product_kernel"' in text
+
+
 def test_router_topk_lowers_to_one_triton_call():
     """K2.6's router after its product (384 experts, top 8) at a B=32 verify of 8 streams: one Triton call (XLA's,
     the default launcher), no sort; and compiled by Triton for sm_90 (the "ffi" launcher's cubin)."""

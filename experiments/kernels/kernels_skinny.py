@@ -6,7 +6,8 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
     cases      PRODUCTS: q_a (with input_layernorm), kv_a, q_b (with q_a_norm), o_proj (with the residual add), the
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
     variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
-               contiguous runs of each weight row per load), xla. Timed and dropped: wider grids (default_tiling
+               contiguous runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
+               16-row tensor-core tile), xla. Timed and dropped: wider grids (default_tiling
                aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md;
                xla_nk: XLA's product with the weight stored [N, K] (the reduction runs along contiguous memory: a
                row reduction for XLA's GEMV at small M, where [K, N] gives it a column reduction)
@@ -68,6 +69,8 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
             tiling = SM.default_tiling(k, n)
             tilings = {"kernel": tiling, **{v: SM.default_tiling(k, n, block_n=bn, block_k=bk)
                                             for v, (bn, bk) in BLOCK_VARIANTS.items()}}
+            if rows <= SM.FMA_MAX_ROWS:
+                tilings["fma"] = SM.default_tiling(k, n, fma=True)
             fns = {**{v: jax.jit(lambda x, w, g, r, t=t: SM.skinny_matmul(x, w, norm_weight=g, residual=r, tiling=t))
                       for v, t in tilings.items()},
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r)),
