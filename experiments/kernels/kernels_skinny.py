@@ -7,7 +7,8 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
     variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
                contiguous runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
-               16-row tensor-core tile), xla. Timed and dropped: wider grids (default_tiling
+               16-row tensor-core tile; 32-deep steps), fma_k64 (the same, 64-deep: twice the bytes a load, twice
+               the accumulator's registers), xla. Timed and dropped: wider grids (default_tiling
                aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md;
                xla_nk: XLA's product with the weight stored [N, K] (the reduction runs along contiguous memory: a
                row reduction for XLA's GEMV at small M, where [K, N] gives it a column reduction)
@@ -71,6 +72,7 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                                             for v, (bn, bk) in BLOCK_VARIANTS.items()}}
             if rows <= SM.FMA_MAX_ROWS:
                 tilings["fma"] = SM.default_tiling(k, n, fma=True)
+                tilings["fma_k64"] = SM.default_tiling(k, n, block_k=64, fma=True)
             fns = {**{v: jax.jit(lambda x, w, g, r, t=t: SM.skinny_matmul(x, w, norm_weight=g, residual=r, tiling=t))
                       for v, t in tilings.items()},
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r)),
