@@ -39,6 +39,10 @@ flags.DEFINE_list("tiling", [], "the kernel's config as field=value pairs: Trito
                   "is given)")
 flags.DEFINE_integer("experts", 0, "experts E (0: K2.6's 384); fewer keep the profiler's memory save and restore "
                      "short (each call touches only its M x top-k experts' weights either way)")
+flags.DEFINE_integer("touched", 0, "route each token's first N of its top-k slots to experts held here and the "
+                     "rest to ids outside [0, E) (experts of other devices, which int4_moe drops): one device's share "
+                     "of expert parallelism, e.g. --experts=48 --touched=3 for the tp=8 share at M = 1 (its most "
+                     "loaded device holds ~2.6 of a token's 8 experts); 0: every slot held here")
 F = flags.FLAGS
 
 
@@ -47,6 +51,9 @@ def main(_):
     num_experts = F.experts or shape["experts"]
     if num_experts < shape["top_k"]:
         cli.fail(f"--experts={num_experts}: top-{shape['top_k']} routing needs at least {shape['top_k']} experts")
+    if not 0 <= F.touched <= shape["top_k"]:
+        cli.fail(f"--touched={F.touched}: a token has {shape['top_k']} slots; give 0 (all held here) to "
+                 f"{shape['top_k']}")
     if (F.launcher and F.kernel != "triton") or (F.tiling and F.kernel == "reference"):
         cli.fail(f"--launcher applies to --kernel=triton, --tiling to triton and {MOSAIC}, not {F.kernel}")
     launch = {"launcher": F.launcher} if F.launcher else {}
@@ -54,6 +61,8 @@ def main(_):
         launch["config"] = parse_tiling(F.tiling, MgpuMatmulConfig if F.kernel == MOSAIC else TritonMoeConfig)
     experts = random_experts(jax.random.key(3), num_experts, shape["hidden"], shape["inter"])
     ids, w = moe_routing(jax.random.key(4), F.tokens, num_experts, shape["top_k"])
+    if F.touched:
+        ids = ids.at[:, F.touched:].set(num_experts)
     x = jax.random.normal(jax.random.key(5), (F.tokens, shape["hidden"]), jnp.bfloat16)
     if F.kernel == MOSAIC:
         config = launch.get("config")                                   # None: the op's default_config
@@ -64,7 +73,8 @@ def main(_):
     for _ in range(F.calls):
         jax.block_until_ready(kernel(x, experts, ids, w))
     print(f"ran {F.kernel} int4_moe ({F.launcher or 'default launcher'}, {launch.get('config', 'default tiling')}) "
-          f"at M={F.tokens} over {num_experts} experts {F.calls} times")
+          f"at M={F.tokens} over {num_experts} experts ({F.touched or shape['top_k']} of each token's "
+          f"{shape['top_k']} held here) {F.calls} times")
 
 
 def parse_tiling(pairs: list[str], config_type=TritonMoeConfig):
