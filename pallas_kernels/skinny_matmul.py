@@ -19,7 +19,8 @@ Row invariance: the tiling is `default_tiling(K, N)`, never a function of M, and
 (over BK-wide steps of K in increasing order, split partials added in split order) whatever M and whatever rows
 share its tile. M is a compile-time constant of the kernels (it sets the masks and the output's shape); the
 instruction sequence along K does not depend on it (tests/test_kernels_gpu.py checks a row alone against the same
-row among others, bitwise). This is the property the exact mode (`DecodeSpec.exact`) needs on the GPU.
+row among others, bitwise). This is the property the exact mode (`DecodeSpec.exact`) needs on the GPU. Not so
+the `Tiling.fma` tilings (a measured alternative for M <= 8, not the default): their row tile is next_pow2(M) high.
 
 Launches: the product kernel alone without split-K (the norm, the scale and the residual in it), the splits kernel
 after it with; nothing around them (a first version padded x, sliced the output and cast the norm's weight: five or
@@ -220,7 +221,8 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
 def skinny_matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,
                   tiling: Tiling | None = None, launcher: str = LAUNCHER):
     """`skinny_matmul_reference` as Triton kernels on the GPU (shapes and fusions there). tiling: default
-    `default_tiling(K, N)` (another tiling gives other rounding; the row invariance holds for any one tiling)."""
+    `default_tiling(K, N)` (another tiling gives other rounding; the row invariance holds for any one tiling
+    without fma)."""
     return _skinny_matmul(x, w, norm_weight, residual, eps=float(eps),
                           out_dtype=jnp.dtype(out_dtype or x.dtype), tiling=tiling, launcher=launcher)
 

@@ -8,10 +8,10 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
     variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
                contiguous runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
                16-row tensor-core tile; 32-deep steps), fma_k64 (the same, 64-deep: twice the bytes a load, twice
-               the accumulator's registers), xla. Timed and dropped: wider grids (default_tiling
-               aiming at 528 and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md;
-               xla_nk: XLA's product with the weight stored [N, K] (the reduction runs along contiguous memory: a
-               row reduction for XLA's GEMV at small M, where [K, N] gives it a column reduction)
+               the accumulator's registers), xla, and xla_nk: XLA's product with the weight stored [N, K] (the
+               reduction runs along contiguous memory: a row reduction for XLA's GEMV at small M, where [K, N] gives
+               it a column reduction). Timed and dropped: wider grids (default_tiling aiming at 528 and 1056
+               programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
     times      `busy_us` (the sum of the call's device events) is what a product costs inside the decode step, where
                the calls run back to back; `us` (the device span of a call alone) adds the launch gaps between a
                call's events, which made XLA's 2-4 events a product look 2-3x slower than they are in the step

@@ -45,10 +45,14 @@ class MLA(nnx.Module):
         """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated). exact: every row's
         sums in one order (`batch_invariant.matmul`)."""
         if exact:
-            heads = lambda y, w: batch_invariant.matmul(y, w.reshape(w.shape[0], -1)).reshape(  # noqa: E731
-                *y.shape[:-1], *w.shape[1:])
-            q = self.q_a_norm(batch_invariant.matmul(x, self.q_a_proj[...]), exact=True) if self.cfg.q_lora_rank else x
-            q = heads(q, (self.q_b_proj if self.cfg.q_lora_rank else self.q_proj)[...])
+            def heads(y, w, **norm):
+                return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1],
+                                                                                            *w.shape[1:])
+            if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
+                q = heads(batch_invariant.matmul(x, self.q_a_proj[...]), self.q_b_proj[...],
+                          norm_weight=self.q_a_norm.weight[...], eps=self.q_a_norm.eps)
+            else:
+                q = heads(x, self.q_proj[...])
         elif self.cfg.q_lora_rank:
             q = project(project(x, self.q_a_proj[...]), self.q_b_proj[...], norm=self.q_a_norm)
         else:

@@ -60,8 +60,8 @@ class Transformer(nnx.Module):
         its final norm, which the lm_head's kernel fuses: `project`)."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         if exact:
-            return batch_invariant.matmul(hidden if norm is None else norm(hidden, exact=True), w,
-                                          out_dtype=jnp.float32)
+            fused = {} if norm is None else dict(norm_weight=norm.weight[...], eps=norm.eps)
+            return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused)
         return project(hidden, w, norm=norm, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
