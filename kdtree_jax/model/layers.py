@@ -36,6 +36,12 @@ class RMSNorm(nnx.Module):
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def fused_norm(norm: RMSNorm | None) -> dict:
+    """The keywords (norm_weight, eps) that fuse `norm` into a product's prologue (`ops.dense`,
+    `batch_invariant.matmul`); none for no norm."""
+    return {} if norm is None else dict(norm_weight=norm.weight[...], eps=norm.eps)
+
+
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
     """[norm](x) . w: x [..., K], w [K, *out] -> [..., *out] (f32 accumulation; out_dtype default x's). One
     `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`) and no tp
@@ -43,8 +49,7 @@ def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
     first."""
     w2 = w.reshape(w.shape[0], -1)
     if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.dense_takes(x, w2):
-        y = ops.dense(x, w2, norm_weight=None if norm is None else norm.weight[...],
-                      eps=1e-6 if norm is None else norm.eps, out_dtype=out_dtype)
+        y = ops.dense(x, w2, out_dtype=out_dtype, **fused_norm(norm))
         return y.reshape(*x.shape[:-1], *w.shape[1:])
     x = x if norm is None else norm(x)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_dtype)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import RMSNorm, dtype_of, init_weight, project
+from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, project
 from kdtree_jax.model.rope import apply_rope
 from kdtree_jax.model.parallel import head_parallel
 from pallas_kernels import batch_invariant, ops
@@ -41,18 +41,19 @@ class MLA(nnx.Module):
         self.o_proj = init_weight(rngs, (h, cfg.v_head_dim, d), h * cfg.v_head_dim, dt)
         self.cfg = cfg
 
-    def queries(self, x, positions, *, exact: bool = False):
+    def queries(self, x, positions, *, exact: bool = False, input_norm=None):
         """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated). exact: every row's
-        sums in one order (`batch_invariant.matmul`)."""
+        sums in one order (`batch_invariant.matmul`), with input_norm (an RMSNorm, or None) applied to x in the
+        first product's prologue."""
         if exact:
             def heads(y, w, **norm):
                 return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1],
                                                                                             *w.shape[1:])
             if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
-                q = heads(batch_invariant.matmul(x, self.q_a_proj[...]), self.q_b_proj[...],
-                          norm_weight=self.q_a_norm.weight[...], eps=self.q_a_norm.eps)
+                q = heads(batch_invariant.matmul(x, self.q_a_proj[...], **fused_norm(input_norm)), self.q_b_proj[...],
+                          **fused_norm(self.q_a_norm))
             else:
-                q = heads(x, self.q_proj[...])
+                q = heads(x, self.q_proj[...], **fused_norm(input_norm))
         elif self.cfg.q_lora_rank:
             q = project(project(x, self.q_a_proj[...]), self.q_b_proj[...], norm=self.q_a_norm)
         else:
@@ -60,14 +61,18 @@ class MLA(nnx.Module):
         p = self.cfg.qk_nope_head_dim
         return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
 
-    def latents(self, x, positions, *, exact: bool = False):
-        """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores."""
-        kv = batch_invariant.matmul(x, self.kv_a_proj[...]) if exact else project(x, self.kv_a_proj[...])
+    def latents(self, x, positions, *, exact: bool = False, input_norm=None):
+        """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores. input_norm:
+        as in `queries` (exact only)."""
+        if exact:
+            kv = batch_invariant.matmul(x, self.kv_a_proj[...], **fused_norm(input_norm))
+        else:
+            kv = project(x, self.kv_a_proj[...])
         c = self.cfg.kv_lora_rank
         return self.kv_a_norm(kv[..., :c], exact=exact), apply_rope(kv[..., c:], positions, self.cfg)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True,
-                 exact: bool = False):
+                 exact: bool = False, input_norm=None):
         """One block of T tokens per stream.
 
         x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T];
@@ -75,11 +80,14 @@ class MLA(nnx.Module):
         The block's latents are written to rows prefix_len .. prefix_len+T-1, then every token attends to the
         stream's prefix and to its visible block rows. Returns (out [S, T, D], c_cache, r_cache).
         exact: every token row's result independent of the block and the other streams (`batch_invariant`; the
-        absorbed path).
+        absorbed path); input_norm: the layer's input RMSNorm, not yet applied to x, fused into q_a's and kv_a's
+        products (exact only: the default path takes x normed).
         """
         cfg = self.cfg
         if exact:
-            return self._exact(x, positions, c_cache, r_cache, prefix_len, visible, plan)
+            return self._exact(x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm)
+        if input_norm is not None:
+            raise ValueError("MLA: input_norm is fused in the exact path only; pass x normed")
         c_new, r_new = self.latents(x, positions)
         c_cache = write_rows(c_cache, c_new, prefix_len)
         r_cache = write_rows(r_cache, r_new, prefix_len)
@@ -99,13 +107,13 @@ class MLA(nnx.Module):
         out = project(out.astype(x.dtype).reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]))
         return out, c_cache, r_cache
 
-    def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan):
+    def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm):
         """The absorbed path with `batch_invariant`'s products and attention."""
         cfg = self.cfg
-        c_new, r_new = self.latents(x, positions, exact=True)
+        c_new, r_new = self.latents(x, positions, exact=True, input_norm=input_norm)
         c_cache = write_rows(c_cache, c_new, prefix_len)
         r_cache = write_rows(r_cache, r_new, prefix_len)
-        q_nope, q_rope = self.queries(x, positions, exact=True)
+        q_nope, q_rope = self.queries(x, positions, exact=True, input_norm=input_norm)
         w_uk = self.kv_b_proj[..., :cfg.qk_nope_head_dim]  # [C, H, P]
         w_uv = self.kv_b_proj[..., cfg.qk_nope_head_dim:]  # [C, H, V]
         q_lat = batch_invariant.head_matmul(q_nope, jnp.transpose(w_uk, (1, 2, 0)))    # [S, T, H, C]

@@ -9,7 +9,7 @@ from flax import nnx
 
 from kdtree_jax.cache import KVCache, init_cache
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight, project
+from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, fused_norm, init_weight, project
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
 from kdtree_jax.model.parallel import attention_plan, vocab_parallel_embed
@@ -28,8 +28,12 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(cfg, rngs)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed, exact):
-        h, c_cache, r_cache = self.self_attn(self.input_layernorm(x, exact=exact), positions, c_cache, r_cache,
-                                             prefix_len, visible, plan=plan, absorbed=absorbed, exact=exact)
+        if exact:      # the input norm in q_a's and kv_a's products
+            h, c_cache, r_cache = self.self_attn(x, positions, c_cache, r_cache, prefix_len, visible, plan=plan,
+                                                 absorbed=absorbed, exact=True, input_norm=self.input_layernorm)
+        else:
+            h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
+                                                 visible, plan=plan, absorbed=absorbed)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x, exact=exact), exact=exact), c_cache, r_cache
 
@@ -60,8 +64,7 @@ class Transformer(nnx.Module):
         its final norm, which the lm_head's kernel fuses: `project`)."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         if exact:
-            fused = {} if norm is None else dict(norm_weight=norm.weight[...], eps=norm.eps)
-            return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused)
+            return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused_norm(norm))
         return project(hidden, w, norm=norm, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
