@@ -20,8 +20,8 @@ references) XLA runs it in fixed-shape pieces:
   and runs QUERY_TILE queries a step as one batched product of fixed shape (the softmax's sum is one more column of
   the value product); the kernel walks it in fixed steps of positions with an online softmax.
 - `routed_experts`: the (token, expert) pairs in blocks of PAIR_TILE pairs of one expert (`int4_moe.route_pairs`),
-  each pair a row of its block's fixed-shape products, and a token's k results added in slot order, whatever the number of
-  tokens sharing an expert.
+  each pair a row of its block's fixed-shape products, and a token's k results added in slot order, whatever the
+  number of tokens sharing an expert.
 
 The references' products are `fixed_dot`: operands and result behind `lax.optimization_barrier`, so that each
 compiles to the same GEMM wherever it sits (without the barriers an H100 run was bitwise at batch 1 and not at

@@ -28,12 +28,10 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(cfg, rngs)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed, exact):
-        if exact:      # the input norm in q_a's and kv_a's products
-            h, c_cache, r_cache = self.self_attn(x, positions, c_cache, r_cache, prefix_len, visible, plan=plan,
-                                                 absorbed=absorbed, exact=True, input_norm=self.input_layernorm)
-        else:
-            h, c_cache, r_cache = self.self_attn(self.input_layernorm(x), positions, c_cache, r_cache, prefix_len,
-                                                 visible, plan=plan, absorbed=absorbed)
+        norm = self.input_layernorm            # exact: fused into q_a's and kv_a's products
+        h, c_cache, r_cache = self.self_attn(x if exact else norm(x), positions, c_cache, r_cache, prefix_len, visible,
+                                             plan=plan, absorbed=absorbed, exact=exact,
+                                             input_norm=norm if exact else None)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x, exact=exact), exact=exact), c_cache, r_cache
 
