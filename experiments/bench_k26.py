@@ -763,8 +763,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("collective_table", "experiments/results/k26/k26_x2_tp2_20layers.json",
                         "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)",
                         flag_values=fv)
-    flags.DEFINE_integer("moe_gate_up_splits", 0, "the Triton int4_moe's gate_up split-K for every call (0: its "
-                         "default tiling; `ops.set_int4_moe_gate_up_splits`)", flag_values=fv)
+    flags.DEFINE_list("moe_tiling", [], "fields of the Triton int4_moe's tiling over its default for every call, "
+                      "as field=integer pairs (0 / 1 for a boolean), e.g. gate_up_splits=2 or fma=1,block_m=1,block_n=32 "
+                      "(`ops.set_int4_moe_tiling`; empty: the default tiling)", flag_values=fv)
     flags.DEFINE_bool("dense_kernel", False, "the dense products of few rows through skinny_matmul "
                       "(`ops.set_dense_kernel`: q_a, kv_a, q_b with its norm, o_proj, the shared expert, the router, "
                       "the lm_head with the final norm) instead of XLA", flag_values=fv)
@@ -850,8 +851,6 @@ def check(f) -> tuple[ModelConfig, object, list[Case], int]:
         cli.refuse(f, "mesh", f"--shard_of={f.shard_of} runs one device's share on this one device; drop --mesh")
     if share_tp and f.compile_only:
         cli.refuse(f, "compile_only", "is for a whole model on a mesh; --shard_of runs the share on this device")
-    if f.moe_gate_up_splits not in (0, 1, 2, 4, 8):
-        cli.refuse(f, "moe_gate_up_splits", "must be 0 (the default tiling) or 1, 2, 4 or 8")
     with cli.about(f, "mesh"):
         mesh = bench_mesh("tp=1" if share_tp else f.mesh)
         model_dir.check_mesh(cfg, mesh)
@@ -871,7 +870,8 @@ def run(f) -> None:
     start = time.time()
     cfg, mesh, cases, share_tp = check(f)
     int4_moe_triton.set_default_launcher(f.moe_launcher)
-    ops.set_int4_moe_gate_up_splits(f.moe_gate_up_splits or None)
+    with cli.about(f, "moe_tiling"):
+        ops.set_int4_moe_tiling(**cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig))
     ops.set_dense_kernel(f.dense_kernel)
     ops.set_router_kernel(f.router_kernel)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
@@ -884,7 +884,7 @@ def run(f) -> None:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
                 shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel,
-                router_kernel=f.router_kernel, moe_gate_up_splits=f.moe_gate_up_splits,
+                router_kernel=f.router_kernel, moe_tiling=f.moe_tiling,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",

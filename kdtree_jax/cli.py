@@ -30,6 +30,7 @@ several processes; `join_processes` says whom it waits for and gives up after --
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -130,6 +131,20 @@ def shown(f, name: str) -> str:
 
 def refuse(f, name: str, why: str) -> NoReturn:
     raise ValueError(f"{shown(f, name)}: {why}")
+
+
+def dataclass_fields(f, name: str, config_type) -> dict:
+    """A list flag of field=integer pairs (0 / 1 for a boolean field), e.g. `--tiling=block_n=64,fma=1` -> {field:
+    value} of the dataclass config_type; refuses an unknown field or a value that is not an integer."""
+    fields = {field.name: field.type for field in dataclasses.fields(config_type)}
+    values = {}
+    for pair in getattr(f, name):
+        field, sep, text = pair.partition("=")
+        if not sep or field not in fields or not text.isdigit() or (fields[field] == "bool" and text not in "01"):
+            refuse(f, name, f"{pair!r} is not field=integer (0 or 1 for a boolean) with a field of "
+                            f"{config_type.__name__}: {sorted(fields)}")
+        values[field] = bool(int(text)) if fields[field] == "bool" else int(text)
+    return values
 
 
 def at_least(f, name: str, minimum: int | float, why: str = "") -> None:

@@ -48,7 +48,12 @@ class TritonMoeConfig:
     group_by_block: launch a block's programs (its row tiles) next to each other (grid [tiles, blocks]) instead of
     one row tile of every block after another ([blocks, tiles]): the block's inputs (x rows for gate_up, h rows for
     down) are then read from DRAM once and from L2 by the rest (ncu at M=4096: down moved 14.9 GB for 3.2 GB of
-    weights; kernels.md, "Thirteenth session")."""
+    weights; kernels.md, "Thirteenth session").
+    fma: the products as f32 multiply-adds on the CUDA cores (`_nibble_fmas`) instead of tensor-core dots, for
+    blocks of one pair (block_m=1: an expert's pairs are blocks next to each other on the grid, whose weight tiles
+    the second block reads from L2) and programs of 16-256 rows. A wgmma takes 16 token rows and here its A operand
+    from registers, so each of a step's nibble dots waits for the one before (16 dependent waits a step in gate_up's
+    PTX); for one token the multiply-adds cost one instruction a weight and nothing waits."""
     block_m: int = 16
     block_n: int = 64
     words: int = 32
@@ -59,10 +64,13 @@ class TritonMoeConfig:
     down_num_stages: int | None = None
     gate_up_splits: int = 1
     group_by_block: bool = False
+    fma: bool = False
 
     def __post_init__(self):
-        for name, low, high in (("block_m", 16, 256), ("block_n", 64, 256), ("down_block_n", 64, 256),
-                                ("gate_up_splits", 1, 8)):
+        # a wgmma's 16 token rows and 64 output rows; the multiply-adds take one token row
+        (low_m, high_m), low_n = ((1, 1), 16) if self.fma else ((16, 256), 64)
+        for name, low, high in (("block_m", low_m, high_m), ("block_n", low_n, 256),
+                                ("down_block_n", low_n, 256), ("gate_up_splits", 1, 8)):
             value = getattr(self, name)
             if value is not None and (not low <= value <= high or value & (value - 1)):
                 raise ValueError(f"TritonMoeConfig.{name}={value} must be a power of two in [{low}, {high}]")
@@ -175,6 +183,44 @@ def _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 
 
 @triton.jit
+def _dequantize_f32(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
+    """`_dequantize_bf16`'s 8 nibble tiles in f32, exact (`_dequantize`'s bit pattern), for f32 activations."""
+    scales = tl.load(scale_ptr + rows[:, None] + ROW_STRIDE * tl.arange(0, 8)[None, :]).to(tl.float32)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _group_columns(scales)
+    return (_nibble_f32(words, 0, s0), _nibble_f32(words, 1, s1), _nibble_f32(words, 2, s2),
+            _nibble_f32(words, 3, s3), _nibble_f32(words, 4, s4), _nibble_f32(words, 5, s5),
+            _nibble_f32(words, 6, s6), _nibble_f32(words, 7, s7))
+
+
+@triton.jit
+def _nibble_f32(words, i: tl.constexpr, scale):
+    """words int32 [BN, W], scale f32 [BN] -> q * scale [BN, W] of nibble i."""
+    nibbles = (words >> (4 * i)) & 0xF
+    return ((nibbles ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0) * scale[:, None]
+
+
+@triton.jit
+def _nibble_tiles(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr, dtype: tl.constexpr):
+    """The 8 nibble tiles [BN, W] of words int32 [BN, W]: bf16 (`_dequantize_bf16`) or f32 (`_dequantize_f32`)."""
+    if dtype == tl.bfloat16:
+        tiles = _dequantize_bf16(words, scale_ptr, rows, ROW_STRIDE)
+    else:
+        tiles = _dequantize_f32(words, scale_ptr, rows, ROW_STRIDE)
+    return tiles
+
+
+@triton.jit
+def _nibble_act(act_ptr, i: tl.constexpr, act_cols, ACT_WIDTH: tl.constexpr, ok):
+    """Nibble i's activations at act_ptr + 32 i ([BM, W] or [W]), 0 where not ok ([BM, 1] or a scalar) and past
+    ACT_WIDTH (act_cols [W]: nibble 0's columns)."""
+    if ACT_WIDTH % 256 == 0:
+        act = tl.load(act_ptr + 32 * i, mask=ok, other=0.0)
+    else:
+        act = tl.load(act_ptr + 32 * i, mask=ok & (act_cols + 32 * i < ACT_WIDTH), other=0.0)
+    return act
+
+
+@triton.jit
 def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc):
     """acc + sum_i tiles[i] . act_i^T: tiles the 8 nibble tiles [BN, W] of `_dequantize_bf16`, act_ptr [BM, W] the
     pointers of nibble 0's inputs at columns act_cols [W] (nibble i's are 32 i further) of rows ACT_WIDTH wide, of
@@ -182,12 +228,48 @@ def _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc
     at M <= 64; measured, kernels.md, "Eighteenth session"). The mask is constant along a row, so the loads stay
     vectorized; where the width is not a whole number of 256-input blocks the columns are masked too."""
     for i in tl.static_range(8):
-        if ACT_WIDTH % 256 == 0:
-            act = tl.load(act_ptr + 32 * i, mask=rows_ok[:, None], other=0.0)
-        else:
-            act = tl.load(act_ptr + 32 * i, mask=rows_ok[:, None] & (act_cols + 32 * i < ACT_WIDTH)[None, :],
-                          other=0.0)
-        acc = tl.dot(tiles[i], tl.trans(act), acc)
+        acc = tl.dot(tiles[i], tl.trans(_nibble_act(act_ptr, i, act_cols, ACT_WIDTH, rows_ok[:, None])), acc)
+    return acc
+
+
+@triton.jit
+def _nibble_fmas(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc):
+    """`_nibble_dots` for one token row (BM = 1) as f32 multiply-adds into lanes: acc [BN, W] + tiles[i] * act_i
+    for each nibble i, one multiply-add a weight; the lanes are summed once, after the last step
+    (`_rows_by_tokens`). The row's activations are loaded as a [W] vector, in the tiles' column layout."""
+    row = tl.reshape(act_ptr, (act_cols.shape[0],))
+    ok = tl.max(rows_ok.to(tl.int32), axis=0) > 0
+    for i in tl.static_range(8):
+        act = _nibble_act(row, i, act_cols, ACT_WIDTH, ok).to(tl.float32)
+        acc += tiles[i].to(tl.float32) * act[None, :]
+    return acc
+
+
+@triton.jit
+def _nibble_products(tiles, act_ptr, act_cols, ACT_WIDTH: tl.constexpr, rows_ok, acc, FMA: tl.constexpr):
+    """`_nibble_fmas` (acc [BN, W]) or `_nibble_dots` (acc [BN, BM])."""
+    if FMA:
+        acc = _nibble_fmas(tiles, act_ptr, act_cols, ACT_WIDTH, rows_ok, acc)
+    else:
+        acc = _nibble_dots(tiles, act_ptr, act_cols, ACT_WIDTH, rows_ok, acc)
+    return acc
+
+
+@triton.jit
+def _zero_acc(BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, FMA: tl.constexpr):
+    """An accumulator of `_nibble_products`: [BN, WORDS] lanes (FMA, BM = 1) or [BN, BM], f32 zeros."""
+    if FMA:
+        acc = tl.zeros((BN, WORDS), tl.float32)
+    else:
+        acc = tl.zeros((BN, BM), tl.float32)
+    return acc
+
+
+@triton.jit
+def _rows_by_tokens(acc, FMA: tl.constexpr):
+    """`_nibble_products`' accumulator as sums [BN, BM]: the lanes of the FMA one added (in a fixed order)."""
+    if FMA:
+        acc = tl.sum(acc, axis=1)[:, None]
     return acc
 
 
@@ -213,11 +295,12 @@ def _block_and_tile(GROUP_BY_BLOCK: tl.constexpr):
 def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s_ptr, up_q_ptr, up_s_ptr, h_ptr,
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
+                    WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
+                    FMA: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums
     x W_gate^T and x W_up^T into h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns]
-    (`_gate_up_reduce_kernel` finishes h)."""
+    (`_gate_up_reduce_kernel` finishes h). FMA: the products as multiply-adds (`_nibble_fmas`)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     steps: tl.constexpr = ROW_WORDS // WORDS // SPLITS
     first = tl.program_id(2) * steps
@@ -237,20 +320,29 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         gate_q = gate_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
         up_q = up_q_ptr + expert_words + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER
-        acc_g = tl.zeros((BN, BM), tl.float32)
-        acc_u = tl.zeros((BN, BM), tl.float32)
+        acc_g = _zero_acc(BM, BN, WORDS, FMA)
+        acc_u = _zero_acc(BM, BN, WORDS, FMA)
+        if FMA:         # no dot for Triton's pipeliner to stage loads for: the next step's words load a step ahead
+            gate_ahead = tl.load(gate_q + first * WORDS)
+            up_ahead = tl.load(up_q + first * WORDS)
         for step in tl.range(first, first + steps):
             block = step * WORDS // 32
-            w_gate = tl.load(gate_q + step * WORDS)
-            w_up = tl.load(up_q + step * WORDS)
-            if dtype == tl.bfloat16:
+            if FMA:
+                w_gate, w_up = gate_ahead, up_ahead
+                ahead = tl.minimum(step + 1, first + steps - 1) * WORDS
+                gate_ahead = tl.load(gate_q + ahead)
+                up_ahead = tl.load(up_q + ahead)
+            else:
+                w_gate = tl.load(gate_q + step * WORDS)
+                w_up = tl.load(up_q + step * WORDS)
+            if FMA or dtype == tl.bfloat16:
                 scale_at = expert_scales + block * 8 * INTER
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = x_ptr + tok[:, None] * HIDDEN + cols[None, :]                   # [BM, W]
-                tiles = _dequantize_bf16(w_gate, gate_s_ptr + scale_at, rows_in, INTER)
-                acc_g = _nibble_dots(tiles, act_at, cols, HIDDEN, tok_ok, acc_g)
-                tiles = _dequantize_bf16(w_up, up_s_ptr + scale_at, rows_in, INTER)
-                acc_u = _nibble_dots(tiles, act_at, cols, HIDDEN, tok_ok, acc_u)
+                tiles = _nibble_tiles(w_gate, gate_s_ptr + scale_at, rows_in, INTER, dtype)
+                acc_g = _nibble_products(tiles, act_at, cols, HIDDEN, tok_ok, acc_g, FMA)
+                tiles = _nibble_tiles(w_up, up_s_ptr + scale_at, rows_in, INTER, dtype)
+                acc_u = _nibble_products(tiles, act_at, cols, HIDDEN, tok_ok, acc_u, FMA)
             else:
                 scale_at = expert_scales + (block * 8 + group)[None, :] * INTER + rows_in[:, None]       # [BN, 8]
                 cols = _block_columns(step, WORDS)
@@ -260,16 +352,18 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                 acc_g = tl.dot(w_g, act, acc_g, input_precision="ieee")
                 w_u = _dequantize(w_up, tl.load(up_s_ptr + scale_at), dtype, BN, WORDS)
                 acc_u = tl.dot(w_u, act, acc_u, input_precision="ieee")
+        g = _rows_by_tokens(acc_g, FMA)                                                        # [BN, BM]
+        u = _rows_by_tokens(acc_u, FMA)
         if SPLITS == 1:
-            h = acc_g * tl.sigmoid(acc_g) * acc_u                                              # [BN, BM]
+            h = g * tl.sigmoid(g) * u
             out_rows = b * BM + tl.arange(0, BM)
             tl.store(h_ptr + out_rows[None, :].to(tl.int64) * H_COLS + rows[:, None], h.to(dtype),
                      mask=(rows < H_COLS)[:, None])
         else:
             out_rows = b * BM + tl.arange(0, BM)
             part = h_ptr + ((tl.program_id(2) * ROWS + out_rows[None, :]).to(tl.int64) * 2) * H_COLS + rows[:, None]
-            tl.store(part, acc_g, mask=(rows < H_COLS)[:, None])
-            tl.store(part + H_COLS, acc_u, mask=(rows < H_COLS)[:, None])
+            tl.store(part, g, mask=(rows < H_COLS)[:, None])
+            tl.store(part + H_COLS, u, mask=(rows < H_COLS)[:, None])
 
 
 @triton.jit
@@ -295,9 +389,10 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 @triton.jit
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
+                 FMA: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's (the block's
-    padding rows of y are not written)."""
+    padding rows of y are not written). FMA: the products as multiply-adds (`_nibble_fmas`)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
     e = tl.load(block_expert_ptr + b)
     if e < NUM_EXPERTS:
@@ -311,15 +406,21 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         group = tl.arange(0, 8)
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN
-        acc = tl.zeros((BN, BM), tl.float32)
+        acc = _zero_acc(BM, BN, WORDS, FMA)
+        if FMA:         # as in `_gate_up_kernel`: the next step's words load a step ahead
+            w_ahead = tl.load(down_q)
         for step in tl.range(0, ROW_WORDS // WORDS):
             block = step * WORDS // 32
-            w = tl.load(down_q + step * WORDS)
-            if dtype == tl.bfloat16:
+            if FMA:
+                w = w_ahead
+                w_ahead = tl.load(down_q + tl.minimum(step + 1, ROW_WORDS // WORDS - 1) * WORDS)
+            else:
+                w = tl.load(down_q + step * WORDS)
+            if FMA or dtype == tl.bfloat16:
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
-                tiles = _dequantize_bf16(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN)
-                acc = _nibble_dots(tiles, act_at, cols, h_cols, tok_ok, acc)
+                tiles = _nibble_tiles(w, down_s_ptr + expert_scales + block * 8 * HIDDEN, rows_in, HIDDEN, dtype)
+                acc = _nibble_products(tiles, act_at, cols, h_cols, tok_ok, acc, FMA)
             else:
                 scale_rows = block * 8 + group
                 scale = tl.load(down_s_ptr + expert_scales + scale_rows[None, :] * HIDDEN + rows_in[:, None])
@@ -327,7 +428,7 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
                 act = tl.load(h_ptr + pair_rows[None, :].to(tl.int64) * h_cols + cols[:, None])        # [8 W, BM]
                 acc = tl.dot(_dequantize(w, scale, dtype, BN, WORDS), act, acc, input_precision="ieee")
         weight = tl.load(block_weight_ptr + pair_rows)
-        y = acc * weight[None, :]
+        y = _rows_by_tokens(acc, FMA) * weight[None, :]
         tl.store(y_ptr + pair_rows[None, :].to(tl.int64) * HIDDEN + rows[:, None], y.to(dtype),
                  mask=tok_ok[None, :] & (rows < HIDDEN)[:, None])
 
@@ -470,7 +571,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
-                  GROUP_BY_BLOCK=cfg.group_by_block)
+                  GROUP_BY_BLOCK=cfg.group_by_block, FMA=cfg.fma)
     if cfg.group_by_block and num_blocks > MAX_GRID_Y:
         raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
                          f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")

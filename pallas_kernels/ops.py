@@ -37,7 +37,7 @@ from pallas_kernels.tree_verify_attention import TreeVerifyPlan
 IMPLEMENTATIONS = ("auto", "kernel", "reference")
 
 _settings = {"implementation": "auto", "interpret": None}
-_tiling = {"int4_moe_gate_up_splits": None}  # a benchmark's override of the Triton int4_moe's split-K (None: default)
+_tiling = {"int4_moe": {}}  # a benchmark's fields of the Triton int4_moe's tiling, over its default_config's
 _dense = {"kernel": False}  # the dense products through skinny_matmul (`set_dense_kernel`; off until measured)
 _router = {"kernel": False}  # the router's top-k through router_topk (`set_router_kernel`; off until measured)
 _registry: dict[str, tuple[Callable, Callable, bool]] = {}
@@ -99,17 +99,15 @@ def int4_moe_config(x, experts: _int4_moe.Int4Experts, topk_ids, routed_experts:
     pairs, routed = topk_ids.size, _routed(experts, routed_experts)
     if int4_moe_backend(x, experts, topk_ids, routed_experts) == "mosaic_gpu":
         return _int4_moe_mgpu.default_config(pairs, routed)
-    config = _int4_moe_triton.default_config(pairs, routed)
-    splits = _tiling["int4_moe_gate_up_splits"]
-    return config if splits is None else dataclasses.replace(config, gate_up_splits=splits)
+    return dataclasses.replace(_int4_moe_triton.default_config(pairs, routed), **_tiling["int4_moe"])
 
 
-def set_int4_moe_gate_up_splits(splits: int | None = None) -> None:
-    """Override the Triton int4_moe's gate_up split-K (`TritonMoeConfig.gate_up_splits`) for calls traced from now
-    on, to measure it in a whole step (bench_k26 --moe_gate_up_splits); None restores the default tiling."""
-    if splits is not None:
-        _int4_moe_triton.TritonMoeConfig(gate_up_splits=splits)  # refuses a value the kernel does not take
-    _tiling["int4_moe_gate_up_splits"] = splits
+def set_int4_moe_tiling(**fields) -> None:
+    """Override fields of the Triton int4_moe's tiling (`TritonMoeConfig`, e.g. gate_up_splits=2, or fma=True,
+    block_m=1, block_n=32) over its default_config's, for calls traced from now on, to measure them in a whole step
+    (bench_k26 --moe_tiling); no fields restore the default tiling. Refuses fields the kernel does not take."""
+    dataclasses.replace(_int4_moe_triton.default_config(1, 1), **fields)      # a TypeError / ValueError here
+    _tiling["int4_moe"] = fields
 
 
 def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):

@@ -231,23 +231,31 @@ def test_bench_decode_small_table(tmp_path):
     assert result["runs"] == [] and len(result["meta"]["skipped_groups"]) == 2
 
 
-def test_profile_moe_tiling_flag(capsys):
-    """profile_moe --tiling: integer fields, 0 / 1 for the boolean ones, of the Triton or the Mosaic GPU config;
-    anything else, or a value the config refuses, exits with a named error."""
-    from experiments.kernels.profile_moe import parse_tiling
+def test_tiling_flags():
+    """profile_moe --tiling and bench_k26 --moe_tiling (`cli.dataclass_fields`): integer fields, 0 / 1 for the
+    boolean ones, of the Triton or the Mosaic GPU config; anything else is refused with the flag named, and a value
+    the config refuses by the config."""
+    from types import SimpleNamespace
 
-    config = parse_tiling(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
-    assert (config.block_n, config.gate_up_splits, config.group_by_block) == (128, 2, True)
-    for bad in ("group_by_block=2", "block_n=wide", "no_such_field=1", "block_n"):
-        with pytest.raises(SystemExit):
-            parse_tiling([bad])
-        assert "is not field=integer" in capsys.readouterr().err
+    from kdtree_jax import cli
     from pallas_kernels.int4_matmul_mgpu import MgpuMatmulConfig
-    mosaic = parse_tiling(["cluster=2", "block_tokens=96"], MgpuMatmulConfig)
+    from pallas_kernels.int4_moe_triton import TritonMoeConfig
+
+    def parse(pairs, config_type=TritonMoeConfig):
+        return config_type(**cli.dataclass_fields(SimpleNamespace(tiling=pairs), "tiling", config_type))
+
+    config = parse(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
+    assert (config.block_n, config.gate_up_splits, config.group_by_block) == (128, 2, True)
+    assert parse(["fma=1", "block_m=1", "block_n=32"]).fma
+    for bad in ("group_by_block=2", "block_n=wide", "no_such_field=1", "block_n"):
+        with pytest.raises(ValueError, match=f"--tiling=.*{bad!r} is not field=integer"):
+            parse([bad])
+    mosaic = parse(["cluster=2", "block_tokens=96"], MgpuMatmulConfig)
     assert (mosaic.cluster, mosaic.block_tokens, mosaic.tile_k) == (2, 96, 128)
-    with pytest.raises(SystemExit):
-        parse_tiling(["cluster=3"], MgpuMatmulConfig)         # a field's value the config refuses
-    assert "MgpuMatmulConfig.cluster=3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="MgpuMatmulConfig.cluster=3"):
+        parse(["cluster=3"], MgpuMatmulConfig)
+    with pytest.raises(ValueError, match="block_m=4 must be a power of two in \\[1, 1\\]"):
+        parse(["fma=1", "block_m=4", "block_n=32"])       # the multiply-adds take one token row a block
 
 
 @pytest.mark.parametrize("installed,why", [("0.3.1", "found jax-triton 0.3.1"), (None, "found no jax-triton"),

@@ -21,7 +21,8 @@ K26 = dict(NUM_EXPERTS=384, NUM_TOKENS=8, HIDDEN=7168)
 def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeConfig, down: bool = False):
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words, stages = config.down_tiling() if down else (config.block_n, config.words, config.num_stages)
-    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block)
+    constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block,
+                     FMA=config.fma)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, stages)
 
 
@@ -65,6 +66,18 @@ def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
     assert LARGE.down_tiling()[2] == 2
     two, three = down("bf16", LARGE), down("bf16", LARGE_UNGROUPED_3_STAGES)
     assert 2 * (two.metadata.shared + 1024) <= 228 * 1024 < 2 * (three.metadata.shared + 1024)
+
+
+@pytest.mark.parametrize("config", [MT.TritonMoeConfig(block_m=1, block_n=32, fma=True),
+                                    MT.TritonMoeConfig(block_m=1, block_n=16, fma=True, gate_up_splits=4)],
+                         ids=["fma", "fma_split_k"])
+@pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
+def test_fma_kernels_multiply_add_without_tensor_cores(make, config):
+    """fma: the packed bf16x2 dequantization, then f32 multiply-adds, no wgmma and no wait on one; a step's loads
+    are issued a step ahead of its arithmetic (Triton stages loads only for dots)."""
+    ptx = make("bf16", config).asm["ptx"]
+    assert "fma.rn.f32" in ptx and "mul.rn.bf16x2" in ptx
+    assert "wgmma" not in ptx
 
 
 @pytest.mark.parametrize("config", **CONFIGS)

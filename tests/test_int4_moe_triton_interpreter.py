@@ -27,6 +27,9 @@ test_in_the_interpreter = interpreter_parent(__file__)
     (4, 1024, 96, [[3, 1], [1, 1], [9, 0]], 16, dict(gate_up_splits=4)),           # 4 steps, I off the block
     (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True)),    # grid [tiles, blocks]: more
     (6, 512, 96, [[0, 1], [2, 3], [4, 0], [1, 2]], 16, dict(group_by_block=True, gate_up_splits=2)),  # blocks than tiles
+    (3, 320, 96, [[0, 2], [2, 0], [1, -1], [2, 2]], 1, dict(fma=True, block_n=32)),     # multiply-adds, a pair a block
+    (4, 512, 256, [[3, 1], [1, 1], [9, 0]], 1, dict(fma=True, block_n=16, gate_up_splits=2, down_block_n=64)),
+    (3, 256, 128, [[0, 2], [2, 0], [1, -1]], 1, dict(fma=True, block_n=64, words=16, group_by_block=True)),
 ])
 def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, tiling):
     from conftest import rel_err
@@ -43,7 +46,7 @@ def test_f32_kernels_match_the_reference(experts, hidden, inter, ids, block_m, t
     x = jnp.asarray(rng.standard_normal((len(ids), hidden)), jnp.float32)
     ids = jnp.asarray(ids, jnp.int32)
     topk_weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
-    config = MT.TritonMoeConfig(block_m=block_m, block_n=64, words=32, **tiling)
+    config = MT.TritonMoeConfig(**{**dict(block_m=block_m, block_n=64, words=32), **tiling})
     out = MT.run_kernels(interpreter_call, x, weights, ids, topk_weights, config)
     assert np.isfinite(np.asarray(out)).all()
     if unrouted is None:

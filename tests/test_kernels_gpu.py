@@ -189,6 +189,7 @@ REFERENCE_MOE = jax.jit(M.int4_moe_reference)     # compiled once per shape, reu
 MEDIUM_BLOCKS, LARGE_BLOCKS = (MT.default_config(8 * m, K26.num_experts) for m in (1024, 4096))
 SPLIT_K = MT.TritonMoeConfig(block_m=16, block_n=64, words=32, num_stages=3, down_block_n=128, gate_up_splits=4)
 UNGROUPED = dataclasses.replace(LARGE_BLOCKS, group_by_block=False, down_num_stages=None)
+FMA = MT.TritonMoeConfig(block_m=1, block_n=32, fma=True, gate_up_splits=2, down_block_n=64)
 
 
 def test_int4_moe_code_target_shapes():
@@ -210,10 +211,12 @@ def test_int4_moe_code_target_shapes():
                                     functools.partial(MT.int4_moe, config=LARGE_BLOCKS),
                                     functools.partial(MT.int4_moe, config=SPLIT_K),
                                     functools.partial(MT.int4_moe, config=UNGROUPED),
+                                    functools.partial(MT.int4_moe, config=FMA),
                                     functools.partial(MT.int4_moe, launcher="xla"),
                                     functools.partial(MT.int4_moe, launcher="ffi")],
                          ids=["triton", "triton_medium_blocks", "triton_large_blocks", "triton_split_k",
-                              "triton_large_blocks_ungrouped_3_stages", "triton_xla_launch", "triton_ffi_launch"])
+                              "triton_large_blocks_ungrouped_3_stages", "triton_fma", "triton_xla_launch",
+                              "triton_ffi_launch"])
 @pytest.mark.parametrize("tokens,dtype,tol", [(1, jnp.bfloat16, 1e-2), (16, jnp.bfloat16, 1e-2),
                                               (16, jnp.float32, 1e-5)])
 def test_int4_moe_k26(k26_experts, kernel, tokens, dtype, tol):

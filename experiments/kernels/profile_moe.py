@@ -13,7 +13,6 @@ jax-triton (kernels.md, "Launching Triton kernels").
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -58,7 +57,8 @@ def main(_):
         cli.fail(f"--launcher applies to --kernel=triton, --tiling to triton and {MOSAIC}, not {F.kernel}")
     launch = {"launcher": F.launcher} if F.launcher else {}
     if F.tiling:
-        launch["config"] = parse_tiling(F.tiling, MgpuMatmulConfig if F.kernel == MOSAIC else TritonMoeConfig)
+        config_type = MgpuMatmulConfig if F.kernel == MOSAIC else TritonMoeConfig
+        launch["config"] = config_type(**cli.dataclass_fields(F, "tiling", config_type))
     experts = random_experts(jax.random.key(3), num_experts, shape["hidden"], shape["inter"])
     ids, w = moe_routing(jax.random.key(4), F.tokens, num_experts, shape["top_k"])
     if F.touched:
@@ -75,23 +75,6 @@ def main(_):
     print(f"ran {F.kernel} int4_moe ({F.launcher or 'default launcher'}, {launch.get('config', 'default tiling')}) "
           f"at M={F.tokens} over {num_experts} experts ({F.touched or shape['top_k']} of each token's "
           f"{shape['top_k']} held here) {F.calls} times")
-
-
-def parse_tiling(pairs: list[str], config_type=TritonMoeConfig):
-    """['block_n=64', 'num_stages=3', 'group_by_block=1'] -> config_type (TritonMoeConfig or MgpuMatmulConfig; integer
-    fields, 0 / 1 for the boolean ones); a clear error for a bad pair."""
-    fields = {f.name: f.type for f in dataclasses.fields(config_type)}
-    values = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or name not in fields or not text.isdigit() or (fields[name] == "bool" and text not in "01"):
-            cli.fail(f"--tiling: {pair!r} is not field=integer (0 or 1 for a boolean) with a field of "
-                     f"{config_type.__name__}: {sorted(fields)}")
-        values[name] = bool(int(text)) if fields[name] == "bool" else int(text)
-    try:
-        return config_type(**values)
-    except ValueError as e:
-        cli.fail(f"--tiling: {e}")
 
 
 if __name__ == "__main__":
