@@ -763,9 +763,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("collective_table", "experiments/results/k26/k26_x2_tp2_20layers.json",
                         "a bench_k26 JSON whose timed collectives cost --shard_of's ('' for counts and bytes only)",
                         flag_values=fv)
-    flags.DEFINE_list("moe_tiling", [], "fields of the Triton int4_moe's tiling over its default for every call, "
-                      "as field=integer pairs (0 / 1 for a boolean), e.g. gate_up_splits=2 or fma=1,block_m=1,block_n=32 "
-                      "(`ops.set_int4_moe_tiling`; empty: the default tiling)", flag_values=fv)
+    flags.DEFINE_string("moe_tiling", "", "fields of the Triton int4_moe's tiling over its default for every call, "
+                        "as field=integer pairs (0 / 1 for a boolean), e.g. gate_up_splits=2 or "
+                        "fma=1,block_m=1,block_n=32 (`ops.set_int4_moe_tiling`; empty: the default tiling)",
+                        flag_values=fv)
     flags.DEFINE_bool("dense_kernel", False, "the dense products of few rows through skinny_matmul "
                       "(`ops.set_dense_kernel`: q_a, kv_a, q_b with its norm, o_proj, the shared expert, the router, "
                       "the lm_head with the final norm) instead of XLA", flag_values=fv)
@@ -851,6 +852,9 @@ def check(f) -> tuple[ModelConfig, object, list[Case], int]:
         cli.refuse(f, "mesh", f"--shard_of={f.shard_of} runs one device's share on this one device; drop --mesh")
     if share_tp and f.compile_only:
         cli.refuse(f, "compile_only", "is for a whole model on a mesh; --shard_of runs the share on this device")
+    with cli.about(f, "moe_tiling"):        # run() sets it: `ops.set_int4_moe_tiling` refuses what this misses
+        dataclasses.replace(int4_moe_triton.TritonMoeConfig(),
+                            **cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig))
     with cli.about(f, "mesh"):
         mesh = bench_mesh("tp=1" if share_tp else f.mesh)
         model_dir.check_mesh(cfg, mesh)

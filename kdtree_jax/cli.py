@@ -134,11 +134,13 @@ def refuse(f, name: str, why: str) -> NoReturn:
 
 
 def dataclass_fields(f, name: str, config_type) -> dict:
-    """A list flag of field=integer pairs (0 / 1 for a boolean field), e.g. `--tiling=block_n=64,fma=1` -> {field:
-    value} of the dataclass config_type; refuses an unknown field or a value that is not an integer."""
+    """A flag of field=integer pairs (0 / 1 for a boolean field), a list or a comma-separated string (empty: none),
+    e.g. `--tiling=block_n=64,fma=1` -> {field: value} of the dataclass config_type; refuses an unknown field or a
+    value that is not an integer."""
     fields = {field.name: field.type for field in dataclasses.fields(config_type)}
     values = {}
-    for pair in getattr(f, name):
+    pairs = getattr(f, name)
+    for pair in (pairs.split(",") if pairs else []) if isinstance(pairs, str) else pairs:
         field, sep, text = pair.partition("=")
         if not sep or field not in fields or not text.isdigit() or (fields[field] == "bool" and text not in "01"):
             refuse(f, name, f"{pair!r} is not field=integer (0 or 1 for a boolean) with a field of "

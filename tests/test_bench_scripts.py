@@ -246,7 +246,7 @@ def test_tiling_flags():
 
     config = parse(["block_n=128", "gate_up_splits=2", "group_by_block=1"])
     assert (config.block_n, config.gate_up_splits, config.group_by_block) == (128, 2, True)
-    assert parse(["fma=1", "block_m=1", "block_n=32"]).fma
+    assert parse("fma=1,block_m=1,block_n=32").fma and parse("") == TritonMoeConfig()     # a string flag's form
     for bad in ("group_by_block=2", "block_n=wide", "no_such_field=1", "block_n"):
         with pytest.raises(ValueError, match=f"--tiling=.*{bad!r} is not field=integer"):
             parse([bad])
