@@ -67,6 +67,8 @@ class TritonMoeConfig:
     fma: bool = False
 
     def __post_init__(self):
+        if self.fma and self.block_m != 1:
+            raise ValueError(f"TritonMoeConfig(fma=True) takes one pair a block: block_m=1, not {self.block_m}")
         # a wgmma's 16 token rows and 64 output rows; the multiply-adds take one token row
         (low_m, high_m), low_n = ((1, 1), 16) if self.fma else ((16, 256), 64)
         for name, low, high in (("block_m", low_m, high_m), ("block_n", low_n, 256),
