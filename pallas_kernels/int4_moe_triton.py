@@ -134,7 +134,7 @@ def _dequantize(words, scale, dtype: tl.constexpr, BN: tl.constexpr, WORDS: tl.c
     order of `_block_columns`: q * scale (q the nibble in two's complement), exact in f32 before the final rounding."""
     shifts = 4 * tl.arange(0, 8)
     nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF                       # [BN, WORDS, 8]
-    values = (nibbles ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0          # 2^23 + q + 8 - (2^23 + 8)
+    values = _nibble_value(nibbles)
     values = values * scale.to(tl.float32)[:, None, :]
     return tl.reshape(values, (BN, 8 * WORDS)).to(dtype)
 
@@ -197,8 +197,13 @@ def _dequantize_f32(words, scale_ptr, rows, ROW_STRIDE: tl.constexpr):
 @triton.jit
 def _nibble_f32(words, i: tl.constexpr, scale):
     """words int32 [BN, W], scale f32 [BN] -> q * scale [BN, W] of nibble i."""
-    nibbles = (words >> (4 * i)) & 0xF
-    return ((nibbles ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0) * scale[:, None]
+    return _nibble_value((words >> (4 * i)) & 0xF) * scale[:, None]
+
+
+@triton.jit
+def _nibble_value(nibbles):
+    """Nibbles (int32, 0-15: q in two's complement) -> q as f32, exact: 2^23 + q + 8 - (2^23 + 8)."""
+    return (nibbles ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
 
 
 @triton.jit
