@@ -832,8 +832,9 @@ def make_params(cfg: ModelConfig, mesh, seed: int, abstract: bool):
     return graphdef, params, dict(param_layout(params, mesh), init_s=time.perf_counter() - start)
 
 
-def check(f) -> tuple[ModelConfig, object, list[Case], int]:
-    """(config, mesh, cases, the share's tp or 0): every flag and the mesh checked before any param is made or anything compiled."""
+def check(f) -> tuple[ModelConfig, object, list[Case], int, dict]:
+    """(config, mesh, cases, the share's tp or 0, the int4_moe tiling's fields): every flag and the mesh checked
+    before any param is made or anything compiled."""
     if f.config not in config_lib.PRESETS:
         cli.refuse(f, "config", f"is not a preset; choose one of {sorted(config_lib.PRESETS)}")
     for name, minimum in (("layers", 0), ("prefix", 0), ("prefill_tokens", 0), ("reps", 1), ("loop_steps", 0),
@@ -852,9 +853,9 @@ def check(f) -> tuple[ModelConfig, object, list[Case], int]:
         cli.refuse(f, "mesh", f"--shard_of={f.shard_of} runs one device's share on this one device; drop --mesh")
     if share_tp and f.compile_only:
         cli.refuse(f, "compile_only", "is for a whole model on a mesh; --shard_of runs the share on this device")
-    with cli.about(f, "moe_tiling"):        # run() sets it: `ops.set_int4_moe_tiling` refuses what this misses
-        dataclasses.replace(int4_moe_triton.TritonMoeConfig(),
-                            **cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig))
+    with cli.about(f, "moe_tiling"):        # run() sets it
+        moe_tiling = cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig)
+        ops.check_int4_moe_tiling(**moe_tiling)
     with cli.about(f, "mesh"):
         mesh = bench_mesh("tp=1" if share_tp else f.mesh)
         model_dir.check_mesh(cfg, mesh)
@@ -867,15 +868,14 @@ def check(f) -> tuple[ModelConfig, object, list[Case], int]:
     with cli.about(f, "streams"):
         for case in cases:
             sharding.check_streams(mesh, case.streams)
-    return cfg, mesh, cases, share_tp
+    return cfg, mesh, cases, share_tp, moe_tiling
 
 
 def run(f) -> None:
     start = time.time()
-    cfg, mesh, cases, share_tp = check(f)
+    cfg, mesh, cases, share_tp, moe_tiling = check(f)
     int4_moe_triton.set_default_launcher(f.moe_launcher)
-    with cli.about(f, "moe_tiling"):
-        ops.set_int4_moe_tiling(**cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig))
+    ops.set_int4_moe_tiling(**moe_tiling)
     ops.set_dense_kernel(f.dense_kernel)
     ops.set_router_kernel(f.router_kernel)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,

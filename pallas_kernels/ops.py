@@ -106,8 +106,13 @@ def set_int4_moe_tiling(**fields) -> None:
     """Override fields of the Triton int4_moe's tiling (`TritonMoeConfig`, e.g. gate_up_splits=2, or fma=True,
     block_m=1, block_n=32) over its default_config's, for calls traced from now on, to measure them in a whole step
     (bench_k26 --moe_tiling); no fields restore the default tiling. Refuses fields the kernel does not take."""
-    dataclasses.replace(_int4_moe_triton.default_config(1, 1), **fields)      # a TypeError / ValueError here
+    check_int4_moe_tiling(**fields)
     _tiling["int4_moe"] = fields
+
+
+def check_int4_moe_tiling(**fields) -> None:
+    """Raise (TypeError / ValueError, naming the field) where `set_int4_moe_tiling` would refuse these fields."""
+    dataclasses.replace(_int4_moe_triton.default_config(1, 1), **fields)
 
 
 def _int4_moe_kernel(x, experts, topk_ids, topk_weights, *, interpret: bool, routed_experts: int | None):
