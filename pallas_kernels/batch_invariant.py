@@ -50,23 +50,29 @@ def fixed_dot(a, b):
     return lax.optimization_barrier(product(a, b, preferred_element_type=jnp.float32))
 
 
-def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, out_dtype=None):
+def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order: one
     `skinny_matmul` where `ops.exact_dense_takes` (kernels compiled on the GPU), else fixed-shape tiles.
     norm_weight [K]: the RMSNorm of x by it first, in the kernel's prologue (no launch of its own) or as `rms_norm`
-    before the tiles; the two round differently, and a given shape always takes the same one."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    before the tiles; the two round differently, and a given shape always takes the same one. residual [..., N]:
+    added to the product rounded to out_dtype (residual + round(x @ w), in f32, rounded), in the kernel's epilogue
+    or after the tiles: the same numbers either way."""
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
     rows = x.reshape(-1, k)
+    out_dtype = out_dtype or x.dtype
     if ops.exact_dense_takes(rows, w):
-        return ops.dense(rows, w, norm_weight=norm_weight, eps=eps,
-                         out_dtype=out_dtype or x.dtype).reshape(*lead, w.shape[-1])
+        return ops.dense(rows, w, norm_weight=norm_weight, eps=eps, residual=residual,
+                         out_dtype=out_dtype).reshape(*lead, n)
     if norm_weight is not None:
         rows = rms_norm(rows, norm_weight, eps)
     m = rows.shape[0]
     tiles = -(-m // ROW_TILE)
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
     out = lax.map(lambda tile: fixed_dot(tile, w), rows)
-    return out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, w.shape[-1]).astype(out_dtype or x.dtype)
+    y = out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, n).astype(out_dtype)
+    if residual is not None:
+        y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_dtype)
+    return y
 
 
 def rms_norm(x, weight, eps: float):

@@ -260,11 +260,13 @@ MAX_DENSE_ROWS = 16
 MIN_DENSE_K = 512
 
 
-def dense(x, w, *, norm_weight=None, eps: float = 1e-6, out_dtype=None):
+def dense(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
     """x [..., K] @ w [K, N] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
-    norm_weight [K] fused, out_dtype default x's."""
+    norm_weight [K] fused, residual [..., N] added in the epilogue, out_dtype default x's."""
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
-    y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
+    residual = None if residual is None else residual.reshape(-1, n)
+    y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, residual=residual,
+                                     out_dtype=out_dtype)
     return y.reshape(*lead, n)
 
 

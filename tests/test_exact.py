@@ -188,3 +188,16 @@ def test_matmul_and_row_sum_give_a_row_the_same_bits_at_any_row_count():
         for i in (0, 5, 36):
             assert np.array_equal(np.asarray(fn(x[i:i + 1]))[0], rows[37][i])
         assert np.array_equal(np.asarray(fn(x[66:67]))[0], rows[70][66])
+
+
+def test_matmul_adds_the_residual_to_the_rounded_product():
+    """residual=: the layer's residual add in the product's epilogue (o_proj's in the exact attention) gives the bits
+    of the add after the product, and a row alone those it has among 37."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.normal(size=(37, 320)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(320, 96)) / 16, jnp.bfloat16)
+    r = jnp.asarray(rng.normal(size=(37, 96)), jnp.bfloat16)
+    fused = jax.jit(lambda x, r: batch_invariant.matmul(x, w, residual=r))
+    after = np.asarray(r + batch_invariant.matmul(x, w))
+    assert np.array_equal(np.asarray(fused(x, r)), after)
+    assert np.array_equal(np.asarray(fused(x[5:6], r[5:6]))[0], after[5])

@@ -72,7 +72,7 @@ class MLA(nnx.Module):
         return self.kv_a_norm(kv[..., :c], exact=exact), apply_rope(kv[..., c:], positions, self.cfg)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True,
-                 exact: bool = False, input_norm=None):
+                 exact: bool = False, input_norm=None, residual=None):
         """One block of T tokens per stream.
 
         x [S, T, D]; positions [S, T]; c_cache [S, N, C], r_cache [S, N, R]; prefix_len [S]; visible [S, T, T];
@@ -81,13 +81,15 @@ class MLA(nnx.Module):
         stream's prefix and to its visible block rows. Returns (out [S, T, D], c_cache, r_cache).
         exact: every token row's result independent of the block and the other streams (`batch_invariant`; the
         absorbed path); input_norm: the layer's input RMSNorm, not yet applied to x, fused into q_a's and kv_a's
-        products (exact only: the default path takes x normed).
+        products; residual [S, T, D]: added to out in o_proj's epilogue (exact only: the default path takes x normed
+        and leaves the residual to its caller).
         """
         cfg = self.cfg
         if exact:
-            return self._exact(x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm)
-        if input_norm is not None:
-            raise ValueError("MLA: input_norm is fused in the exact path only; pass x normed")
+            return self._exact(x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm, residual)
+        if input_norm is not None or residual is not None:
+            raise ValueError("MLA: input_norm and residual are fused in the exact path only; pass x normed and add "
+                             "the residual to out")
         c_new, r_new = self.latents(x, positions)
         c_cache = write_rows(c_cache, c_new, prefix_len)
         r_cache = write_rows(r_cache, r_new, prefix_len)
@@ -107,7 +109,7 @@ class MLA(nnx.Module):
         out = project(out.astype(x.dtype).reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]))
         return out, c_cache, r_cache
 
-    def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm):
+    def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm, residual):
         """The absorbed path with `batch_invariant`'s products and attention."""
         cfg = self.cfg
         c_new, r_new = self.latents(x, positions, exact=True, input_norm=input_norm)
@@ -123,7 +125,7 @@ class MLA(nnx.Module):
         out = batch_invariant.head_matmul(out_lat, jnp.transpose(w_uv, (1, 0, 2)))       # [S, T, H, V]
         o_proj = self.o_proj[...]                                                       # [H, V, D]
         out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
-                                     o_proj.reshape(-1, o_proj.shape[-1]))
+                                     o_proj.reshape(-1, o_proj.shape[-1]), residual=residual)
         return out, c_cache, r_cache
 
 

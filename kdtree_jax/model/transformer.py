@@ -28,11 +28,14 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(cfg, rngs)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, absorbed, exact):
-        norm = self.input_layernorm            # exact: fused into q_a's and kv_a's products
-        h, c_cache, r_cache = self.self_attn(x if exact else norm(x), positions, c_cache, r_cache, prefix_len, visible,
-                                             plan=plan, absorbed=absorbed, exact=exact,
-                                             input_norm=norm if exact else None)
-        x = x + h
+        norm = self.input_layernorm
+        if exact:                              # the norm in q_a's and kv_a's products, the residual in o_proj's
+            x, c_cache, r_cache = self.self_attn(x, positions, c_cache, r_cache, prefix_len, visible, plan=plan,
+                                                 absorbed=absorbed, exact=True, input_norm=norm, residual=x)
+        else:
+            h, c_cache, r_cache = self.self_attn(norm(x), positions, c_cache, r_cache, prefix_len, visible, plan=plan,
+                                                 absorbed=absorbed)
+            x = x + h
         return x + self.mlp(self.post_attention_layernorm(x, exact=exact), exact=exact), c_cache, r_cache
 
 
