@@ -20,21 +20,24 @@ def save(fig, path: str, dpi: int = 120) -> None:
     pyplot().close(fig)
 
 
-def paired_bars(path: str, labels: list[str], bars: dict[str, list[float]], *, ylabel: str, title: str,
-                log: bool = False) -> None:
-    """Two bars per label (`bars`: {legend: one value per label}, two entries), side by side, written to `path`."""
-    if len(bars) != 2:
-        raise ValueError(f"paired_bars: two series to pair, got {list(bars)}")
+def grouped_bars(path: str, labels: list[str], bars: dict[str, list[float]], *, ylabel: str, title: str,
+                 log: bool = False) -> None:
+    """One group of bars per label (`bars`: {legend: one value per label}, at least one series), side by side,
+    written to `path`."""
+    if not bars or any(len(v) != len(labels) for v in bars.values()):
+        raise ValueError(f"grouped_bars: one value per label ({len(labels)}) in each series, got "
+                         f"{ {k: len(v) for k, v in bars.items()} }")
     import numpy as np
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) * (1 + len(bars) / 2)), 4))
     x = np.arange(len(labels))
-    for offset, (legend, values) in zip((-0.2, 0.2), bars.items()):
-        ax.bar(x + offset, values, 0.4, label=legend)
+    width = 0.8 / len(bars)
+    for i, (legend, values) in enumerate(bars.items()):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=legend)
     ax.set_xticks(x, labels, rotation=30, fontsize=8)
     if log:
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=7)
     save(fig, path)

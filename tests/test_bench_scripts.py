@@ -278,12 +278,16 @@ def test_tokamax_triton_path_names_the_jax_triton_it_needs(monkeypatch, installe
     assert kernels_moe.tokamax_path_missing("mosaic") is None and kernels_moe.tokamax_path_missing("xla") is None
 
 
-def test_paired_bars_writes_a_png_and_refuses_other_than_two_series(tmp_path):
-    """The scripts' side-by-side bar plot: a PNG for two series; one or three series are refused by name."""
+def test_grouped_bars_writes_a_png_and_refuses_ragged_series(tmp_path):
+    """The scripts' grouped bar plot: a PNG for two or three series; a series without one value per label, or no
+    series, is refused."""
     from kdtree_jax import plots
-    path = tmp_path / "pair.png"
-    plots.paired_bars(str(path), ["1/8/4096/1", "1/64/4096/1"], {"op": [1.0, 2.0], "reference": [2.0, 3.0]},
-                      ylabel="us", title="t", log=True)
+    path = tmp_path / "bars.png"
+    plots.grouped_bars(str(path), ["1/8/4096/1", "1/64/4096/1"], {"op": [1.0, 2.0], "reference": [2.0, 3.0]},
+                       ylabel="us", title="t", log=True)
     assert path.stat().st_size > 0
-    with pytest.raises(ValueError, match="two series"):
-        plots.paired_bars(str(path), ["a"], {"op": [1.0]}, ylabel="us", title="t")
+    plots.grouped_bars(str(path), ["a", "b"], {"x": [1.0, 2.0], "y": [2.0, 3.0], "z": [1.5, 1.0]}, ylabel="us",
+                       title="t")
+    for bars in ({"op": [1.0]}, {}):
+        with pytest.raises(ValueError, match="one value per label"):
+            plots.grouped_bars(str(path), ["a", "b"], bars, ylabel="us", title="t")

@@ -92,11 +92,11 @@ def main(_):
 
 
 def plot(rows, path: str, meta: dict) -> None:
-    plots.paired_bars(path, [case_name(r) for r in rows],
-                      {"tree_verify_attention (ops), plan made before": [r["op_us"] for r in rows],
-                       "XLA reference": [r["reference_us"] for r in rows]},
-                      ylabel="wall us per isolated call, less the floor", log=True,
-                      title=f"alone, no profiler ({meta['device']}, code {meta['code']})")
+    plots.grouped_bars(path, [case_name(r) for r in rows],
+                       {"tree_verify_attention (ops), plan made before": [r["op_us"] for r in rows],
+                        "XLA reference": [r["reference_us"] for r in rows]},
+                       ylabel="wall us per isolated call, less the floor", log=True,
+                       title=f"alone, no profiler ({meta['device']}, code {meta['code']})")
 
 
 if __name__ == "__main__":

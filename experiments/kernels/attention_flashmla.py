@@ -163,11 +163,11 @@ def main(_):
 
 
 def plot(rows, path: str, meta: dict) -> None:
-    plots.paired_bars(path, [case_name(r) for r in rows],
-                      {"tree_verify_attention (ops)": [r["op_us"] for r in rows],
-                       "FlashMLA dense decode": [r["flashmla_us"] for r in rows]},
-                      ylabel="us per call (back to back)", log=True,
-                      title=f"the op against FlashMLA ({meta['device']}, code {meta['code']})")
+    plots.grouped_bars(path, [case_name(r) for r in rows],
+                       {"tree_verify_attention (ops)": [r["op_us"] for r in rows],
+                        "FlashMLA dense decode": [r["flashmla_us"] for r in rows]},
+                       ylabel="us per call (back to back)", log=True,
+                       title=f"the op against FlashMLA ({meta['device']}, code {meta['code']})")
 
 
 if __name__ == "__main__":

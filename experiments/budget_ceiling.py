@@ -1,0 +1,340 @@
+"""The ceiling of choosing the tree budget each round (`--budget=auto`, issue 51): what any per-round choice of B
+could gain over the best fixed budget, on the round costs a device measured.
+
+    PYTHONPATH=. python3 experiments/budget_ceiling.py        # shipped code target + drafter, f32 on this machine,
+        # against the H200's round costs of experiments/results/decode/decode.json
+    PYTHONPATH=. python3 experiments/budget_ceiling.py --num_prompts=2 --max_new_tokens=24 --out=/tmp/c.json \\
+        --plot=                                                # a smoke run
+
+Greedy decoding is deterministic, so a round that starts after the AR output's first q + 1 tokens (the prompt and q
+tokens committed, AR's token q the bonus) has one outcome whatever rounds came before: a(q, B), the draft nodes a tree
+of budget B accepts there, and the next round starts at q + a(q, B) + 1. A best-first tree of B nodes is the first
+B + 1 nodes of every larger one and the walk stops at its first node past B (`budget.accepted_at_each_budget`), so
+one verify of the largest tree gives a(q, B) for every B. This script measures a(q, B) at every q of every prompt
+(one prefill + draft + build + verify per q, batched; f32 by default, where the loop's output equals AR's) and
+E(q, B), the drafter's own expected accepted nodes of that tree (the sum of its first B path probabilities,
+uncalibrated). Then it replays, on a table of seconds per round c_B for each batch size (from a bench_decode JSON:
+each fixed row's seconds over its batch rounds, so no model of the device enters), these policies:
+
+  * fixed B (and AR): the replay's tau must match the decode loop's (`tau_loop` from the JSON, same prompts);
+  * `oracle`: the best sequence of budgets for each batch, knowing every round's outcome: per stream, the fewest
+    seconds to emit its tokens (dynamic programming over q; exact at batch 1); at batch S > 1 (one B per round for
+    the batch) the round's best tokens per second, greedily. No chooser can beat it at batch 1;
+  * `draft`: B = argmax (mean over the batch of E(q, B) + 1) / c_B from the round's own draft, before its verify
+    (the auto loop fixes B one round ahead and calibrates E against acceptance: this is what the drafter's own
+    numbers, seen in time, give).
+
+Speed-ups are over AR at the same costs. The JSON (--out) has every row; the plot (--plot) the speed-up of each
+policy per batch size. Temperature 0 only: at T > 0 a round's outcome is a draw, and a replay of one draw per q
+would favour the oracle.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags, logging
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.run_record import code_version, write_json
+from kdtree_jax import budget as budget_lib
+from kdtree_jax import cli, model_dir, plots
+from kdtree_jax.data import eval_prompts
+from kdtree_jax.decode import DecodeSpec, Decoder, check_spec, draft_tree, prefill, verify_and_commit
+from kdtree_jax.tokenizer import load_tokenizer
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> None:
+    def d(define, name, default, help_text, **kw):
+        define(name, default, help=help_text, flag_values=fv, **kw)
+    d(flags.DEFINE_string, "target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model "
+      "directory")
+    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash "
+      "directory")
+    d(flags.DEFINE_string, "tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model "
+      "directory with its own tokenizer")
+    d(flags.DEFINE_enum, "dtype", "float32", "the models' dtype for the outcomes (float32: the loop's output equals "
+      "AR's, so the replay is the loop)", enum_values=["float32", "bfloat16"])
+    d(flags.DEFINE_integer, "num_prompts", 32, "held-out prompts (bench_decode's, same seed)")
+    d(flags.DEFINE_integer, "prompt_tokens", 64, "tokens per prompt")
+    d(flags.DEFINE_integer, "max_new_tokens", 128, "tokens generated per prompt")
+    d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64"], "the candidate budgets B >= 1 (AR is always one)")
+    d(flags.DEFINE_string, "costs_from", "experiments/results/decode/decode.json", "a bench_decode JSON: seconds per "
+      "round of its fixed rows at temperature 0 (each batch size it has; every budget here must be among them)")
+    d(flags.DEFINE_integer, "chunk", 32, "rounds measured together (streams of one forward)")
+    d(flags.DEFINE_integer, "seed", 0, "prompt choice (bench_decode's --seed)")
+    d(flags.DEFINE_string, "out", "experiments/results/decode/budget_ceiling.json", "JSON output")
+    d(flags.DEFINE_string, "plot", "experiments/results/decode/budget_ceiling.png", "PNG of the speed-ups ('' to skip)")
+    cli.define_overwrite(fv)
+
+
+class LoopTimes(NamedTuple):
+    """A bench_decode JSON's fixed loops at T = 0, {batch: {B: value}} (B = 0: AR)."""
+    device: str
+    seconds: dict  # the loop's seconds over all prompts
+    batch_rounds: dict  # its rounds of the whole batch (`budget_hist`; None where the JSON predates it)
+    tau: dict
+    speedup: dict  # over AR, measured
+
+
+class Inputs(NamedTuple):
+    target: object  # ModelConfig
+    drafter: object  # DrafterConfig
+    tokenizer: object
+    eos: tuple[int, ...]
+    budgets: list[int]
+    loops: LoopTimes
+
+
+def read_loop_times(path: str, budgets: list[int]) -> LoopTimes:
+    """The fixed rows at temperature 0 of a bench_decode JSON, per batch size. Batch sizes missing a budget of
+    `budgets` (or AR) are left out; none left is an error."""
+    with open(path) as fh:
+        results = json.load(fh)
+    seconds, rounds, tau, speedup = {}, {}, {}, {}
+    for row in results.get("runs", []):
+        if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree") or row.get("budget") == "auto":
+            continue
+        if row.get("exact") or row.get("check_finite") is False:
+            continue
+        batch, b = int(row["batch"]), int(row["budget"])
+        seconds.setdefault(batch, {})[b] = row["seconds"]
+        hist = row.get("budget_hist")
+        rounds.setdefault(batch, {})[b] = sum(hist.values()) if hist else row["rounds"] if batch == 1 else None
+        tau.setdefault(batch, {})[b] = row["tau"]
+        speedup.setdefault(batch, {})[b] = row["speedup"]
+    need = [0] + budgets
+    complete = sorted(s for s in seconds if all(b in seconds[s] for b in need))
+    if not complete:
+        have = {s: sorted(v) for s, v in seconds.items()}
+        raise ValueError(f"{path} has no batch size with fixed rows at T = 0 for every budget of {need} (it has "
+                         f"{have}); choose --budgets among them or another --costs_from")
+    device = results.get("meta", {}).get("device", "unknown")
+    pick = lambda table: {s: {b: table[s][b] for b in need} for s in complete}  # noqa: E731
+    return LoopTimes(device, pick(seconds), pick(rounds), pick(tau), pick(speedup))
+
+
+def check(f) -> Inputs:
+    """Every input before any weight is read: flags, output paths, the cost table, the models' files and fit, and
+    the decode spec of the outcome rounds."""
+    for name, minimum in (("num_prompts", 1), ("prompt_tokens", 1), ("max_new_tokens", 2), ("chunk", 1)):
+        cli.at_least(f, name, minimum)
+    cli.seed(f)
+    budgets = sorted(set(cli.int_list(f, "budgets", 1)))
+    cli.output_path(f, "out")
+    cli.output_path(f, "plot")
+    with cli.about(f, "costs_from"):
+        loops = read_loop_times(f.costs_from, budgets)
+    with cli.about(f, "target"):
+        target = model_dir.target_config(f.target, dtype=f.dtype)
+        eos = model_dir.eos_token_ids(f.target, target)
+    with cli.about(f, "drafter"):
+        drafter = model_dir.drafter_config(f.drafter, target)
+    with cli.about(f, "tokenizer"):
+        tokenizer = load_tokenizer(f.tokenizer)
+        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos)
+    contexts = [[0] * (f.prompt_tokens + f.max_new_tokens - 2)] * f.chunk
+    spec = outcome_spec(max(budgets), drafter.block_size)
+    with cli.about(f, "budgets"):
+        check_spec(spec, target, drafter, contexts, Decoder.default_cache_len(spec, contexts), None)
+    with cli.about(f, "target"):
+        model_dir.check_tensors(f.target, target)
+    with cli.about(f, "drafter"):
+        model_dir.check_tensors(f.drafter, target, drafter)
+    return Inputs(target, drafter, tokenizer, eos, budgets, loops)
+
+
+def outcome_spec(largest: int, block_size: int) -> DecodeSpec:
+    """The spec of the measured rounds: ddtree at the largest budget, greedy, no stop token (a round's outcome must
+    not depend on EOS), one token per prefill (the round's bonus)."""
+    return DecodeSpec(policy="ddtree", budget=largest, block_size=block_size, temperature=0.0, max_new_tokens=1,
+                      check_finite=True)
+
+
+def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]], budgets: list[int], chunk: int):
+    """For each context (the committed tokens of a round, the prompt and AR's first q tokens): the round that starts
+    there at T = 0 -> (bonus [n]: the prefill's token, AR's token q if the forwards agree; accepted [n, C]: draft
+    nodes its tree accepts at each budget; expected [n, C]: the drafter's sum of the first B nodes' path
+    probabilities), C = len(budgets). Rounds run `chunk` at a time, right-padded to one shape (one compile)."""
+    longest = max(len(c) for c in contexts)
+    cache_len = Decoder.default_cache_len(spec, [[0] * longest])
+    sizes = jnp.asarray(budgets)
+
+    def one_chunk(params, dparams, cache, dcache, tokens, lengths):
+        target, drafter = nnx.merge(decoder.target_def, params), nnx.merge(decoder.drafter_def, dparams)
+        st = prefill(target, drafter, spec, cache, dcache, tokens, lengths, jax.random.key(0))
+        tree = draft_tree(target, drafter, spec, st)
+        _, _, verdict, _, _ = verify_and_commit(target, drafter, spec, st, tree, st.keys, extend_context=False)
+        alone = jnp.ones((1,), bool)
+        accepted = jax.vmap(lambda p: budget_lib.accepted_at_each_budget(p[None], budgets, alone))(verdict.path)
+        probs = jnp.exp(tree.score.astype(jnp.float32)).at[:, 0].set(0.0)  # the root is no draft node
+        return st.bonus, accepted, jnp.cumsum(probs, axis=1)[:, sizes]
+
+    fn = jax.jit(one_chunk)
+    bonus, accepted, expected = [], [], []
+    for start in tqdm(range(0, len(contexts), chunk), desc="rounds", unit="chunk"):
+        part = contexts[start:start + chunk]
+        part = part + [part[-1]] * (chunk - len(part))  # a short last chunk repeats its last context
+        tokens = np.zeros((chunk, longest), np.int32)
+        for i, c in enumerate(part):
+            tokens[i, :len(c)] = c
+        cache, dcache = decoder.new_caches(spec, chunk, cache_len)
+        out = fn(decoder.target_params, decoder.drafter_params, cache, dcache, jnp.asarray(tokens),
+                 jnp.asarray([len(c) for c in part], jnp.int32))
+        n = min(chunk, len(contexts) - start)
+        for store, value in zip((bonus, accepted, expected), out):
+            store.append(np.asarray(value)[:n])
+    return np.concatenate(bonus), np.rint(np.concatenate(accepted)).astype(int), np.concatenate(expected)
+
+
+def fewest_seconds(accepted: np.ndarray, seconds: np.ndarray) -> float:
+    """accepted [Q, C] (a(q, B) of one stream that emits Q + 1 tokens after its prefill's), seconds [C] -> the
+    fewest seconds of rounds that emit them all, over every sequence of budgets (dynamic programming over q)."""
+    q_end = accepted.shape[0]
+    best = np.zeros(q_end + 1)
+    for q in range(q_end - 1, -1, -1):
+        reach = np.minimum(q + accepted[q] + 1, q_end)
+        best[q] = np.min(seconds + best[reach])
+    return float(best[0])
+
+
+def replay(accepted: list[np.ndarray], expected: list[np.ndarray], seconds: np.ndarray, policy) -> tuple[float, int]:
+    """One batch of streams (accepted / expected [Q_s, C] each) decoded to the end with one budget index per round
+    chosen by policy(accepted rows [S', C], expected rows [S', C]) of the active streams -> (seconds, rounds)."""
+    q = np.zeros(len(accepted), int)
+    total, rounds = 0.0, 0
+    while True:
+        active = [s for s in range(len(accepted)) if q[s] < accepted[s].shape[0]]
+        if not active:
+            return total, rounds
+        a = np.stack([accepted[s][q[s]] for s in active])
+        c = policy(a, np.stack([expected[s][q[s]] for s in active]))
+        for i, s in enumerate(active):
+            q[s] += a[i, c] + 1
+        total += seconds[c]
+        rounds += 1
+
+
+def batch_row(accepted, expected, seconds: np.ndarray, labels: list[int]) -> dict:
+    """Seconds, rounds and tau of each policy on one batch of streams."""
+    row = {}
+    for c, b in enumerate(labels):
+        row[f"B={b}"] = replay(accepted, expected, seconds, lambda a, e, c=c: c)
+    row["oracle"] = replay(accepted, expected, seconds, lambda a, e: int(np.argmax((a.mean(0) + 1) / seconds)))
+    row["draft"] = replay(accepted, expected, seconds, lambda a, e: int(np.argmax((e.mean(0) + 1) / seconds)))
+    if len(accepted) == 1:
+        row["oracle"] = (fewest_seconds(accepted[0], seconds), None)
+    return row
+
+
+def round_seconds(loops: LoopTimes, batch: int, labels: list[int], groups) -> np.ndarray:
+    """[C] seconds of one batch round at each budget of `labels`: the measured loop's seconds over its batch rounds
+    (`budget_hist`; where the JSON lacks them, the rounds the replay of that fixed loop takes on these outcomes)."""
+    seconds = []
+    for c, b in enumerate(labels):
+        rounds = loops.batch_rounds[batch][b]
+        if rounds is None:
+            ones = np.ones(len(labels))
+            rounds = sum(replay([a for a, _ in g], [e for _, e in g], ones, lambda a, e, c=c: c)[1] for g in groups)
+        seconds.append(loops.seconds[batch][b] / rounds)
+    return np.asarray(seconds)
+
+
+def run(f) -> None:
+    inputs = check(f)
+    start = time.time()
+    prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
+    target = model_dir.load_target(f.target, dtype=f.dtype)
+    drafter = model_dir.load_drafter(f.drafter, target.cfg)
+    decoder = Decoder(target, drafter)
+    ar = DecodeSpec(policy="ar", max_new_tokens=f.max_new_tokens, eos_token_ids=inputs.eos)
+    outputs = [decoder.generate([p], ar).tokens[0] for p in tqdm(prompts, desc="AR outputs", unit="prompt")]
+    contexts, owner = [], []
+    for i, (p, out) in enumerate(zip(prompts, outputs)):
+        for q in range(len(out) - 1):  # the round after q + 1 emitted tokens; the last one emits nothing
+            contexts.append(p + out[:q])
+            owner.append(i)
+    spec = outcome_spec(max(inputs.budgets), drafter.cfg.block_size)
+    bonus, accepted, expected = round_outcomes(decoder, spec, contexts, inputs.budgets, f.chunk)
+    owner = np.asarray(owner)
+    ar_tokens = np.concatenate([out[:-1] for out in outputs])
+    disagree = int((bonus != ar_tokens).sum())
+    if disagree:
+        logging.warning("%d of %d rounds start from a token other than AR's (the prefill forward and AR's disagree "
+                        "there): the replay follows AR's output", disagree, len(bonus))
+    zero = np.zeros((len(bonus), 1), accepted.dtype)  # AR: a round accepts no draft node
+    accepted = np.concatenate([zero, accepted], axis=1)
+    expected = np.concatenate([zero.astype(expected.dtype), expected], axis=1)
+    per_prompt = [(accepted[owner == i], expected[owner == i]) for i in range(len(prompts))]
+    labels = [0] + inputs.budgets
+    tokens = sum(len(out) - 1 for out in outputs)  # emitted by rounds (each prefill emits one)
+    rows, seconds_per_round = [], {}
+    for batch in inputs.loops.seconds:
+        groups = [per_prompt[g:g + batch] for g in range(0, len(prompts), batch)]
+        seconds = round_seconds(inputs.loops, batch, labels, groups)
+        seconds_per_round[str(batch)] = dict(zip(map(str, labels), seconds.tolist()))
+        totals = {}
+        for group in groups:
+            for name, (sec, rounds) in batch_row([a for a, _ in group], [e for _, e in group], seconds,
+                                                 labels).items():
+                sums = totals.setdefault(name, [0.0, 0])
+                sums[0] += sec
+                sums[1] += rounds or 0
+        fixed = {f"B={b}": totals[f"B={b}"][0] for b in inputs.budgets}
+        best_fixed = min(fixed, key=fixed.get)
+        for name, (sec, rounds) in totals.items():
+            b = int(name[2:]) if name.startswith("B=") else None
+            rows.append({"batch": batch, "policy": name, "seconds": sec, "batch_rounds": rounds or None,
+                         "tau": tokens / rounds if rounds and batch == 1 else None,
+                         "speedup": totals["B=0"][0] / sec, "vs_best_fixed": fixed[best_fixed] / sec,
+                         "best_fixed": best_fixed,
+                         "tau_loop": inputs.loops.tau[batch][b] if b is not None else None,
+                         "speedup_loop": inputs.loops.speedup[batch][b] if b is not None else None})
+    results = {"meta": {"code": code_version(), "host": platform.node(), "backend": jax.default_backend(),
+                        "dtype": f.dtype, "target": f.target, "drafter": f.drafter, "num_prompts": len(prompts),
+                        "prompt_tokens": f.prompt_tokens, "max_new_tokens": f.max_new_tokens,
+                        "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_device": inputs.loops.device,
+                        "seconds_per_round": seconds_per_round,
+                        "rounds_measured": len(contexts), "rounds_off_ar": disagree,
+                        "minutes": (time.time() - start) / 60},
+               "rows": rows,
+               "mean_accepted": {str(b): float(accepted[:, c].mean()) for c, b in enumerate(labels)},
+               "mean_expected": {str(b): float(expected[:, c].mean()) for c, b in enumerate(labels)}}
+    write_json(f.out, results)
+    print_table(rows)
+    if f.plot:
+        plot_speedups(results, f.plot)
+    print(f"wrote {f.out}")
+
+
+def print_table(rows) -> None:
+    print(f"{'batch':>5} {'policy':>8} {'tau':>6} {'tau loop':>8} {'speedup':>8} {'loop':>6} {'vs best fixed':>13}")
+    for r in rows:
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        tau_loop = "" if r["tau_loop"] is None else f"{r['tau_loop']:.2f}"
+        loop = "" if r["speedup_loop"] is None else f"{r['speedup_loop']:.2f}x"
+        print(f"{r['batch']:>5} {r['policy']:>8} {tau:>6} {tau_loop:>8} {r['speedup']:>7.2f}x {loop:>6} "
+              f"{r['vs_best_fixed']:>12.3f}x")
+
+
+def plot_speedups(results: dict, path: str) -> None:
+    """Speed-up over AR of every policy, one group of bars per batch size."""
+    batches = sorted({r["batch"] for r in results["rows"]})
+    policies = list(dict.fromkeys(r["policy"] for r in results["rows"]))
+    by = {(r["batch"], r["policy"]): r["speedup"] for r in results["rows"]}
+    plots.grouped_bars(path, [f"batch {s}" for s in batches], {p: [by[(s, p)] for s in batches] for p in policies},
+                      ylabel="speed-up over AR (replayed)",
+                      title=f"per-round budget vs fixed, {results['meta']['target']} on "
+                            f"{results['meta']['costs_device']}'s round costs")
+
+
+if __name__ == "__main__":
+    cli.script(define_flags, run)
