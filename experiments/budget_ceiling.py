@@ -31,6 +31,7 @@ would favour the oracle.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from typing import NamedTuple
@@ -69,6 +70,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64"], "the candidate budgets B >= 1 (AR is always one)")
     d(flags.DEFINE_string, "costs_from", "experiments/results/decode/decode.json", "a bench_decode JSON: seconds per "
       "round of its fixed rows at temperature 0 (each batch size it has; every budget here must be among them)")
+    d(flags.DEFINE_string, "outcomes", "", "the measured rounds (a(q, B), E(q, B)) as .npz (default: beside --out); "
+      "written after measuring, read instead with --reuse_outcomes")
+    d(flags.DEFINE_bool, "reuse_outcomes", False, "replay the rounds of --outcomes (measured with the same models, "
+      "dtype, prompts, tokens and budgets) instead of measuring them: another device's costs in seconds")
     d(flags.DEFINE_integer, "chunk", 32, "rounds measured together (streams of one forward)")
     d(flags.DEFINE_integer, "seed", 0, "prompt choice (bench_decode's --seed)")
     d(flags.DEFINE_string, "out", "experiments/results/decode/budget_ceiling.json", "JSON output")
@@ -92,6 +97,46 @@ class Inputs(NamedTuple):
     eos: tuple[int, ...]
     budgets: list[int]
     loops: LoopTimes
+    outcomes: Outcomes | None  # --reuse_outcomes: the rounds to replay
+
+
+class Outcomes(NamedTuple):
+    """The measured rounds: R of them over all prompts, C budgets; column 0 is AR (no draft node)."""
+    key: dict  # what they were measured for (`outcome_key`)
+    accepted: np.ndarray  # [R, 1 + C] int: draft nodes the round's tree of each budget accepts, a(q, B)
+    expected: np.ndarray  # [R, 1 + C] f32: the drafter's expected accepted nodes of that tree, E(q, B)
+    score: np.ndarray  # [R, N + 1] f32: path log-probabilities of the largest tree's nodes (N its budget)
+    path: np.ndarray  # [R, D + 1] int: the accept walk in it (node indices, root first, -1 past its end)
+    owner: np.ndarray  # [R] int: the prompt each round belongs to (rounds in order of q within a prompt)
+    off_ar: int  # rounds whose prefill token was not AR's (the replay follows AR's output)
+
+
+def outcome_key(f, budgets: list[int]) -> dict:
+    return {"target": f.target, "drafter": f.drafter, "dtype": f.dtype, "num_prompts": f.num_prompts,
+            "prompt_tokens": f.prompt_tokens, "max_new_tokens": f.max_new_tokens, "seed": f.seed,
+            "budgets": budgets}
+
+
+def outcomes_path(f) -> str:
+    return f.outcomes or os.path.splitext(f.out)[0] + ".npz"
+
+
+def save_outcomes(path: str, o: Outcomes) -> None:
+    np.savez_compressed(path, key=json.dumps(o.key), accepted=o.accepted, expected=o.expected, score=o.score,
+                        path=o.path, owner=o.owner, off_ar=o.off_ar)
+
+
+def load_outcomes(path: str, key: dict) -> Outcomes:
+    """The rounds saved at path; refused when they were measured for anything other than `key`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist; measure the rounds first (drop --reuse_outcomes)")
+    with np.load(path) as z:
+        saved = json.loads(str(z["key"]))
+        if saved != key:
+            diff = {k: (saved.get(k), key.get(k)) for k in key if saved.get(k) != key.get(k)}
+            raise ValueError(f"{path} holds rounds measured for other settings (saved, asked): {diff}; pass the "
+                             f"same flags or measure again (drop --reuse_outcomes)")
+        return Outcomes(saved, z["accepted"], z["expected"], z["score"], z["path"], z["owner"], int(z["off_ar"]))
 
 
 def read_loop_times(path: str, budgets: list[int]) -> LoopTimes:
@@ -131,6 +176,12 @@ def check(f) -> Inputs:
     budgets = sorted(set(cli.int_list(f, "budgets", 1)))
     cli.output_path(f, "out")
     cli.output_path(f, "plot")
+    outcomes = None
+    if f.reuse_outcomes:
+        with cli.about(f, "outcomes"):
+            outcomes = load_outcomes(outcomes_path(f), outcome_key(f, budgets))
+    else:
+        cli.output_path(f, "outcomes", path=outcomes_path(f))
     with cli.about(f, "costs_from"):
         loops = read_loop_times(f.costs_from, budgets)
     with cli.about(f, "target"):
@@ -149,7 +200,7 @@ def check(f) -> Inputs:
         model_dir.check_tensors(f.target, target)
     with cli.about(f, "drafter"):
         model_dir.check_tensors(f.drafter, target, drafter)
-    return Inputs(target, drafter, tokenizer, eos, budgets, loops)
+    return Inputs(target, drafter, tokenizer, eos, budgets, loops, outcomes)
 
 
 def outcome_spec(largest: int, block_size: int) -> DecodeSpec:
@@ -163,7 +214,7 @@ def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]]
     """For each context (the committed tokens of a round, the prompt and AR's first q tokens): the round that starts
     there at T = 0 -> (bonus [n]: the prefill's token, AR's token q if the forwards agree; accepted [n, C]: draft
     nodes its tree accepts at each budget; expected [n, C]: the drafter's sum of the first B nodes' path
-    probabilities), C = len(budgets). Rounds run `chunk` at a time, right-padded to one shape (one compile)."""
+    probabilities; score [n, N + 1] and path [n, D + 1]: the largest tree's and its walk's), C = len(budgets). Rounds run `chunk` at a time, right-padded to one shape (one compile)."""
     longest = max(len(c) for c in contexts)
     cache_len = Decoder.default_cache_len(spec, [[0] * longest])
     sizes = jnp.asarray(budgets)
@@ -176,10 +227,10 @@ def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]]
         alone = jnp.ones((1,), bool)
         accepted = jax.vmap(lambda p: budget_lib.accepted_at_each_budget(p[None], budgets, alone))(verdict.path)
         probs = jnp.exp(tree.score.astype(jnp.float32)).at[:, 0].set(0.0)  # the root is no draft node
-        return st.bonus, accepted, jnp.cumsum(probs, axis=1)[:, sizes]
+        return st.bonus, accepted, jnp.cumsum(probs, axis=1)[:, sizes], tree.score, verdict.path
 
     fn = jax.jit(one_chunk)
-    bonus, accepted, expected = [], [], []
+    results = [[] for _ in range(5)]
     for start in tqdm(range(0, len(contexts), chunk), desc="rounds", unit="chunk"):
         part = contexts[start:start + chunk]
         part = part + [part[-1]] * (chunk - len(part))  # a short last chunk repeats its last context
@@ -190,9 +241,10 @@ def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]]
         out = fn(decoder.target_params, decoder.drafter_params, cache, dcache, jnp.asarray(tokens),
                  jnp.asarray([len(c) for c in part], jnp.int32))
         n = min(chunk, len(contexts) - start)
-        for store, value in zip((bonus, accepted, expected), out):
+        for store, value in zip(results, out):
             store.append(np.asarray(value)[:n])
-    return np.concatenate(bonus), np.rint(np.concatenate(accepted)).astype(int), np.concatenate(expected)
+    bonus, accepted, expected, score, path = (np.concatenate(r) for r in results)
+    return bonus, np.rint(accepted).astype(int), expected, score, path
 
 
 def fewest_seconds(accepted: np.ndarray, seconds: np.ndarray) -> float:
@@ -206,32 +258,72 @@ def fewest_seconds(accepted: np.ndarray, seconds: np.ndarray) -> float:
     return float(best[0])
 
 
-def replay(accepted: list[np.ndarray], expected: list[np.ndarray], seconds: np.ndarray, policy) -> tuple[float, int]:
-    """One batch of streams (accepted / expected [Q_s, C] each) decoded to the end with one budget index per round
-    chosen by policy(accepted rows [S', C], expected rows [S', C]) of the active streams -> (seconds, rounds)."""
-    q = np.zeros(len(accepted), int)
+class Rounds(NamedTuple):
+    """Rows of `Outcomes` (leading dimension: rounds or streams)."""
+    accepted: np.ndarray
+    expected: np.ndarray
+    score: np.ndarray
+    path: np.ndarray
+
+
+def replay(streams: list[Rounds], seconds: np.ndarray, policy) -> tuple[float, int]:
+    """One batch of streams (each its rounds in order of q) decoded to the end with one budget index per round chosen
+    by policy(rows, active) (rows: each stream's round now, a finished stream's last; active [S] bool), then told
+    the outcome by policy.after(rows, active, c) if it has one -> (seconds, batch rounds)."""
+    q = np.zeros(len(streams), int)
+    ends = np.array([len(r.accepted) for r in streams])
     total, rounds = 0.0, 0
-    while True:
-        active = [s for s in range(len(accepted)) if q[s] < accepted[s].shape[0]]
-        if not active:
-            return total, rounds
-        a = np.stack([accepted[s][q[s]] for s in active])
-        c = policy(a, np.stack([expected[s][q[s]] for s in active]))
-        for i, s in enumerate(active):
-            q[s] += a[i, c] + 1
+    while (q < ends).any():
+        active = q < ends
+        now = np.minimum(q, ends - 1)
+        rows = Rounds(*(np.stack([getattr(r, name)[i] for r, i in zip(streams, now)]) for name in Rounds._fields))
+        c = policy(rows, active)
+        if hasattr(policy, "after"):
+            policy.after(rows, active, c)
+        q = np.where(active, q + rows.accepted[:, c] + 1, q)
         total += seconds[c]
         rounds += 1
+    return total, rounds
 
 
-def batch_row(accepted, expected, seconds: np.ndarray, labels: list[int]) -> dict:
-    """Seconds, rounds and tau of each policy on one batch of streams."""
-    row = {}
-    for c, b in enumerate(labels):
-        row[f"B={b}"] = replay(accepted, expected, seconds, lambda a, e, c=c: c)
-    row["oracle"] = replay(accepted, expected, seconds, lambda a, e: int(np.argmax((a.mean(0) + 1) / seconds)))
-    row["draft"] = replay(accepted, expected, seconds, lambda a, e: int(np.argmax((e.mean(0) + 1) / seconds)))
-    if len(accepted) == 1:
-        row["oracle"] = (fewest_seconds(accepted[0], seconds), None)
+class AutoChooser:
+    """`--budget=auto`'s chooser (`budget`: the forecast, the climb, the AR spells and probes), driven by the replayed
+    rounds: the next round's B is the state's plan; after a round at B it sees what the loop would have seen (the
+    tree built at `budget.build_budget`, the walk in its first B + 1 nodes). Its step costs are the replay's."""
+
+    def __init__(self, labels: list[int], seconds: np.ndarray, depth: int):
+        self.candidates, self.depth = tuple(labels), depth
+        self.costs = jnp.asarray(seconds, jnp.float32)
+        self.state = budget_lib.init_state(self.candidates, self.costs, depth)
+        self._drafted = jax.jit(budget_lib.after_drafted_round, static_argnums=(3, 4, 6))
+        self._ar = jax.jit(budget_lib.plan_after_ar, static_argnums=(1, 3))
+
+    def __call__(self, rows: Rounds, active) -> int:
+        return int(self.state.next_index)
+
+    def after(self, rows: Rounds, active, c: int) -> None:
+        b = self.candidates[c]
+        if b == 0:
+            self.state = self._ar(self.state, self.candidates, self.costs, self.depth)
+            return
+        build = budget_lib.build_budget(self.candidates, b)
+        past = np.cumsum(rows.path > b, axis=1) > 0  # the walk in b's tree stops before its first node past b
+        path = np.where(past, -1, rows.path)
+        self.state = self._drafted(self.state, jnp.asarray(rows.score[:, :build + 1]), jnp.asarray(path), b,
+                                   self.candidates, self.costs, self.depth, jnp.asarray(active))
+
+
+def batch_row(streams: list[Rounds], seconds: np.ndarray, labels: list[int], auto: AutoChooser) -> dict:
+    """(seconds, batch rounds) of each policy on one batch of streams; `auto` carries its state from batch to
+    batch, as the decode loop's chooser does from call to call."""
+    def best(values, active):
+        return int(np.argmax((values[active].mean(0) + 1) / seconds))
+    row = {f"B={b}": replay(streams, seconds, lambda r, m, c=c: c) for c, b in enumerate(labels)}
+    row["oracle"] = replay(streams, seconds, lambda r, m: best(r.accepted, m))
+    if len(streams) == 1:
+        row["oracle"] = (fewest_seconds(streams[0].accepted, seconds), None)
+    row["draft"] = replay(streams, seconds, lambda r, m: best(r.expected, m))
+    row["auto"] = replay(streams, seconds, auto)
     return row
 
 
@@ -243,14 +335,13 @@ def round_seconds(loops: LoopTimes, batch: int, labels: list[int], groups) -> np
         rounds = loops.batch_rounds[batch][b]
         if rounds is None:
             ones = np.ones(len(labels))
-            rounds = sum(replay([a for a, _ in g], [e for _, e in g], ones, lambda a, e, c=c: c)[1] for g in groups)
+            rounds = sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
         seconds.append(loops.seconds[batch][b] / rounds)
     return np.asarray(seconds)
 
 
-def run(f) -> None:
-    inputs = check(f)
-    start = time.time()
+def measure(f, inputs: Inputs) -> Outcomes:
+    """AR's output for each prompt, then the round after each of its first tokens (`round_outcomes`)."""
     prompts = [list(p.ids) for p in eval_prompts(inputs.tokenizer, f.num_prompts, f.prompt_tokens, seed=f.seed)]
     target = model_dir.load_target(f.target, dtype=f.dtype)
     drafter = model_dir.load_drafter(f.drafter, target.cfg)
@@ -263,28 +354,38 @@ def run(f) -> None:
             contexts.append(p + out[:q])
             owner.append(i)
     spec = outcome_spec(max(inputs.budgets), drafter.cfg.block_size)
-    bonus, accepted, expected = round_outcomes(decoder, spec, contexts, inputs.budgets, f.chunk)
-    owner = np.asarray(owner)
-    ar_tokens = np.concatenate([out[:-1] for out in outputs])
-    disagree = int((bonus != ar_tokens).sum())
+    bonus, accepted, expected, score, path = round_outcomes(decoder, spec, contexts, inputs.budgets, f.chunk)
+    disagree = int((bonus != np.concatenate([out[:-1] for out in outputs])).sum())
     if disagree:
         logging.warning("%d of %d rounds start from a token other than AR's (the prefill forward and AR's disagree "
                         "there): the replay follows AR's output", disagree, len(bonus))
     zero = np.zeros((len(bonus), 1), accepted.dtype)  # AR: a round accepts no draft node
-    accepted = np.concatenate([zero, accepted], axis=1)
-    expected = np.concatenate([zero.astype(expected.dtype), expected], axis=1)
-    per_prompt = [(accepted[owner == i], expected[owner == i]) for i in range(len(prompts))]
+    return Outcomes(outcome_key(f, inputs.budgets), np.concatenate([zero, accepted], axis=1),
+                    np.concatenate([zero.astype(expected.dtype), expected], axis=1), score, path, np.asarray(owner),
+                    disagree)
+
+
+def run(f) -> None:
+    inputs = check(f)
+    start = time.time()
+    o = inputs.outcomes
+    if o is None:
+        o = measure(f, inputs)
+        save_outcomes(outcomes_path(f), o)
+    prompts = range(f.num_prompts)
+    owner = o.owner
+    per_prompt = [Rounds(o.accepted[owner == i], o.expected[owner == i], o.score[owner == i], o.path[owner == i])
+                  for i in range(len(prompts))]
     labels = [0] + inputs.budgets
-    tokens = sum(len(out) - 1 for out in outputs)  # emitted by rounds (each prefill emits one)
+    tokens = len(owner)  # emitted by rounds (each prefill emits one; a round for each of the other tokens)
     rows, seconds_per_round = [], {}
     for batch in inputs.loops.seconds:
         groups = [per_prompt[g:g + batch] for g in range(0, len(prompts), batch)]
         seconds = round_seconds(inputs.loops, batch, labels, groups)
         seconds_per_round[str(batch)] = dict(zip(map(str, labels), seconds.tolist()))
-        totals = {}
-        for group in groups:
-            for name, (sec, rounds) in batch_row([a for a, _ in group], [e for _, e in group], seconds,
-                                                 labels).items():
+        totals, auto = {}, AutoChooser(labels, seconds, o.path.shape[1] - 1)
+        for group in tqdm(groups, desc=f"replay, batch {batch}", unit="batch"):
+            for name, (sec, rounds) in batch_row(group, seconds, labels, auto).items():
                 sums = totals.setdefault(name, [0.0, 0])
                 sums[0] += sec
                 sums[1] += rounds or 0
@@ -303,11 +404,12 @@ def run(f) -> None:
                         "prompt_tokens": f.prompt_tokens, "max_new_tokens": f.max_new_tokens,
                         "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_device": inputs.loops.device,
                         "seconds_per_round": seconds_per_round,
-                        "rounds_measured": len(contexts), "rounds_off_ar": disagree,
+                        "rounds_measured": len(owner), "rounds_off_ar": o.off_ar,
+                        "outcomes": outcomes_path(f), "outcomes_reused": f.reuse_outcomes,
                         "minutes": (time.time() - start) / 60},
                "rows": rows,
-               "mean_accepted": {str(b): float(accepted[:, c].mean()) for c, b in enumerate(labels)},
-               "mean_expected": {str(b): float(expected[:, c].mean()) for c, b in enumerate(labels)}}
+               "mean_accepted": {str(b): float(o.accepted[:, c].mean()) for c, b in enumerate(labels)},
+               "mean_expected": {str(b): float(o.expected[:, c].mean()) for c, b in enumerate(labels)}}
     write_json(f.out, results)
     print_table(rows)
     if f.plot:

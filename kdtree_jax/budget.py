@@ -423,6 +423,30 @@ def plan_after_draft(state: BudgetState, expected, accepted, current: int, candi
                                                                                   jnp.maximum(PROBE_MAX_GAP, gap))))
 
 
+def build_budget(candidates, budget: int) -> int:
+    """The nodes a drafted round at `budget` builds: the next candidate above it (the smallest tree that tells
+    whether a larger B pays), `budget` itself at the largest."""
+    return min([b for b in candidates if b > budget], default=budget)
+
+
+def after_drafted_round(state: BudgetState, score, path, budget: int, candidates, step_costs, max_accepted: int,
+                        active) -> BudgetState:
+    """The chooser after a drafted round at `budget` (static): fold its outcome into the calibration (`observe`),
+    then plan the next round from what each budget accepted and the drafter's expected gain above
+    (`plan_after_draft`). score [S, N + 1] of the tree built (N = `build_budget`), path [S, P] of the walk in its
+    first budget + 1 nodes, active [S] bool."""
+    spec_budgets = [b for b in candidates if b > 0]
+    build = score.shape[1] - 1
+    nodes = jnp.arange(build + 1)
+    on_path = (path[:, :, None] == nodes).any(axis=1)  # [S, build + 1]
+    verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(score)
+    state = observe(state, score, on_path, verified)
+    expected = expected_accepted(score, state, [min(b, build) for b in spec_budgets], active)  # [C']
+    accepted = accepted_at_each_budget(path, spec_budgets, active)  # [C']
+    return plan_after_draft(state, expected, accepted, spec_budgets.index(budget), candidates, step_costs,
+                            max_accepted)
+
+
 def probe_gap_floor(candidates, step_costs):
     """int32 []: the fewest AR rounds between probes for which a probe's extra cost (the cheapest drafted round
     minus an AR round) is at most PROBE_SHARE of their time; 1 without AR rounds."""

@@ -668,22 +668,12 @@ def drafted_round(target: Transformer, drafter: Drafter, spec: DecodeSpec, st: L
     (`budget.plan_after_draft`; this round's outcome may inform the next round's B, never its own). Candidates above
     the built tree look no better than it this round, so the loop climbs one candidate at a time. The drafter's
     context holds every committed row (an AR segment catches it up at its end); the round extends it itself."""
-    candidates = spec.auto_budgets
-    spec_budgets = [b for b in candidates if b > 0]
-    build = min([b for b in candidates if b > budget], default=budget)
     keys, sub = split_each(st.keys)
-    active = ~st.done
-    tree = draft_tree(target, drafter, spec, st, build)
+    tree = draft_tree(target, drafter, spec, st, budget_lib.build_budget(spec.auto_budgets, budget))
     cache, dcache, verdict, finite, _ = verify_and_commit(target, drafter, spec, st,
                                                           tree_lib.prefix_tree(tree, budget), sub)
-    nodes = jnp.arange(build + 1)
-    on_path = (verdict.path[:, :, None] == nodes).any(axis=1)  # [S, build + 1]
-    verified = (nodes >= 1) & (nodes <= budget) & active[:, None] & jnp.isfinite(tree.score)
-    auto = budget_lib.observe(st.auto, tree.score, on_path, verified)
-    expected = budget_lib.expected_accepted(tree.score, auto, [min(b, build) for b in spec_budgets], active)  # [C']
-    accepted = budget_lib.accepted_at_each_budget(verdict.path, spec_budgets, active)  # [C']
-    auto = budget_lib.plan_after_draft(auto, expected, accepted, spec_budgets.index(budget), candidates, step_costs,
-                                       spec.depth)
+    auto = budget_lib.after_drafted_round(st.auto, tree.score, verdict.path, budget, spec.auto_budgets, step_costs,
+                                          spec.depth, ~st.done)
     st = st._replace(deferred=st.deferred._replace(start=cache.length))
     return finish_round(spec, st, tree.tokens, verdict, cache, dcache, keys, budget, auto, finite)
 
