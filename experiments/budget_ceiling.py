@@ -434,8 +434,8 @@ def plot_speedups(results: dict, path: str) -> None:
     by = {(r["batch"], r["policy"]): r["speedup"] for r in results["rows"]}
     plots.grouped_bars(path, [f"batch {s}" for s in batches], {p: [by[(s, p)] for s in batches] for p in policies},
                       ylabel="speed-up over AR (replayed)",
-                      title=f"per-round budget vs fixed, {results['meta']['target']} on "
-                            f"{results['meta']['costs_device']}'s round costs")
+                      title=f"per-round budget vs fixed B, T = 0: {results['meta']['target']}, round costs of "
+                            f"{os.path.basename(results['meta']['costs_from'])} ({results['meta']['costs_device']})")
 
 
 if __name__ == "__main__":
