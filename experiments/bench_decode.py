@@ -38,7 +38,6 @@ from absl import flags, logging
 from kdtree_jax import budget as budget_lib
 from kdtree_jax import cli, model_dir, plots, sharding
 from kdtree_jax.data import eval_prompts
-from kdtree_jax.tokenizer import load_tokenizer
 from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, decode_in_batches
 from pallas_kernels import ops
 
@@ -49,12 +48,7 @@ MODES = ("check_finite", "exact")  # DecodeSpec switches timed both ways when a 
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     def d(define, name, default, help_text, **kw):
         define(name, default, help=help_text, flag_values=fv, **kw)
-    d(flags.DEFINE_string, "target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model "
-      "directory")
-    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash "
-      "drafter directory in the published format")
-    d(flags.DEFINE_string, "tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model "
-      "directory (tiktoken.model or tokenizer.json)")
+    model_dir.define_model_flags(fv)
     d(flags.DEFINE_enum, "dtype", None, "run the models in this dtype (default: the checkpoint's)",
       enum_values=["bfloat16", "float32"])
     d(flags.DEFINE_string, "mesh", "", "device mesh, e.g. 'tp=8' (empty: one device); the target is read into its "
@@ -118,14 +112,7 @@ def check(f) -> Inputs:
         cli.refuse(f, "out", "is empty; name the JSON file to write")
     cli.output_path(f, "out")
     cli.output_path(f, "plot")
-    with cli.about(f, "target"):
-        target = model_dir.target_config(f.target, dtype=f.dtype)
-        eos = model_dir.eos_token_ids(f.target, target)
-    with cli.about(f, "drafter"):
-        drafter = model_dir.drafter_config(f.drafter, target)
-    with cli.about(f, "tokenizer"):
-        tokenizer = load_tokenizer(f.tokenizer)
-        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos)
+    target, drafter, tokenizer, eos = model_dir.model_configs(f, f.dtype)
     with cli.about(f, "mesh"):
         mesh = sharding.parse_mesh(f.mesh)
         model_dir.check_mesh(target, mesh)
@@ -138,10 +125,7 @@ def check(f) -> Inputs:
                                      temperature=temperature, max_new_tokens=f.max_new_tokens, eos_token_ids=eos,
                                      rounds_per_check=f.rounds_per_check, **mode)
                     check_spec(spec, target, drafter, prompts, Decoder.default_cache_len(spec, prompts), mesh)
-    with cli.about(f, "target"):
-        model_dir.check_tensors(f.target, target)
-    with cli.about(f, "drafter"):
-        model_dir.check_tensors(f.drafter, target, drafter)
+    model_dir.check_model_tensors(f, target, drafter)
     return Inputs(target, drafter, tokenizer, mesh, eos, budgets, auto_budgets, batches, temperatures, mode_sets)
 
 

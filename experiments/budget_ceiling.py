@@ -48,7 +48,6 @@ from kdtree_jax import budget as budget_lib
 from kdtree_jax import cli, model_dir, plots
 from kdtree_jax.data import eval_prompts
 from kdtree_jax.decode import DecodeSpec, Decoder, check_spec, draft_tree, prefill, verify_and_commit
-from kdtree_jax.tokenizer import load_tokenizer
 
 FLAGS = flags.FLAGS
 
@@ -56,12 +55,7 @@ FLAGS = flags.FLAGS
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     def d(define, name, default, help_text, **kw):
         define(name, default, help=help_text, flag_values=fv, **kw)
-    d(flags.DEFINE_string, "target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model "
-      "directory")
-    d(flags.DEFINE_string, "drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash "
-      "directory")
-    d(flags.DEFINE_string, "tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model "
-      "directory with its own tokenizer")
+    model_dir.define_model_flags(fv)
     d(flags.DEFINE_enum, "dtype", "float32", "the models' dtype for the outcomes (float32: the loop's output equals "
       "AR's, so the replay is the loop)", enum_values=["float32", "bfloat16"])
     d(flags.DEFINE_integer, "num_prompts", 32, "held-out prompts (bench_decode's, same seed)")
@@ -184,22 +178,12 @@ def check(f) -> Inputs:
         cli.output_path(f, "outcomes", path=outcomes_path(f))
     with cli.about(f, "costs_from"):
         loops = read_loop_times(f.costs_from, budgets)
-    with cli.about(f, "target"):
-        target = model_dir.target_config(f.target, dtype=f.dtype)
-        eos = model_dir.eos_token_ids(f.target, target)
-    with cli.about(f, "drafter"):
-        drafter = model_dir.drafter_config(f.drafter, target)
-    with cli.about(f, "tokenizer"):
-        tokenizer = load_tokenizer(f.tokenizer)
-        model_dir.check_tokenizer(tokenizer, f.tokenizer, target, eos)
+    target, drafter, tokenizer, eos = model_dir.model_configs(f, f.dtype)
     contexts = [[0] * (f.prompt_tokens + f.max_new_tokens - 2)] * f.chunk
     spec = outcome_spec(max(budgets), drafter.block_size)
     with cli.about(f, "budgets"):
         check_spec(spec, target, drafter, contexts, Decoder.default_cache_len(spec, contexts), None)
-    with cli.about(f, "target"):
-        model_dir.check_tensors(f.target, target)
-    with cli.about(f, "drafter"):
-        model_dir.check_tensors(f.drafter, target, drafter)
+    model_dir.check_model_tensors(f, target, drafter)
     return Inputs(target, drafter, tokenizer, eos, budgets, loops, outcomes)
 
 

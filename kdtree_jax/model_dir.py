@@ -19,12 +19,15 @@ from __future__ import annotations
 import glob
 import os
 
+from absl import flags
 from flax import nnx
 
+from kdtree_jax import cli
 from kdtree_jax import config as config_lib
 from kdtree_jax import dflash_format, memory, sharding
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
+from kdtree_jax.tokenizer import load_tokenizer
 
 RANDOM, ORBAX, HF, DFLASH = "random", "orbax", "hf", "dflash"
 RANDOM_BLOCK_SIZE = 8  # block size L of a random drafter unless given
@@ -188,3 +191,37 @@ def eos_token_ids(value: str, target: config_lib.ModelConfig) -> tuple[int, ...]
         raise ValueError(f"{path}: eos_token_id = {eos!r} must be a token id (or a non-empty list of them) in "
                          f"[0, {target.vocab_size}), the model's vocabulary; fix it or delete the field")
     return tuple(listed) + tuple(i for i in ids if i not in listed)
+
+
+def define_model_flags(fv: flags.FlagValues) -> None:
+    """--target, --drafter, --tokenizer: a target, its drafter and the tokenizer of the prompts (the benchmarks on
+    held-out prompts); `model_configs` checks them."""
+    flags.DEFINE_string("target", "checkpoints/target", "target: a checkpoint directory of ours or an HF model "
+                        "directory", flag_values=fv)
+    flags.DEFINE_string("drafter", "checkpoints/drafter", "drafter: a checkpoint directory of ours or a DFlash "
+                        "drafter directory in the published format", flag_values=fv)
+    flags.DEFINE_string("tokenizer", "checkpoints/tokenizer.json", "the project's tokenizers JSON, or a model "
+                        "directory (tiktoken.model or tokenizer.json)", flag_values=fv)
+
+
+def model_configs(f, dtype: str | None):
+    """The configs of --target (in `dtype`; None: its own) and --drafter, the --tokenizer and the target's stop ids,
+    checked against each other before any weight is read -> (target config, drafter config, tokenizer, eos ids); an
+    error names the flag."""
+    with cli.about(f, "target"):
+        target = target_config(f.target, dtype=dtype)
+        eos = eos_token_ids(f.target, target)
+    with cli.about(f, "drafter"):
+        drafter = drafter_config(f.drafter, target)
+    with cli.about(f, "tokenizer"):
+        tokenizer = load_tokenizer(f.tokenizer)
+        check_tokenizer(tokenizer, f.tokenizer, target, eos)
+    return target, drafter, tokenizer, eos
+
+
+def check_model_tensors(f, target: config_lib.ModelConfig, drafter: config_lib.DrafterConfig) -> None:
+    """The safetensors headers (or checkpoint metadata) of --target and --drafter against their configs."""
+    with cli.about(f, "target"):
+        check_tensors(f.target, target)
+    with cli.about(f, "drafter"):
+        check_tensors(f.drafter, target, drafter)

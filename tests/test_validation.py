@@ -35,7 +35,8 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 KIMI = os.path.join(FIXTURES, "kimi_k26_tiny")
 DFLASH = os.path.join(FIXTURES, "dflash_tiny")
 HF_BF16 = os.path.join(FIXTURES, "hf_deepseek_v3_bf16")
-SCRIPTS = ("generate", "bench_decode", "bench_round", "export_dflash", "memory_plan", "compare_meshes", "bench_k26")
+SCRIPTS = ("generate", "bench_decode", "bench_round", "export_dflash", "memory_plan", "compare_meshes", "bench_k26",
+           "budget_ceiling")
 HUGE = "9" * 20
 
 # Values per absl flag type; NEVER_RIGHT: values a flag of that type must refuse whatever it means.
@@ -84,6 +85,7 @@ def base_argv(name: str, out: str, ckpt: dict) -> list[str]:
         "export_dflash": [f"--drafter={ckpt['drafter']}", f"--target={ckpt['target']}", f"--out={out}/x"],
         "memory_plan": ["--config=tiny", "--tp=2"],
         "compare_meshes": ["--mesh=tp=1", f"--out={out}/c.json"],
+        "budget_ceiling": [f"--out={out}/b.json", f"--plot={out}/b.png", "--num_prompts=2"],
         "bench_k26": ["--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4", "--mesh=tp=1", f"--out={out}/k.json"],
     }[name]
 
