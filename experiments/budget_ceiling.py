@@ -22,7 +22,11 @@ each fixed row's seconds over its batch rounds, so no model of the device enters
     the batch) the round's best tokens per second, greedily. No chooser can beat it at batch 1;
   * `draft`: B = argmax (mean over the batch of E(q, B) + 1) / c_B from the round's own draft, before its verify
     (the auto loop fixes B one round ahead and calibrates E against acceptance: this is what the drafter's own
-    numbers, seen in time, give).
+    numbers, seen in time, give);
+  * `auto`: `--budget=auto`'s own chooser (`AutoChooser`) on the same rounds and costs: the auto loop as it would
+    choose if its rounds cost what the fixed loops' do.
+
+The measured rounds are saved as .npz (--outcomes); --reuse_outcomes replays them on other costs in seconds.
 
 Speed-ups are over AR at the same costs. The JSON (--out) has every row; the plot (--plot) the speed-up of each
 policy per batch size. Temperature 0 only: at T > 0 a round's outcome is a draw, and a replay of one draw per q
@@ -103,6 +107,7 @@ class Outcomes(NamedTuple):
     path: np.ndarray  # [R, D + 1] int: the accept walk in it (node indices, root first, -1 past its end)
     owner: np.ndarray  # [R] int: the prompt each round belongs to (rounds in order of q within a prompt)
     off_ar: int  # rounds whose prefill token was not AR's (the replay follows AR's output)
+    code: str  # the code version that measured them
 
 
 def outcome_key(f, budgets: list[int]) -> dict:
@@ -117,7 +122,7 @@ def outcomes_path(f) -> str:
 
 def save_outcomes(path: str, o: Outcomes) -> None:
     np.savez_compressed(path, key=json.dumps(o.key), accepted=o.accepted, expected=o.expected, score=o.score,
-                        path=o.path, owner=o.owner, off_ar=o.off_ar)
+                        path=o.path, owner=o.owner, off_ar=o.off_ar, code=o.code)
 
 
 def load_outcomes(path: str, key: dict) -> Outcomes:
@@ -130,7 +135,8 @@ def load_outcomes(path: str, key: dict) -> Outcomes:
             diff = {k: (saved.get(k), key.get(k)) for k in key if saved.get(k) != key.get(k)}
             raise ValueError(f"{path} holds rounds measured for other settings (saved, asked): {diff}; pass the "
                              f"same flags or measure again (drop --reuse_outcomes)")
-        return Outcomes(saved, z["accepted"], z["expected"], z["score"], z["path"], z["owner"], int(z["off_ar"]))
+        return Outcomes(saved, z["accepted"], z["expected"], z["score"], z["path"], z["owner"], int(z["off_ar"]),
+                        str(z["code"]) if "code" in z else "unknown")
 
 
 def read_loop_times(path: str, budgets: list[int]) -> LoopTimes:
@@ -346,7 +352,7 @@ def measure(f, inputs: Inputs) -> Outcomes:
     zero = np.zeros((len(bonus), 1), accepted.dtype)  # AR: a round accepts no draft node
     return Outcomes(outcome_key(f, inputs.budgets), np.concatenate([zero, accepted], axis=1),
                     np.concatenate([zero.astype(expected.dtype), expected], axis=1), score, path, np.asarray(owner),
-                    disagree)
+                    disagree, code_version())
 
 
 def run(f) -> None:
@@ -389,7 +395,7 @@ def run(f) -> None:
                         "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_device": inputs.loops.device,
                         "seconds_per_round": seconds_per_round,
                         "rounds_measured": len(owner), "rounds_off_ar": o.off_ar,
-                        "outcomes": outcomes_path(f), "outcomes_reused": f.reuse_outcomes,
+                        "outcomes": outcomes_path(f), "outcomes_reused": f.reuse_outcomes, "outcomes_code": o.code,
                         "minutes": (time.time() - start) / 60},
                "rows": rows,
                "mean_accepted": {str(b): float(o.accepted[:, c].mean()) for c, b in enumerate(labels)},
