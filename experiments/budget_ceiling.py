@@ -66,8 +66,11 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "prompt_tokens", 64, "tokens per prompt")
     d(flags.DEFINE_integer, "max_new_tokens", 128, "tokens generated per prompt")
     d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64"], "the candidate budgets B >= 1 (AR is always one)")
-    d(flags.DEFINE_string, "costs_from", "experiments/results/decode/decode.json", "a bench_decode JSON: seconds per "
-      "round of its fixed rows at temperature 0 (each batch size it has; every budget here must be among them)")
+    d(flags.DEFINE_string, "costs_from", "experiments/results/decode/decode.json", "a bench_decode JSON whose rows at "
+      "temperature 0 price the rounds (--costs_of; each batch size it has for every budget here)")
+    d(flags.DEFINE_enum, "costs_of", "fixed_loops", "fixed_loops: a round at B costs what the fixed loop's did (its "
+      "seconds over its batch rounds); auto_calibration: what the auto row's calibrated step costs said (its "
+      "`costs`: the table the loop chose by)", enum_values=["fixed_loops", "auto_calibration"])
     d(flags.DEFINE_string, "outcomes", "", "the measured rounds (a(q, B), E(q, B)) as .npz (default: beside --out); "
       "written after measuring, read instead with --reuse_outcomes")
     d(flags.DEFINE_bool, "reuse_outcomes", False, "replay the rounds of --outcomes (measured with the same models, "
@@ -80,12 +83,13 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
 
 
 class LoopTimes(NamedTuple):
-    """A bench_decode JSON's fixed loops at T = 0, {batch: {B: value}} (B = 0: AR)."""
+    """A bench_decode JSON's rows at T = 0, {batch: {B: value}} (B = 0: AR)."""
     device: str
-    seconds: dict  # the loop's seconds over all prompts
-    batch_rounds: dict  # its rounds of the whole batch (`budget_hist`; None where the JSON predates it)
-    tau: dict
-    speedup: dict  # over AR, measured
+    seconds_per_round: dict  # the price of a batch round at each B (None: a fixed loop's, its rounds to be replayed)
+    seconds: dict  # the fixed loops' seconds over all prompts (fixed_loops only)
+    tau: dict  # the fixed loops' tau, where the JSON has the row
+    speedup: dict  # the fixed loops' measured speed-up over AR, where the JSON has the row
+    auto_speedup: dict  # {batch: the auto row's measured speed-up over AR}, where the JSON has one
 
 
 class Inputs(NamedTuple):
@@ -131,40 +135,51 @@ def load_outcomes(path: str, key: dict) -> Outcomes:
         raise ValueError(f"{path} does not exist; measure the rounds first (drop --reuse_outcomes)")
     with np.load(path) as z:
         saved = json.loads(str(z["key"]))
-        if saved != key:
-            diff = {k: (saved.get(k), key.get(k)) for k in key if saved.get(k) != key.get(k)}
+        diff = {k: (saved.get(k), key.get(k)) for k in key if k != "budgets" and saved.get(k) != key.get(k)}
+        if not set(key["budgets"]) <= set(saved["budgets"]):
+            diff["budgets"] = (saved["budgets"], key["budgets"])
+        if diff:
             raise ValueError(f"{path} holds rounds measured for other settings (saved, asked): {diff}; pass the "
-                             f"same flags or measure again (drop --reuse_outcomes)")
-        return Outcomes(saved, z["accepted"], z["expected"], z["score"], z["path"], z["owner"], int(z["off_ar"]),
-                        str(z["code"]) if "code" in z else "unknown")
+                             f"same flags (--budgets may name fewer) or measure again (drop --reuse_outcomes)")
+        columns = [0] + [1 + saved["budgets"].index(b) for b in key["budgets"]]  # column 0: AR
+        return Outcomes(key, z["accepted"][:, columns], z["expected"][:, columns], z["score"], z["path"], z["owner"],
+                        int(z["off_ar"]), str(z["code"]) if "code" in z else "unknown")
 
 
-def read_loop_times(path: str, budgets: list[int]) -> LoopTimes:
-    """The fixed rows at temperature 0 of a bench_decode JSON, per batch size. Batch sizes missing a budget of
-    `budgets` (or AR) are left out; none left is an error."""
+def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops") -> LoopTimes:
+    """The rows at temperature 0 of a bench_decode JSON, per batch size, priced as `costs_of` says. Batch sizes
+    without a price for every budget of `budgets` (and AR) are left out; none left is an error."""
     with open(path) as fh:
         results = json.load(fh)
-    seconds, rounds, tau, speedup = {}, {}, {}, {}
+    price, seconds, tau, speedup, auto = {}, {}, {}, {}, {}
     for row in results.get("runs", []):
-        if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree") or row.get("budget") == "auto":
+        if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree"):
             continue
         if row.get("exact") or row.get("check_finite") is False:
             continue
-        batch, b = int(row["batch"]), int(row["budget"])
-        seconds.setdefault(batch, {})[b] = row["seconds"]
-        hist = row.get("budget_hist")
-        rounds.setdefault(batch, {})[b] = sum(hist.values()) if hist else row["rounds"] if batch == 1 else None
+        batch = int(row["batch"])
+        if row["budget"] == "auto":
+            auto[batch] = row["speedup"]
+            if costs_of == "auto_calibration":
+                price[batch] = dict(zip(row["costs"]["candidates"], row["costs"]["seconds"]))
+            continue
+        b = int(row["budget"])
         tau.setdefault(batch, {})[b] = row["tau"]
         speedup.setdefault(batch, {})[b] = row["speedup"]
+        if costs_of == "fixed_loops":
+            seconds.setdefault(batch, {})[b] = row["seconds"]
+            hist = row.get("budget_hist")
+            rounds = sum(hist.values()) if hist else row["rounds"] if batch == 1 else None
+            price.setdefault(batch, {})[b] = row["seconds"] / rounds if rounds else None
     need = [0] + budgets
-    complete = sorted(s for s in seconds if all(b in seconds[s] for b in need))
+    complete = sorted(s for s in price if all(b in price[s] for b in need))
     if not complete:
-        have = {s: sorted(v) for s, v in seconds.items()}
-        raise ValueError(f"{path} has no batch size with fixed rows at T = 0 for every budget of {need} (it has "
-                         f"{have}); choose --budgets among them or another --costs_from")
+        have = {s: sorted(v) for s, v in price.items()}
+        raise ValueError(f"{path} prices no batch size at T = 0 for every budget of {need} by {costs_of} (it has "
+                         f"{have}); choose --budgets among them, another --costs_of or another --costs_from")
     device = results.get("meta", {}).get("device", "unknown")
-    pick = lambda table: {s: {b: table[s][b] for b in need} for s in complete}  # noqa: E731
-    return LoopTimes(device, pick(seconds), pick(rounds), pick(tau), pick(speedup))
+    pick = lambda table: {s: {b: table.get(s, {}).get(b) for b in need} for s in complete}  # noqa: E731
+    return LoopTimes(device, pick(price), pick(seconds), pick(tau), pick(speedup), {s: auto.get(s) for s in complete})
 
 
 def check(f) -> Inputs:
@@ -183,7 +198,7 @@ def check(f) -> Inputs:
     else:
         cli.output_path(f, "outcomes", path=outcomes_path(f))
     with cli.about(f, "costs_from"):
-        loops = read_loop_times(f.costs_from, budgets)
+        loops = read_loop_times(f.costs_from, budgets, f.costs_of)
     target, drafter, tokenizer, eos = model_dir.model_configs(f, f.dtype)
     contexts = [[0] * (f.prompt_tokens + f.max_new_tokens - 2)] * f.chunk
     spec = outcome_spec(max(budgets), drafter.block_size)
@@ -318,15 +333,16 @@ def batch_row(streams: list[Rounds], seconds: np.ndarray, labels: list[int], aut
 
 
 def round_seconds(loops: LoopTimes, batch: int, labels: list[int], groups) -> np.ndarray:
-    """[C] seconds of one batch round at each budget of `labels`: the measured loop's seconds over its batch rounds
-    (`budget_hist`; where the JSON lacks them, the rounds the replay of that fixed loop takes on these outcomes)."""
+    """[C] seconds of one batch round at each budget of `labels`: the table's price, or where a fixed loop's batch
+    rounds are not in the JSON (`budget_hist` came later), its seconds over the rounds the replay of that loop takes
+    on these outcomes."""
     seconds = []
     for c, b in enumerate(labels):
-        rounds = loops.batch_rounds[batch][b]
-        if rounds is None:
+        price = loops.seconds_per_round[batch][b]
+        if price is None:
             ones = np.ones(len(labels))
-            rounds = sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
-        seconds.append(loops.seconds[batch][b] / rounds)
+            price = loops.seconds[batch][b] / sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
+        seconds.append(price)
     return np.asarray(seconds)
 
 
@@ -369,7 +385,7 @@ def run(f) -> None:
     labels = [0] + inputs.budgets
     tokens = len(owner)  # emitted by rounds (each prefill emits one; a round for each of the other tokens)
     rows, seconds_per_round = [], {}
-    for batch in inputs.loops.seconds:
+    for batch in inputs.loops.seconds_per_round:
         groups = [per_prompt[g:g + batch] for g in range(0, len(prompts), batch)]
         seconds = round_seconds(inputs.loops, batch, labels, groups)
         seconds_per_round[str(batch)] = dict(zip(map(str, labels), seconds.tolist()))
@@ -388,11 +404,13 @@ def run(f) -> None:
                          "speedup": totals["B=0"][0] / sec, "vs_best_fixed": fixed[best_fixed] / sec,
                          "best_fixed": best_fixed,
                          "tau_loop": inputs.loops.tau[batch][b] if b is not None else None,
-                         "speedup_loop": inputs.loops.speedup[batch][b] if b is not None else None})
+                         "speedup_loop": inputs.loops.speedup[batch][b] if b is not None else
+                         inputs.loops.auto_speedup[batch] if name == "auto" else None})
     results = {"meta": {"code": code_version(), "host": platform.node(), "backend": jax.default_backend(),
                         "dtype": f.dtype, "target": f.target, "drafter": f.drafter, "num_prompts": len(prompts),
                         "prompt_tokens": f.prompt_tokens, "max_new_tokens": f.max_new_tokens,
-                        "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_device": inputs.loops.device,
+                        "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_of": f.costs_of,
+                        "costs_device": inputs.loops.device,
                         "seconds_per_round": seconds_per_round,
                         "rounds_measured": len(owner), "rounds_off_ar": o.off_ar,
                         "outcomes": outcomes_path(f), "outcomes_reused": f.reuse_outcomes, "outcomes_code": o.code,
