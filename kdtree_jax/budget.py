@@ -179,8 +179,31 @@ def save_costs(path: str, costs: StepCosts) -> None:
         json.dump(entries, f, indent=1)
 
 
+def monotone_costs(seconds) -> tuple[float, ...]:
+    """Step costs in candidate order (AR first, then increasing B) made non-decreasing: the least-squares
+    non-decreasing fit of the finite ones (pooling adjacent violators), infinite ones left as they are. A larger
+    budget verifies more nodes and builds a larger tree, so it never costs less; a table that says otherwise
+    measured noise, and the chooser would follow it: an H100's calibration priced B = 16 at 717 us against B = 8's
+    795, and the loop sat at B = 16 where B = 32 paid ~8% more (experiments/notes/decode.md, "The H100's T = 0 gap
+    taken apart")."""
+    values = [float(c) for c in seconds]
+    finite = [i for i, c in enumerate(values) if np.isfinite(c)]
+    blocks = []  # [sum, count] of pooled runs, their means non-decreasing
+    for i in finite:
+        blocks.append([values[i], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [total / count for total, count in blocks for _ in range(count)]
+    for i, c in zip(finite, fitted):
+        values[i] = c
+    return tuple(values)
+
+
 def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | None = None) -> StepCosts:
-    """Time one round of the compiled auto loop at each candidate budget.
+    """Time one round of the compiled auto loop at each candidate budget (made non-decreasing in B:
+    `monotone_costs`).
 
     run_loop(step_costs [C] float32, round_limit) -> (seconds, rounds run): one timed call of the compiled loop
     (prefill, then at most round_limit rounds; `Decoder.step_costs`). Each candidate is forced by `forced_costs` for
@@ -199,7 +222,7 @@ def calibrate(run_loop, candidates, rounds: int = 8, reps: int = 3, key: dict | 
             times[j].append(t)
     prefill_s = min(times[0])
     seconds = [max(min(t) - prefill_s, 1e-9) / max(n, 1) for t, n in zip(times[1:], done[1:])]
-    return StepCosts(tuple(candidates), tuple(seconds), key or {}, prefill_s=prefill_s)
+    return StepCosts(tuple(candidates), monotone_costs(seconds), key or {}, prefill_s=prefill_s)
 
 
 def rounds_by_candidate(budgets, candidates) -> np.ndarray:
@@ -232,7 +255,7 @@ def refit(prior: StepCosts, runs) -> StepCosts:
     d = np.linalg.solve(a.T @ a + REFIT_PRIOR * np.eye(a.shape[1]), a.T @ e)
     seconds = p.copy()
     seconds[used] = p[used] * (1.0 + np.clip(d, -0.5, 2.0))
-    return dataclasses.replace(prior, seconds=tuple(float(c) for c in seconds),
+    return dataclasses.replace(prior, seconds=monotone_costs(seconds),
                                how=f"{prior.how}, refitted to {len(runs)} run(s) of the loop")
 
 

@@ -209,6 +209,19 @@ def test_calibration_scales_the_drafter_by_observed_acceptance():
     np.testing.assert_allclose(decayed.accepted, budget.DECAY * state.accepted)
 
 
+def test_monotone_costs_pool_the_budgets_that_a_noisy_table_ranks_below_a_smaller_one():
+    """The H100's calibrated costs (us: AR, 4, 8, 16, 32) had B = 16 below B = 8: the two are pooled at their mean;
+    an ordered table, and infinite entries, stay as they are; the fit is non-decreasing and keeps each pool's sum."""
+    np.testing.assert_allclose(budget.monotone_costs([521, 705, 795, 717, 777]), [521, 705, 756, 756, 777])
+    assert budget.monotone_costs([1.0, 2.0, 2.0, 3.0]) == (1.0, 2.0, 2.0, 3.0)
+    assert budget.monotone_costs([np.inf, 3.0, 1.0]) == (np.inf, 2.0, 2.0)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        raw = rng.uniform(0.5, 2.0, size=6)
+        fit = np.asarray(budget.monotone_costs(raw))
+        assert (np.diff(fit) >= -1e-12).all() and fit.sum() == pytest.approx(raw.sum())
+
+
 def test_calibrate_recovers_the_step_costs_of_a_known_loop():
     """A loop whose call costs prefill + rounds x cost of the forced candidate: every cost comes back."""
     prefill, per_round = 0.010, {0: 0.001, 4: 0.003, 16: 0.004}
