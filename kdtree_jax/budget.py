@@ -86,6 +86,7 @@ REFIT_PRIOR = 0.25  # `refit`: the calibrated cost weighs as a quarter of one ru
 HANDOVER_SHARE = 0.9  # `Handover`: a call whose rounds were this share one B hands the next calls to B's fixed loop
 HANDOVER_FIRST_GAP = 2  # calls on the fixed loop before the auto loop runs again, doubling while that B keeps winning
 HANDOVER_MAX_GAP = 16
+HANDOVER_AR_GAIN = 0.05  # a handover to AR only where the AR loop's round costs this share less than the auto loop's
 
 
 def check_candidates(candidates, check_budget) -> tuple[int, ...]:
@@ -275,6 +276,11 @@ class Handover:
     budget: int = 0  # the fixed loop's B while calls_left > 0
     calls_left: int = 0  # calls still to run on the fixed loop
     gap: int = 0  # the fixed calls before the next auto call, once a budget wins again (0: none has won yet)
+    ar_pays: bool | None = None  # whether the AR loop's round costs HANDOVER_AR_GAIN less than the auto loop's AR
+    # round (None: not measured yet; `Decoder.generate` measures it before the first handover to AR). Where it does
+    # not, a handover to AR would save little and stop the probes that find the prompts worth drafting: prompts
+    # differ from call to call (decode.md, "Fifth GPU run": 13 of 32 calls handed to AR at T = 1, batch 1, where
+    # B = 32 paid 1.24x; the auto loop's AR round cost 478 us there against the AR loop's 467)
 
     def fixed_budget(self) -> int | None:
         """The B of the fixed loop this call runs (0: the AR loop), or None for the auto loop; counts the call."""
@@ -286,12 +292,16 @@ class Handover:
     def after_auto(self, budgets) -> None:
         """After a call of the auto loop that verified `budgets` [R] (0: an AR round)."""
         values, counts = np.unique(np.asarray(budgets), return_counts=True)
-        if counts.size and counts.max() >= HANDOVER_SHARE * counts.sum():
-            won = int(values[counts.argmax()])
+        won = int(values[counts.argmax()]) if counts.size else None
+        if won is not None and counts.max() >= HANDOVER_SHARE * counts.sum() and (won or self.ar_pays is not False):
             self.gap = min(2 * self.gap, HANDOVER_MAX_GAP) if self.gap and won == self.budget else HANDOVER_FIRST_GAP
             self.budget, self.calls_left = won, self.gap
         else:
             self.gap = self.calls_left = 0
+
+    def cancel(self) -> None:
+        """No fixed calls left (the auto loop runs), as after a call where no budget won."""
+        self.gap = self.calls_left = 0
 
 
 # ------------------------------------------------------------------------------------------------------ on device

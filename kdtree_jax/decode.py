@@ -119,6 +119,7 @@ class DeferredContext(NamedTuple):
     start: jax.Array  # [S] int32: the first position not in the drafter's context (<= the cache length)
 
 
+STEP_COST_ROUNDS = 6  # rounds of each timed loop when step costs are calibrated (`Decoder.step_costs`)
 DEFERRED_ROWS = 64  # AR rounds of the auto loop between two catch-ups of the drafter's context (the longest AR
 # segment; PROBE_MAX_GAP rounds, so that a probe's wait is rarely cut)
 
@@ -278,7 +279,13 @@ class Decoder:
             costs = costs or self.step_costs(spec, prompts, cache_len)
             self.check_costs(spec, costs)
         key = self._cost_cache_key(spec, prompts, cache_len)
-        fixed = self._handover.setdefault(key, budget_lib.Handover()).fixed_budget() if adapts else None
+        handover = self._handover.setdefault(key, budget_lib.Handover())
+        fixed = handover.fixed_budget() if adapts else None
+        if fixed == 0 and handover.ar_pays is None:  # the first handover to AR: does the AR loop's round pay?
+            handover.ar_pays = self._ar_loop_pays(spec, prompts, given_len, costs, seed)
+            if not handover.ar_pays:
+                handover.cancel()
+                fixed = None
         run_spec, run_len = spec, cache_len
         if fixed is not None:  # the fixed loop, with the cache rows it needs
             run_spec = dataclasses.replace(spec, auto_budgets=(), budget=fixed, topk=spec.topk if fixed else None,
@@ -305,6 +312,23 @@ class Decoder:
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
                               int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, fixed,
                               int(state.rounds))
+
+    def _ar_loop_pays(self, spec: DecodeSpec, prompts, given_len: int | None, costs: budget_lib.StepCosts,
+                      seed: int) -> bool:
+        """Whether a round of the plain AR loop on these prompts costs `budget.HANDOVER_AR_GAIN` less than the auto
+        loop's AR round (costs.seconds[0]): the AR loop timed as `budget.calibrate` times a candidate (it compiles
+        the loop a handover would run). Across processes, process 0's times decide."""
+        ar_spec = dataclasses.replace(spec, auto_budgets=(), budget=0, topk=None, policy="ar")
+        ar_len = given_len or self.default_cache_len(ar_spec, prompts)
+        run = self._loop_runner(ar_spec, prompts, ar_len, seed)
+
+        def run_rounds(_, limit):
+            state, seconds = run(self.controls(ar_spec, round_limit=limit))
+            return seconds, int(state.rounds)
+        ar_loop = budget_lib.calibrate(run_rounds, (0,), rounds=STEP_COST_ROUNDS, reps=3)
+        self._warm.add(self._cost_cache_key(ar_spec, prompts, ar_len))
+        loop_s, auto_s = process0_values((ar_loop.seconds[0], costs.seconds[0]))
+        return bool(loop_s < (1.0 - budget_lib.HANDOVER_AR_GAIN) * auto_s)
 
     def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):
         """run(controls) -> (final LoopState, seconds of the loop call): the compiled loop on these prompts, with
@@ -349,7 +373,7 @@ class Decoder:
         return budget_lib.cost_key(device, model, str(c.dtype), num_streams, cache_len, spec.temperature,
                                    spec.auto_budgets)
 
-    def step_costs(self, spec: DecodeSpec, prompts, cache_len: int | None = None, rounds: int = 6,
+    def step_costs(self, spec: DecodeSpec, prompts, cache_len: int | None = None, rounds: int = STEP_COST_ROUNDS,
                    reps: int = 3) -> budget_lib.StepCosts:
         """The auto loop's step costs for this batch shape: `budget.calibrate` on these prompts with the compiled
         loop itself (once per loop and shape; ~ (C + 1) x (reps + 1) loops of `rounds` rounds), refitted to the runs

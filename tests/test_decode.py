@@ -155,11 +155,20 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
     assert second.budgets[0] == spec.auto_budgets[int(carried.next_index)]  # it went on where the first ended
     # handed to a fixed loop (as after calls that verified one budget): the same tokens, its rounds, no run recorded
     for fixed in (0, 4):
-        draft_decoder._handover[key] = budget.Handover(budget=fixed, calls_left=1, gap=2)
+        draft_decoder._handover[key] = budget.Handover(budget=fixed, calls_left=1, gap=2, ar_pays=True)
         res = draft_decoder.generate(PROMPTS, spec)
         assert res.handed_over == fixed and res.tokens == first.tokens and set(res.budgets.tolist()) == {fixed}
-    assert "refitted to 2 run" in draft_decoder.step_costs(spec, PROMPTS).how
-    assert draft_decoder.generate(PROMPTS, spec).handed_over is None   # the gap spent: the auto loop again
+    # the first handover to AR measures whether the AR loop's round is cheaper than the auto loop's; if not, the auto
+    # loop runs (its run recorded), else the AR loop (none recorded)
+    draft_decoder._handover[key] = budget.Handover(budget=0, calls_left=1, gap=2)
+    res = draft_decoder.generate(PROMPTS, spec)
+    pays = draft_decoder._handover[key].ar_pays
+    assert isinstance(pays, bool) and res.tokens == first.tokens
+    assert res.handed_over == (0 if pays else None)
+    runs = 2 if pays else 3
+    assert f"refitted to {runs} run" in draft_decoder.step_costs(spec, PROMPTS).how
+    draft_decoder._handover[key].cancel()
+    assert draft_decoder.generate(PROMPTS, spec).handed_over is None   # no fixed calls left: the auto loop again
     with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
     with pytest.raises(ValueError, match="auto budgets"):
