@@ -68,6 +68,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_list, "budgets", ["4", "8", "16", "32", "64"], "the candidate budgets B >= 1 (AR is always one)")
     d(flags.DEFINE_string, "costs_from", "experiments/results/decode/decode.json", "a bench_decode JSON whose rows at "
       "temperature 0 price the rounds (--costs_of; each batch size it has for every budget here)")
+    d(flags.DEFINE_float, "prefill_ms", None, "one call's prefill in ms, taken out of the fixed loops' seconds and "
+      "charged once a call to every policy, where the JSON has no auto row that measured it (`costs.prefill_s`); "
+      "unset: none taken out")
     d(flags.DEFINE_enum, "costs_of", "fixed_loops", "fixed_loops: a round at B costs what the fixed loop's did (its "
       "seconds over its batch rounds); auto_calibration: what the auto row's calibrated step costs said (its "
       "`costs`: the table the loop chose by)", enum_values=["fixed_loops", "auto_calibration"])
@@ -90,6 +93,7 @@ class LoopTimes(NamedTuple):
     tau: dict  # the fixed loops' tau, where the JSON has the row
     speedup: dict  # the fixed loops' measured speed-up over AR, where the JSON has the row
     auto_speedup: dict  # {batch: the auto row's measured speed-up over AR}, where the JSON has one
+    prefill_s: dict  # {batch: one call's prefill (an auto row's `costs.prefill_s`; else --prefill_ms, else 0)}
 
 
 class Inputs(NamedTuple):
@@ -146,12 +150,21 @@ def load_outcomes(path: str, key: dict) -> Outcomes:
                         int(z["off_ar"]), str(z["code"]) if "code" in z else "unknown")
 
 
-def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops") -> LoopTimes:
+def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops", prefill_s: float | None = None,
+                    settings: dict | None = None) -> LoopTimes:
     """The rows at temperature 0 of a bench_decode JSON, per batch size, priced as `costs_of` says. Batch sizes
-    without a price for every budget of `budgets` (and AR) are left out; none left is an error."""
+    without a price for every budget of `budgets` (and AR) are left out; none left is an error, as is a JSON run on
+    other `settings` (num_prompts, prompt_tokens, max_new_tokens: the replayed rounds must be its prompts')."""
     with open(path) as fh:
         results = json.load(fh)
-    price, seconds, tau, speedup, auto = {}, {}, {}, {}, {}
+    meta = results.get("meta", {})
+    other = {k: (meta.get(k), v) for k, v in (settings or {}).items() if meta.get(k) != v}
+    if meta.get("topk") is not None:
+        other["topk"] = (meta["topk"], None)
+    if other:
+        raise ValueError(f"{path} ran other prompts or tree settings than these rounds (JSON, here): {other}; pass "
+                         f"the JSON's values or another --costs_from")
+    price, seconds, tau, speedup, auto, prefill = {}, {}, {}, {}, {}, {}
     for row in results.get("runs", []):
         if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree"):
             continue
@@ -160,6 +173,7 @@ def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops"
         batch = int(row["batch"])
         if row["budget"] == "auto":
             auto[batch] = row["speedup"]
+            prefill[batch] = row["costs"].get("prefill_s")
             if costs_of == "auto_calibration":
                 price[batch] = dict(zip(row["costs"]["candidates"], row["costs"]["seconds"]))
             continue
@@ -179,13 +193,15 @@ def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops"
                          f"{have}); choose --budgets among them, another --costs_of or another --costs_from")
     device = results.get("meta", {}).get("device", "unknown")
     pick = lambda table: {s: {b: table.get(s, {}).get(b) for b in need} for s in complete}  # noqa: E731
-    return LoopTimes(device, pick(price), pick(seconds), pick(tau), pick(speedup), {s: auto.get(s) for s in complete})
+    return LoopTimes(device, pick(price), pick(seconds), pick(tau), pick(speedup), {s: auto.get(s) for s in complete},
+                     {s: prefill.get(s) or prefill_s or 0.0 for s in complete})
 
 
 def check(f) -> Inputs:
     """Every input before any weight is read: flags, output paths, the cost table, the models' files and fit, and
     the decode spec of the outcome rounds."""
-    for name, minimum in (("num_prompts", 1), ("prompt_tokens", 1), ("max_new_tokens", 2), ("chunk", 1)):
+    for name, minimum in (("num_prompts", 1), ("prompt_tokens", 1), ("max_new_tokens", 2), ("chunk", 1),
+                          ("prefill_ms", 0)):
         cli.at_least(f, name, minimum)
     cli.seed(f)
     budgets = sorted(set(cli.int_list(f, "budgets", 1)))
@@ -198,7 +214,10 @@ def check(f) -> Inputs:
     else:
         cli.output_path(f, "outcomes", path=outcomes_path(f))
     with cli.about(f, "costs_from"):
-        loops = read_loop_times(f.costs_from, budgets, f.costs_of)
+        loops = read_loop_times(f.costs_from, budgets, f.costs_of,
+                                None if f.prefill_ms is None else f.prefill_ms / 1e3,
+                                {"num_prompts": f.num_prompts, "prompt_tokens": f.prompt_tokens,
+                                 "max_new_tokens": f.max_new_tokens})
     target, drafter, tokenizer, eos = model_dir.model_configs(f, f.dtype)
     contexts = [[0] * (f.prompt_tokens + f.max_new_tokens - 2)] * f.chunk
     spec = outcome_spec(max(budgets), drafter.block_size)
@@ -253,8 +272,9 @@ def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]]
 
 
 def fewest_seconds(accepted: np.ndarray, seconds: np.ndarray) -> float:
-    """accepted [Q, C] (a(q, B) of one stream that emits Q + 1 tokens after its prefill's), seconds [C] -> the
-    fewest seconds of rounds that emit them all, over every sequence of budgets (dynamic programming over q)."""
+    """accepted [Q, C] (a(q, B) of one stream whose output is Q + 1 tokens, the first its prefill's), seconds [C] ->
+    the fewest seconds of rounds that emit the other Q, over every sequence of budgets (dynamic programming over
+    q)."""
     q_end = accepted.shape[0]
     best = np.zeros(q_end + 1)
     for q in range(q_end - 1, -1, -1):
@@ -275,8 +295,9 @@ def replay(streams: list[Rounds], seconds: np.ndarray, policy) -> tuple[float, i
     """One batch of streams (each its rounds in order of q) decoded to the end with one budget index per round chosen
     by policy(rows, active) (rows: each stream's round now, a finished stream's last; active [S] bool), then told
     the outcome by policy.after(rows, active, c) if it has one -> (seconds, batch rounds)."""
+    streams = [r for r in streams if len(r.accepted)]  # a prompt whose output is one token has no round
     q = np.zeros(len(streams), int)
-    ends = np.array([len(r.accepted) for r in streams])
+    ends = np.array([len(r.accepted) for r in streams], int)
     total, rounds = 0.0, 0
     while (q < ends).any():
         active = q < ends
@@ -333,16 +354,19 @@ def batch_row(streams: list[Rounds], seconds: np.ndarray, labels: list[int], aut
 
 
 def round_seconds(loops: LoopTimes, batch: int, labels: list[int], groups) -> np.ndarray:
-    """[C] seconds of one batch round at each budget of `labels`: the table's price, or where a fixed loop's batch
-    rounds are not in the JSON (`budget_hist` came later), its seconds over the rounds the replay of that loop takes
-    on these outcomes."""
+    """[C] seconds of one batch round at each budget of `labels`: the calibrated price, or a fixed loop's seconds
+    less its calls' prefills over its batch rounds (`budget_hist`; where the JSON lacks them, the rounds the replay
+    of that loop takes on these outcomes)."""
     seconds = []
     for c, b in enumerate(labels):
-        price = loops.seconds_per_round[batch][b]
-        if price is None:
-            ones = np.ones(len(labels))
-            price = loops.seconds[batch][b] / sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
-        seconds.append(price)
+        if loops.seconds[batch][b] is None:  # auto_calibration: the loop's own price, prefill apart already
+            seconds.append(loops.seconds_per_round[batch][b])
+            continue
+        ones = np.ones(len(labels))
+        rounds = sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
+        if loops.seconds_per_round[batch][b] is not None:  # the JSON counted them
+            rounds = loops.seconds[batch][b] / loops.seconds_per_round[batch][b]
+        seconds.append((loops.seconds[batch][b] - len(groups) * loops.prefill_s[batch]) / rounds)
     return np.asarray(seconds)
 
 
@@ -395,6 +419,8 @@ def run(f) -> None:
                 sums = totals.setdefault(name, [0.0, 0])
                 sums[0] += sec
                 sums[1] += rounds or 0
+        for sums in totals.values():  # every policy's calls prefill alike
+            sums[0] += len(groups) * inputs.loops.prefill_s[batch]
         fixed = {f"B={b}": totals[f"B={b}"][0] for b in inputs.budgets}
         best_fixed = min(fixed, key=fixed.get)
         for name, (sec, rounds) in totals.items():
@@ -411,7 +437,7 @@ def run(f) -> None:
                         "prompt_tokens": f.prompt_tokens, "max_new_tokens": f.max_new_tokens,
                         "budgets": inputs.budgets, "costs_from": f.costs_from, "costs_of": f.costs_of,
                         "costs_device": inputs.loops.device,
-                        "seconds_per_round": seconds_per_round,
+                        "seconds_per_round": seconds_per_round, "prefill_s": inputs.loops.prefill_s,
                         "rounds_measured": len(owner), "rounds_off_ar": o.off_ar,
                         "outcomes": outcomes_path(f), "outcomes_reused": f.reuse_outcomes, "outcomes_code": o.code,
                         "minutes": (time.time() - start) / 60},

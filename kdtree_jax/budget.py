@@ -239,7 +239,8 @@ def refit(prior: StepCosts, runs) -> StepCosts:
     Each cost moves by a relative correction d_B, c_B = prior_B (1 + d_B), the d minimising
     sum over runs ((sum_B rounds_B c_B - seconds) / seconds)^2 + REFIT_PRIOR * sum_B d_B^2: a run spent wholly at
     one budget moves that budget's cost a^2 / (a^2 + REFIT_PRIOR) of the way to what the run measured (a: the
-    calibrated cost's share of the run's time); budgets no run used keep their calibrated cost, as do infinite ones.
+    calibrated cost's share of the run's time); budgets no run used keep their calibrated cost, as do infinite ones,
+    up to the non-decreasing fit of the result (`monotone_costs`).
     Why: the calibration's forced rounds ran right after the prompts and cost ~12% less than the decode's own at
     T = 1, batch 8 on an H100, enough to rank B=32 above AR where AR won (experiments/notes/decode.md, "Outcome on
     the GPU")."""
@@ -276,6 +277,7 @@ class Handover:
     budget: int = 0  # the fixed loop's B while calls_left > 0
     calls_left: int = 0  # calls still to run on the fixed loop
     gap: int = 0  # the fixed calls before the next auto call, once a budget wins again (0: none has won yet)
+    probe_next: bool = False  # the last auto call ran AR but was not handed over: the next call probes at once
     ar_pays: bool | None = None  # whether the AR loop's round costs HANDOVER_AR_GAIN less than the auto loop's AR
     # round (None: not measured yet; `Decoder.generate` measures it before the first handover to AR). Where it does
     # not, a handover to AR would save little and stop the probes that find the prompts worth drafting: prompts
@@ -293,15 +295,19 @@ class Handover:
         """After a call of the auto loop that verified `budgets` [R] (0: an AR round)."""
         values, counts = np.unique(np.asarray(budgets), return_counts=True)
         won = int(values[counts.argmax()]) if counts.size else None
-        if won is not None and counts.max() >= HANDOVER_SHARE * counts.sum() and (won or self.ar_pays is not False):
+        share = won is not None and counts.max() >= HANDOVER_SHARE * counts.sum()
+        self.probe_next = share and won == 0 and self.ar_pays is False
+        if share and not self.probe_next:
             self.gap = min(2 * self.gap, HANDOVER_MAX_GAP) if self.gap and won == self.budget else HANDOVER_FIRST_GAP
             self.budget, self.calls_left = won, self.gap
         else:
             self.gap = self.calls_left = 0
 
-    def cancel(self) -> None:
-        """No fixed calls left (the auto loop runs), as after a call where no budget won."""
+    def refuse_ar(self) -> None:
+        """The handover to AR just measured not to pay (`ar_pays` False): no fixed calls, and the auto call that
+        runs instead probes at once."""
         self.gap = self.calls_left = 0
+        self.probe_next = True
 
 
 # ------------------------------------------------------------------------------------------------------ on device

@@ -282,9 +282,9 @@ class Decoder:
         handover = self._handover.setdefault(key, budget_lib.Handover())
         fixed = handover.fixed_budget() if adapts else None
         if fixed == 0 and handover.ar_pays is None:  # the first handover to AR: does the AR loop's round pay?
-            handover.ar_pays = self._ar_loop_pays(spec, prompts, given_len, costs, seed)
+            handover.ar_pays = self._ar_loop_pays(spec, prompts, given_len, self._costs[key], seed)
             if not handover.ar_pays:
-                handover.cancel()
+                handover.refuse_ar()
                 fixed = None
         run_spec, run_len = spec, cache_len
         if fixed is not None:  # the fixed loop, with the cache rows it needs
@@ -297,8 +297,8 @@ class Decoder:
             run(self.controls(run_spec, round_limit=0))  # compile the fixed loop outside the timed call
             self._warm.add(run_key)
         carried = self._auto_state.get(key) if adapts and fixed is None else None
-        if carried is not None and self._handover[key].gap:  # after fixed calls: probe now, not at a stale countdown
-            carried = carried._replace(ar_left=np.minimum(carried.ar_left, 1))
+        if carried is not None and (handover.gap or handover.probe_next):  # after fixed calls, or after an AR call
+            carried = carried._replace(ar_left=np.minimum(carried.ar_left, 1))  # not handed over: probe now
         state, seconds = run(self.controls(run_spec, costs, auto_start=carried))
         num_out, out = np.asarray(state.num_out), np.asarray(state.out)
         raise_nonfinite(np.asarray(state.nonfinite), np.array([len(p) for p in prompts]))
@@ -313,11 +313,12 @@ class Decoder:
                               int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, fixed,
                               int(state.rounds))
 
-    def _ar_loop_pays(self, spec: DecodeSpec, prompts, given_len: int | None, costs: budget_lib.StepCosts,
+    def _ar_loop_pays(self, spec: DecodeSpec, prompts, given_len: int | None, calibrated: budget_lib.StepCosts,
                       seed: int) -> bool:
         """Whether a round of the plain AR loop on these prompts costs `budget.HANDOVER_AR_GAIN` less than the auto
-        loop's AR round (costs.seconds[0]): the AR loop timed as `budget.calibrate` times a candidate (it compiles
-        the loop a handover would run). Across processes, process 0's times decide."""
+        loop's AR round as calibrated (calibrated.seconds[0], before any refit: both timed alike, short forced loops
+        after the prefill): the AR loop timed as `budget.calibrate` times a candidate (it compiles the loop a
+        handover would run). Across processes, process 0's times decide."""
         ar_spec = dataclasses.replace(spec, auto_budgets=(), budget=0, topk=None, policy="ar")
         ar_len = given_len or self.default_cache_len(ar_spec, prompts)
         run = self._loop_runner(ar_spec, prompts, ar_len, seed)
@@ -327,7 +328,7 @@ class Decoder:
             return seconds, int(state.rounds)
         ar_loop = budget_lib.calibrate(run_rounds, (0,), rounds=STEP_COST_ROUNDS, reps=3)
         self._warm.add(self._cost_cache_key(ar_spec, prompts, ar_len))
-        loop_s, auto_s = process0_values((ar_loop.seconds[0], costs.seconds[0]))
+        loop_s, auto_s = process0_values((ar_loop.seconds[0], calibrated.seconds[0]))
         return bool(loop_s < (1.0 - budget_lib.HANDOVER_AR_GAIN) * auto_s)
 
     def _loop_runner(self, spec: DecodeSpec, prompts, cache_len: int, seed: int):

@@ -189,10 +189,13 @@ def test_an_auto_call_that_verified_one_budget_hands_the_next_calls_to_its_fixed
     h.after_auto([0] * 5 + [8] * 5)                                 # no budget has the share
     assert h.fixed_budget() is None and h.gap == 0
     h = budget.Handover(ar_pays=False)                              # the AR loop's round is no cheaper:
-    h.after_auto([0] * 20)                                          # AR rounds stay in the auto loop
-    assert h.fixed_budget() is None and h.gap == 0
+    h.after_auto([0] * 20)                                          # AR rounds stay in the auto loop, and the
+    assert h.fixed_budget() is None and h.gap == 0 and h.probe_next  # next call probes at once
     h.after_auto([8] * 20)                                          # a drafted budget is still handed over
-    assert h.fixed_budget() == 8
+    assert h.fixed_budget() == 8 and not h.probe_next
+    h = budget.Handover(budget=0, calls_left=2, gap=2)
+    h.refuse_ar()                                                   # measured not to pay: the auto call probes
+    assert h.fixed_budget() is None and h.probe_next
 
 
 def test_calibration_scales_the_drafter_by_observed_acceptance():

@@ -167,7 +167,7 @@ def test_greedy_auto_equals_ar_random_drafter_calibrated(ar_decoder, draft_decod
     assert res.handed_over == (0 if pays else None)
     runs = 2 if pays else 3
     assert f"refitted to {runs} run" in draft_decoder.step_costs(spec, PROMPTS).how
-    draft_decoder._handover[key].cancel()
+    draft_decoder._handover[key] = budget.Handover()
     assert draft_decoder.generate(PROMPTS, spec).handed_over is None   # no fixed calls left: the auto loop again
     with pytest.raises(ValueError, match="auto budgets are a ddtree setting"):
         draft_decoder.generate(PROMPTS, DecodeSpec(policy="chain", auto_budgets=(0, 4), block_size=BLOCK))
