@@ -153,17 +153,16 @@ def load_outcomes(path: str, key: dict) -> Outcomes:
 def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops", prefill_s: float | None = None,
                     settings: dict | None = None) -> LoopTimes:
     """The rows at temperature 0 of a bench_decode JSON, per batch size, priced as `costs_of` says. Batch sizes
-    without a price for every budget of `budgets` (and AR) are left out; none left is an error, as is a JSON run on
-    other `settings` (num_prompts, prompt_tokens, max_new_tokens: the replayed rounds must be its prompts')."""
+    without a price for every budget of `budgets` (and AR) are left out, and so are those whose price needs a
+    loop's batch rounds replayed when the JSON ran other `settings` (num_prompts, prompt_tokens, max_new_tokens)
+    than these rounds; none left is an error, as is a JSON run with another top-k."""
     with open(path) as fh:
         results = json.load(fh)
     meta = results.get("meta", {})
-    other = {k: (meta.get(k), v) for k, v in (settings or {}).items() if meta.get(k) != v}
     if meta.get("topk") is not None:
-        other["topk"] = (meta["topk"], None)
-    if other:
-        raise ValueError(f"{path} ran other prompts or tree settings than these rounds (JSON, here): {other}; pass "
-                         f"the JSON's values or another --costs_from")
+        raise ValueError(f"{path} ran with --topk={meta['topk']}; these rounds build trees with the default top-k: "
+                         f"take another --costs_from")
+    other = {k: (meta.get(k), v) for k, v in (settings or {}).items() if meta.get(k) != v}
     price, seconds, tau, speedup, auto, prefill = {}, {}, {}, {}, {}, {}
     for row in results.get("runs", []):
         if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree"):
@@ -187,10 +186,14 @@ def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops"
             price.setdefault(batch, {})[b] = row["seconds"] / rounds if rounds else None
     need = [0] + budgets
     complete = sorted(s for s in price if all(b in price[s] for b in need))
+    if other:  # a loop's batch rounds replayed on other prompts than its own would misprice it
+        complete = [s for s in complete if all(price[s][b] is not None for b in need)]
     if not complete:
         have = {s: sorted(v) for s, v in price.items()}
+        why = (f"; where it lacks a loop's batch rounds they are replayed, which needs its prompts (JSON, here: "
+               f"{other})" if other else "")
         raise ValueError(f"{path} prices no batch size at T = 0 for every budget of {need} by {costs_of} (it has "
-                         f"{have}); choose --budgets among them, another --costs_of or another --costs_from")
+                         f"{have}){why}; choose --budgets among them, another --costs_of or another --costs_from")
     device = results.get("meta", {}).get("device", "unknown")
     pick = lambda table: {s: {b: table.get(s, {}).get(b) for b in need} for s in complete}  # noqa: E731
     return LoopTimes(device, pick(price), pick(seconds), pick(tau), pick(speedup), {s: auto.get(s) for s in complete},
