@@ -88,8 +88,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
 class LoopTimes(NamedTuple):
     """A bench_decode JSON's rows at T = 0, {batch: {B: value}} (B = 0: AR)."""
     device: str
-    seconds_per_round: dict  # the price of a batch round at each B (None: a fixed loop's, its rounds to be replayed)
-    seconds: dict  # the fixed loops' seconds over all prompts (fixed_loops only)
+    seconds: dict  # fixed_loops: each fixed loop's seconds over all prompts (None under auto_calibration)
+    batch_rounds: dict  # fixed_loops: its batch rounds where the JSON counts them (`budget_hist`; else None)
+    calibrated: dict  # auto_calibration: the auto row's seconds of a round at each B (None under fixed_loops)
     tau: dict  # the fixed loops' tau, where the JSON has the row
     speedup: dict  # the fixed loops' measured speed-up over AR, where the JSON has the row
     auto_speedup: dict  # {batch: the auto row's measured speed-up over AR}, where the JSON has one
@@ -163,7 +164,7 @@ def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops"
         raise ValueError(f"{path} ran with --topk={meta['topk']}; these rounds build trees with the default top-k: "
                          f"take another --costs_from")
     other = {k: (meta.get(k), v) for k, v in (settings or {}).items() if meta.get(k) != v}
-    price, seconds, tau, speedup, auto, prefill = {}, {}, {}, {}, {}, {}
+    seconds, rounds, calibrated, tau, speedup, auto, prefill = {}, {}, {}, {}, {}, {}, {}
     for row in results.get("runs", []):
         if row.get("temperature") != 0 or row.get("policy") not in ("ar", "ddtree"):
             continue
@@ -173,31 +174,33 @@ def read_loop_times(path: str, budgets: list[int], costs_of: str = "fixed_loops"
         if row["budget"] == "auto":
             auto[batch] = row["speedup"]
             prefill[batch] = row["costs"].get("prefill_s")
-            if costs_of == "auto_calibration":
-                price[batch] = dict(zip(row["costs"]["candidates"], row["costs"]["seconds"]))
+            calibrated[batch] = dict(zip(row["costs"]["candidates"], row["costs"]["seconds"]))
             continue
         b = int(row["budget"])
         tau.setdefault(batch, {})[b] = row["tau"]
         speedup.setdefault(batch, {})[b] = row["speedup"]
-        if costs_of == "fixed_loops":
-            seconds.setdefault(batch, {})[b] = row["seconds"]
-            hist = row.get("budget_hist")
-            rounds = sum(hist.values()) if hist else row["rounds"] if batch == 1 else None
-            price.setdefault(batch, {})[b] = row["seconds"] / rounds if rounds else None
+        seconds.setdefault(batch, {})[b] = row["seconds"]
+        hist = row.get("budget_hist")
+        rounds.setdefault(batch, {})[b] = sum(hist.values()) if hist else row["rounds"] if batch == 1 else None
+    if costs_of == "fixed_loops":
+        calibrated = {}
+    else:
+        seconds = rounds = {}
+    priced = seconds or calibrated
     need = [0] + budgets
-    complete = sorted(s for s in price if all(b in price[s] for b in need))
-    if other:  # a loop's batch rounds replayed on other prompts than its own would misprice it
-        complete = [s for s in complete if all(price[s][b] is not None for b in need)]
+    complete = sorted(s for s in priced if all(b in priced[s] for b in need))
+    if other and seconds:  # a loop's batch rounds replayed on other prompts than its own would misprice it
+        complete = [s for s in complete if all(rounds[s][b] is not None for b in need)]
     if not complete:
-        have = {s: sorted(v) for s, v in price.items()}
+        have = {s: sorted(v) for s, v in priced.items()}
         why = (f"; where it lacks a loop's batch rounds they are replayed, which needs its prompts (JSON, here: "
-               f"{other})" if other else "")
+               f"{other})" if other and seconds else "")
         raise ValueError(f"{path} prices no batch size at T = 0 for every budget of {need} by {costs_of} (it has "
                          f"{have}){why}; choose --budgets among them, another --costs_of or another --costs_from")
     device = results.get("meta", {}).get("device", "unknown")
     pick = lambda table: {s: {b: table.get(s, {}).get(b) for b in need} for s in complete}  # noqa: E731
-    return LoopTimes(device, pick(price), pick(seconds), pick(tau), pick(speedup), {s: auto.get(s) for s in complete},
-                     {s: prefill.get(s) or prefill_s or 0.0 for s in complete})
+    return LoopTimes(device, pick(seconds), pick(rounds), pick(calibrated), pick(tau), pick(speedup),
+                     {s: auto.get(s) for s in complete}, {s: prefill.get(s) or prefill_s or 0.0 for s in complete})
 
 
 def check(f) -> Inputs:
@@ -241,7 +244,8 @@ def round_outcomes(decoder: Decoder, spec: DecodeSpec, contexts: list[list[int]]
     """For each context (the committed tokens of a round, the prompt and AR's first q tokens): the round that starts
     there at T = 0 -> (bonus [n]: the prefill's token, AR's token q if the forwards agree; accepted [n, C]: draft
     nodes its tree accepts at each budget; expected [n, C]: the drafter's sum of the first B nodes' path
-    probabilities; score [n, N + 1] and path [n, D + 1]: the largest tree's and its walk's), C = len(budgets). Rounds run `chunk` at a time, right-padded to one shape (one compile)."""
+    probabilities; score [n, N + 1] and path [n, D + 1]: the largest tree's and its walk's), C = len(budgets).
+    Rounds run `chunk` at a time, right-padded to one shape (one compile)."""
     longest = max(len(c) for c in contexts)
     cache_len = Decoder.default_cache_len(spec, [[0] * longest])
     sizes = jnp.asarray(budgets)
@@ -363,12 +367,12 @@ def round_seconds(loops: LoopTimes, batch: int, labels: list[int], groups) -> np
     seconds = []
     for c, b in enumerate(labels):
         if loops.seconds[batch][b] is None:  # auto_calibration: the loop's own price, prefill apart already
-            seconds.append(loops.seconds_per_round[batch][b])
+            seconds.append(loops.calibrated[batch][b])
             continue
-        ones = np.ones(len(labels))
-        rounds = sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
-        if loops.seconds_per_round[batch][b] is not None:  # the JSON counted them
-            rounds = loops.seconds[batch][b] / loops.seconds_per_round[batch][b]
+        rounds = loops.batch_rounds[batch][b]
+        if rounds is None:
+            ones = np.ones(len(labels))
+            rounds = sum(replay(g, ones, lambda r, m, c=c: c)[1] for g in groups)
         seconds.append((loops.seconds[batch][b] - len(groups) * loops.prefill_s[batch]) / rounds)
     return np.asarray(seconds)
 
@@ -412,7 +416,7 @@ def run(f) -> None:
     labels = [0] + inputs.budgets
     tokens = len(owner)  # emitted by rounds (each prefill emits one; a round for each of the other tokens)
     rows, seconds_per_round = [], {}
-    for batch in inputs.loops.seconds_per_round:
+    for batch in inputs.loops.speedup:
         groups = [per_prompt[g:g + batch] for g in range(0, len(prompts), batch)]
         seconds = round_seconds(inputs.loops, batch, labels, groups)
         seconds_per_round[str(batch)] = dict(zip(map(str, labels), seconds.tolist()))

@@ -279,8 +279,8 @@ class Decoder:
             costs = costs or self.step_costs(spec, prompts, cache_len)
             self.check_costs(spec, costs)
         key = self._cost_cache_key(spec, prompts, cache_len)
-        handover = self._handover.setdefault(key, budget_lib.Handover())
-        fixed = handover.fixed_budget() if adapts else None
+        handover = self._handover.setdefault(key, budget_lib.Handover()) if adapts else None
+        fixed = handover.fixed_budget() if handover else None
         if fixed == 0 and handover.ar_pays is None:  # the first handover to AR: does the AR loop's round pay?
             handover.ar_pays = self._ar_loop_pays(spec, prompts, given_len, self._costs[key], seed)
             if not handover.ar_pays:
@@ -288,8 +288,7 @@ class Decoder:
                 fixed = None
         run_spec, run_len = spec, cache_len
         if fixed is not None:  # the fixed loop, with the cache rows it needs
-            run_spec = dataclasses.replace(spec, auto_budgets=(), budget=fixed, topk=spec.topk if fixed else None,
-                                           policy="ddtree" if fixed else "ar")
+            run_spec = fixed_loop_spec(spec, fixed)
             run_len = given_len or self.default_cache_len(run_spec, prompts)
         run = self._loop_runner(run_spec, prompts, run_len, seed)
         run_key = self._cost_cache_key(run_spec, prompts, run_len)
@@ -308,7 +307,7 @@ class Decoder:
         if adapts and fixed is None:  # the next auto call of this loop starts where this one ended
             self._auto_state[key] = jax.tree.map(np.asarray, state.auto)
             self._observe(key, budgets, seconds)  # every round run took time
-            self._handover[key].after_auto(budgets[emitted])
+            handover.after_auto(budgets[emitted])
         return GenerateResult([out[i, :num_out[i]].tolist() for i in range(len(prompts))], taus[emitted],
                               int(emitted.sum()), seconds, budgets[emitted], costs if spec.auto else None, fixed,
                               int(state.rounds))
@@ -319,7 +318,7 @@ class Decoder:
         loop's AR round as calibrated (calibrated.seconds[0], before any refit: both timed alike, short forced loops
         after the prefill): the AR loop timed as `budget.calibrate` times a candidate (it compiles the loop a
         handover would run). Across processes, process 0's times decide."""
-        ar_spec = dataclasses.replace(spec, auto_budgets=(), budget=0, topk=None, policy="ar")
+        ar_spec = fixed_loop_spec(spec, 0)
         ar_len = given_len or self.default_cache_len(ar_spec, prompts)
         run = self._loop_runner(ar_spec, prompts, ar_len, seed)
 
@@ -473,6 +472,12 @@ class Decoder:
         else:
             step = functools.partial(decode_round, target, drafter, spec)
         return jax.lax.while_loop(functools.partial(running, spec, limit), step, state)
+
+
+def fixed_loop_spec(spec: DecodeSpec, budget: int) -> DecodeSpec:
+    """The fixed loop an auto spec's call is handed to (`budget.Handover`): ddtree at `budget`, or the AR loop at 0."""
+    return dataclasses.replace(spec, auto_budgets=(), budget=budget, topk=spec.topk if budget else None,
+                               policy="ddtree" if budget else "ar")
 
 
 def process0_values(values) -> np.ndarray:
