@@ -5,6 +5,8 @@
         --budgets=0,8 --streams=2 --prompt_len=8 --rounds=4 --reps=3        # CPU smoke run
     PYTHONPATH=. python3 experiments/bench_round.py --streams=8 --budgets=0,8,32,auto --temperatures=0,1
         # the cost of sampling (T = 1) against greedy rounds, and the auto loop's measured step costs
+    PYTHONPATH=. python3 experiments/bench_round.py --streams=1,8 --budgets=0,32 --exact=on,off
+        # where the exact mode's extra time goes, stage by stage (the target's forward: prefill, verify, commit)
 
 For each (streams, budget) (budget 0 = ar, else ddtree with B nodes), from the state after prefilling random prompts
 of --prompt_len tokens:
@@ -32,6 +34,7 @@ On the GPU the loops also report device busy time, device events and device-to-h
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -72,6 +75,8 @@ def define_flags(fv: flags.FlagValues = F) -> None:
     d(flags.DEFINE_list, "auto_budgets", [str(b) for b in budget_lib.DEFAULT_CANDIDATES], "the budgets of an auto "
       "case")
     d(flags.DEFINE_list, "temperatures", ["0"], "sampling temperatures (0 = greedy)")
+    d(flags.DEFINE_list, "exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
+      "'on,off' (each case both ways, one after the other)")
     d(flags.DEFINE_list, "streams", ["1", "8"], "streams decoded together")
     d(flags.DEFINE_integer, "prompt_len", 64, "tokens per (random) prompt")
     d(flags.DEFINE_integer, "rounds", 32, "rounds of the timed loops (the while loop stops earlier if every stream is "
@@ -94,6 +99,7 @@ class Inputs(NamedTuple):
     budgets: list  # integer B, or None for auto
     auto_budgets: tuple
     temperatures: list
+    exact: list  # [bool]: each case in each
     streams: list
     out: str
 
@@ -108,6 +114,7 @@ def check(f) -> Inputs:
     budgets = cli.budgets(f, "budgets", 0)
     auto_budgets = tuple(cli.int_list(f, "auto_budgets", 0))
     temperatures = cli.float_list(f, "temperatures", 0)
+    exact_modes = cli.on_off(f, "exact")
     streams = cli.int_list(f, "streams", 1)
     out = f.out or f"experiments/results/decode/round_{jax.default_backend()}.json"
     cli.output_path(f, "out", path=out)
@@ -123,25 +130,26 @@ def check(f) -> Inputs:
     prompts = [[0] * f.prompt_len] * max(streams)
     for num_streams in streams:
         for budget in budgets:
-            for temperature in temperatures:
-                spec = case_spec(budget, auto_budgets, temperature, drafter.block_size, f.rounds, f.rounds_per_check)
+            for temperature, exact in itertools.product(temperatures, exact_modes):
+                spec = case_spec(budget, auto_budgets, temperature, drafter.block_size, f.rounds, f.rounds_per_check,
+                                 exact)
                 check_spec(spec, target, drafter, prompts[:num_streams], Decoder.default_cache_len(spec, prompts),
                            None)
     with cli.about(f, "init"):
         model_dir.check_tensors(f.init, target)
     with cli.about(f, "drafter"):
         model_dir.check_tensors(f.drafter, target, drafter)
-    return Inputs(target, drafter, block_size, budgets, auto_budgets, temperatures, streams, out)
+    return Inputs(target, drafter, block_size, budgets, auto_budgets, temperatures, exact_modes, streams, out)
 
 
 def case_spec(budget: int | None, auto_budgets: tuple, temperature: float, block_size: int, rounds: int,
-              rounds_per_check: int) -> DecodeSpec:
+              rounds_per_check: int, exact: bool = False) -> DecodeSpec:
     """One case: budget 0 = ar, B = ddtree with B nodes, None = ddtree choosing among auto_budgets (its loop plans
-    each round: rounds_per_check 1)."""
+    each round: rounds_per_check 1); exact: the target's batch-invariant forward."""
     return DecodeSpec(policy="ar" if budget == 0 else "ddtree", budget=budget or 0,
                       auto_budgets=auto_budgets if budget is None else (), block_size=block_size,
                       temperature=temperature, max_new_tokens=rounds + 1,
-                      rounds_per_check=rounds_per_check if budget is not None else 1)
+                      rounds_per_check=rounds_per_check if budget is not None else 1, exact=exact)
 
 
 def drafter_config(value: str, target: config_lib.ModelConfig, block_size: int | None) -> config_lib.DrafterConfig:
@@ -199,7 +207,8 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
     def verify(params, dparams, cache, tree):
         target, drafter = models(params, dparams)
         layer_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
-        return target(tree.tokens, cache.length[:, None] + tree.depth, cache, tree.visible, hidden_layers=layer_ids)
+        return target(tree.tokens, cache.length[:, None] + tree.depth, cache, tree.visible, hidden_layers=layer_ids,
+                      exact=spec.exact)
 
     def accept(tree, logits, keys):
         return walk_tree(spec, tree, logits, split_each(keys)[1])  # the keys decode_round samples with
@@ -294,9 +303,8 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     stages_us = {name: t[name]["us"] for name in STAGES if name in t}
     stages_sum = sum(stages_us.values())
     while_round, fixed_round = per_round("while_loop"), per_round("fixed_loop")
-    return dict(policy=spec.policy, budget=spec.tree_budget, temperature=spec.temperature, streams=num_streams,
-                prompt_len=prompt_len,
-                cache_len=cache_len, rounds=rounds, tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
+    return dict(policy=spec.policy, budget=spec.tree_budget, temperature=spec.temperature, exact=spec.exact,
+                streams=num_streams, prompt_len=prompt_len, cache_len=cache_len, rounds=rounds, tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
                 stages_us=stages_us, stages_sum_us=stages_sum, round_us=t["round"]["us"], prefill_us=t["prefill"]["us"],
                 while_loop_us=t["while_loop"]["us"], fixed_loop_us=t["fixed_loop"]["us"],
                 while_per_round_us=while_round, fixed_per_round_us=fixed_round,
@@ -320,8 +328,8 @@ def measure_auto(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: in
     costs = decoder.step_costs(spec, prompts, cache_len)
     decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)  # warm up
     res = decoder.generate(prompts, spec, seed=seed, cache_len=cache_len, costs=costs)
-    return dict(policy=spec.policy, budget="auto", temperature=spec.temperature, streams=num_streams,
-                prompt_len=prompt_len, cache_len=cache_len, rounds=res.rounds,
+    return dict(policy=spec.policy, budget="auto", temperature=spec.temperature, exact=spec.exact,
+                streams=num_streams, prompt_len=prompt_len, cache_len=cache_len, rounds=res.rounds,
                 tau_mean=float(res.taus[res.taus > 0].mean()) if (res.taus > 0).any() else 0.0,
                 step_costs_us={b: 1e6 * t for b, t in zip(costs.candidates, costs.seconds)},
                 prefill_us=1e6 * costs.prefill_s,
@@ -333,18 +341,19 @@ def measure_auto(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: in
 def print_auto(row) -> None:
     costs = " ".join(f"B={b}:{us:.0f}" for b, us in row["step_costs_us"].items())
     chosen = " ".join(f"{b}:{n}" for b, n in row["budget_hist"].items())
-    print(f"auto T={row['temperature']:g} S={row['streams']}: step costs (us) {costs} | while/r "
+    print(f"auto T={row['temperature']:g} S={row['streams']}{' exact' if row['exact'] else ''}: step costs (us) {costs} | while/r "
           f"{row['while_per_round_us']:.1f} us, tau {row['tau_mean']:.2f}, rounds by B {chosen}", flush=True)
 
 
 def print_table(rows) -> None:
-    head = (f"{'policy':>7} {'B':>4} {'T':>3} {'S':>3} | " + " ".join(f"{s:>8}" for s in STAGES)
+    head = (f"{'policy':>7} {'B':>4} {'T':>3} {'S':>3} {'exact':>5} | " + " ".join(f"{s:>8}" for s in STAGES)
             + f" {'sum':>8} | {'round':>8} {'while/r':>8} {'fixed/r':>8} | {'overhead':>8} {'pred/r':>7} | "
             f"{'tau':>5} {'rounds':>6}")
     print(f"us per round ({rows[0]['timing_method'] if rows else '-'} time)\n{head}")
     for r in rows:
         stages = " ".join(f"{r['stages_us'][s]:8.1f}" if s in r["stages_us"] else f"{'-':>8}" for s in STAGES)
-        print(f"{r['policy']:>7} {r['budget']:>4} {r['temperature']:>3g} {r['streams']:>3} | {stages} "
+        print(f"{r['policy']:>7} {r['budget']:>4} {r['temperature']:>3g} {r['streams']:>3} "
+              f"{'on' if r.get('exact') else 'off':>5} | {stages} "
               f"{r['stages_sum_us']:8.1f} | "
               f"{r['round_us']:8.1f} {r['while_per_round_us']:8.1f} {r['fixed_per_round_us']:8.1f} | "
               f"{r['overhead_us']:8.1f} {r['predicate_us']:7.1f} | {r['tau_mean']:5.2f} {r['rounds']:>6}", flush=True)
@@ -362,13 +371,13 @@ def run(f) -> None:
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), model=target.cfg.name,
                              init=f.init, drafter=f.drafter, block_size=block, reps=f.reps,
                              kernels=ops.uses_kernel()), rows=[])
-    cases = [(t, s, b) for t in inputs.temperatures for s in inputs.streams for b in inputs.budgets]
-    for temperature, num_streams, budget in cases:
+    cases = itertools.product(inputs.temperatures, inputs.streams, inputs.budgets, inputs.exact)
+    for temperature, num_streams, budget, exact in cases:
         if time.time() - start > f.time_budget_s:
             results["rows"].append(dict(budget="auto" if budget is None else budget, temperature=temperature,
-                                        streams=num_streams, skipped="time budget"))
+                                        exact=exact, streams=num_streams, skipped="time budget"))
             continue
-        spec = case_spec(budget, inputs.auto_budgets, temperature, block, f.rounds, f.rounds_per_check)
+        spec = case_spec(budget, inputs.auto_budgets, temperature, block, f.rounds, f.rounds_per_check, exact)
         if spec.auto:
             row = measure_auto(decoder, target.cfg, spec, num_streams, f.prompt_len, f.seed)
             print_auto(row)
@@ -396,7 +405,8 @@ def plot_stages(results: dict, path: str) -> None:
     """Stacked bars of the stage times of each measured case, next to one decode_round in one jit."""
     plt = plots.pyplot()
     rows = [r for r in results["rows"] if "stages_us" in r]
-    labels = [f"{r['policy']} B={r['budget']} T={r['temperature']:g} S={r['streams']}" for r in rows]
+    labels = [f"{r['policy']} B={r['budget']} T={r['temperature']:g} S={r['streams']}"
+              + (" exact" if r.get("exact") else "") for r in rows]
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.6 * len(rows)))
     left = np.zeros(len(rows))
     for stage in STAGES:

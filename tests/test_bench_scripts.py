@@ -194,6 +194,19 @@ def test_bench_round_tiny(tmp_path):
     assert "us per round" in stdout
 
 
+def test_bench_round_times_the_exact_mode_beside_the_default(tmp_path):
+    out = tmp_path / "round.json"
+    stdout = run_script("bench_round.py", "--config=tiny", "--init=random", "--drafter=random", "--budgets=8",
+                        "--exact=on,off", "--streams=2", "--prompt_len=8", "--rounds=2", "--reps=1", f"--out={out}",
+                        "--noplot")
+    exact, default = json.loads(out.read_text())["rows"]
+    assert (exact["exact"], default["exact"]) == (True, False)
+    for r in (exact, default):
+        assert r["budget"] == 8 and set(r["stages_us"]) == set(STAGES)
+        assert r["checks"]["stages_length_equal"] and r["checks"]["fixed_loop_same_output"]
+    assert "exact" in stdout.splitlines()[1] and " on |" in stdout and " off |" in stdout
+
+
 def test_bench_decode_small_table(tmp_path):
     """The shipped checkpoints, 3 held-out prompts, greedy: every batch group and policy present (ddtree with
     --budget=auto), outputs equal ar's on the CPU, histograms that count the rounds, the plot written; a spent time
