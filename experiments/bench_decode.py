@@ -35,6 +35,7 @@ from typing import NamedTuple
 import jax
 from absl import flags, logging
 
+from experiments.run_record import code_version
 from kdtree_jax import budget as budget_lib
 from kdtree_jax import cli, model_dir, plots, sharding
 from kdtree_jax.data import eval_prompts
@@ -148,7 +149,8 @@ def run(f) -> None:
     drafter = model_dir.load_drafter(f.drafter, target.cfg, mesh=mesh)
     decoder = Decoder(target, drafter, mesh=mesh)
     block = drafter.cfg.block_size
-    meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+    meta = {"code": code_version(), "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "jax": jax.__version__,
             "dtype": target.cfg.dtype, "target": f.target, "drafter": f.drafter, "mesh": f.mesh,
             "host": platform.node(), "num_prompts": len(prompts), "prompt_tokens": f.prompt_tokens,
             "max_new_tokens": f.max_new_tokens, "block_size": block,

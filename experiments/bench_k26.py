@@ -72,6 +72,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from experiments.run_record import code_version
 from experiments.timing import annotation_calls, wall_us
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
@@ -883,7 +884,7 @@ def run(f) -> None:
                loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
                collective_table=collective_table(f.collective_table) if share_tp else {})
     axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)
-    meta = dict(jax=jax.__version__, backend=jax.default_backend(),
+    meta = dict(code=code_version(), jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,

@@ -47,6 +47,7 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
+from experiments.run_record import code_version
 from experiments.timing import Job, rel_err, time_jobs
 from kdtree_jax import budget as budget_lib
 from kdtree_jax import config as config_lib
@@ -367,7 +368,8 @@ def run(f) -> None:
     target, drafter = load_models(f.init, f.config, f.drafter, inputs.block_size, f.seed)
     decoder = Decoder(target, drafter)
     block = drafter.cfg.block_size
-    results = dict(meta=dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+    results = dict(meta=dict(code=code_version(), jax=jax.__version__, backend=jax.default_backend(),
+                             device=jax.devices()[0].device_kind,
                              host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"), model=target.cfg.name,
                              init=f.init, drafter=f.drafter, block_size=block, reps=f.reps,
                              kernels=ops.uses_kernel()), rows=[])

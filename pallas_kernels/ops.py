@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 from typing import Callable
 
+import math
+
 import jax
 
 from pallas_kernels import int4_moe as _int4_moe
@@ -236,20 +238,29 @@ def dense_takes(x, w) -> bool:
 
 def exact_dense_takes(x, w) -> bool:
     """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w [K, N]) run as one skinny_matmul:
-    kernels running compiled on the GPU, one dtype (bf16 or f32), K a multiple of 64, no mesh (a Triton call has no
-    GSPMD partitioning). Any M: the kernel's order along K does not depend on it. Not behind `set_dense_kernel`:
-    the exact mode's other path is a loop of 64-row tiles (decode.md, "Exact mode")."""
+    kernels running compiled on the GPU, one dtype (bf16 or f32), K a multiple of 64, nothing partitioned (a Triton
+    call has no GSPMD partitioning: `_unpartitioned`). Any M: the kernel's order along K does not depend on it. Not
+    behind `set_dense_kernel`: the exact mode's other path is a loop of 64-row tiles (decode.md, "Exact mode")."""
     return exact_kernels_take(x, w) and x.shape[0] > 0 and x.shape[-1] % 64 == 0
 
 
 def exact_kernels_take(*operands) -> bool:
     """Whether the exact mode's norms, head products, attention and routed experts run their Triton kernels
     (`batch_invariant_triton`):
-    kernels running compiled on the GPU, operands of one dtype (bf16 or f32), no mesh (a Triton call has no GSPMD
-    partitioning)."""
+    kernels running compiled on the GPU, operands of one dtype (bf16 or f32), nothing partitioned (a Triton call has
+    no GSPMD partitioning: `_unpartitioned`)."""
     dtypes = {x.dtype for x in operands}
     return (_compiled_on_gpu() and len(dtypes) == 1 and dtypes.pop() in _skinny_matmul.FLOATS
-            and jax.sharding.get_abstract_mesh().empty)
+            and _unpartitioned())
+
+
+def _unpartitioned() -> bool:
+    """No mesh, a mesh of one device, or inside a shard_map over all of its axes: nothing for GSPMD to partition a
+    Triton call over. (bench_k26 runs tp=1 under a one-device mesh: with `empty` alone as the test, its exact
+    forward ran the XLA references, 5.7-22x the default step at K2.6's shapes; k26.md, "Exact mode at K2.6's
+    shapes")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or math.prod(mesh.shape.values()) == 1 or mesh.are_all_axes_manual
 
 
 # One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at

@@ -159,6 +159,23 @@ def test_the_exact_mode_is_refused_under_tensor_parallelism():
     check_spec(spec, cfg, None, [[1, 2]], 64, None)
 
 
+def test_the_exact_kernels_run_wherever_nothing_is_partitioned(monkeypatch):
+    """Without a mesh, under a mesh of one device (bench_k26's tp=1) and inside a shard_map over every axis the
+    exact mode's Triton kernels run; under a mesh GSPMD may split, they do not (its references run)."""
+    from pallas_kernels import ops
+    monkeypatch.setattr(ops, "_compiled_on_gpu", lambda: True)
+    x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 2), jnp.bfloat16)
+    assert ops.exact_kernels_take(x)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1), sharding.MESH_AXES)):
+        assert ops.exact_kernels_take(x) and ops.exact_dense_takes(x, w)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 1), sharding.MESH_AXES)):
+        assert not ops.exact_kernels_take(x)
+    manual = jax.sharding.AbstractMesh((2, 1), sharding.MESH_AXES,
+                                       axis_types=(jax.sharding.AxisType.Manual,) * 2)
+    with jax.sharding.use_abstract_mesh(manual):
+        assert ops.exact_kernels_take(x)
+
+
 @pytest.mark.parametrize("name, quant", [("tiny", "bf16"), ("tiny", "int4"), ("code_target", "bf16")])
 def test_the_exact_forward_computes_the_same_function(name, quant):
     """f32, highest precision: the exact forward against the default one by relative norm (logits and latents)."""
