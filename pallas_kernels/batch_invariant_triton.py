@@ -7,13 +7,19 @@ and its weight applied in the same kernel (the reference sums a row as a product
 head_matmul: program = (16-row tile, column block, head), the sum over K in fixed steps (row tiles on the grid's
 first axis, which CUDA does not cap at 65535).
 
-attention: program (node t, stream s), the node's H heads the rows of one tile (padded to 16 or a power of two). It
-walks the node's key sequence in position order, `attention_block_keys` positions a step: position n < prefix is
-cache row n, position prefix + j the block row of the node's ancestor at depth j (`exact_layout.
-ancestors_in_depth_order`), gathered row by row; an online softmax over the steps. The AR step of the same token
-walks the same keys at the same positions in the same steps with the same tile, so each row gets bitwise the AR
-step's result whatever T, the tree, where its rows are stored and the other streams. The price: each node reads its
-stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per query tile.
+attention: a node's key sequence in position order (position n < prefix is cache row n, position prefix + j the
+block row of the node's ancestor at depth j: `exact_layout.ancestors_in_depth_order`, gathered row by row) is cut
+into chunks of `attention_chunk` positions, at the same positions for every query (a function of the latent width
+and the dtype). Program (node t, stream s, chunk c x head group g) walks its chunk in `attention_block_keys` steps
+with an online softmax for 16 heads (one tl.dot tile) and writes an unnormalised partial; a second kernel merges
+a node's chunks one after another in chunk order. The AR step of the same token cuts the same keys at the same
+positions and merges them in the same order with the same tiles, so each row gets bitwise the AR step's result
+whatever T, the tree, where its rows are stored, the cache's capacity and the other streams. The price: each node
+reads its stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per
+query tile, and the partials (f32, one [16, C] tile per chunk and head group) go through memory. (The first
+version ran one program per node, all H heads in one tile: at K2.6's shapes one program walked 4096 positions for
+64 heads, its [64, 512] f32 accumulator far past the registers: 0.92 ms a layer on an H100, k26.md, "Exact mode at
+K2.6's shapes".)
 
 routed experts: the (token, expert) pairs in tiles of PAIR_TILE pairs of one expert, laid out by int4_moe's routing
 kernel (the blocks of `int4_moe.route_pairs`, one launch); one kernel computes h = silu(x gate) * (x up) per
@@ -47,6 +53,7 @@ from pallas_kernels.triton_call import bound_to
 LAUNCHER = "ffi"     # typed custom call, command-buffer compatible (triton_call.py), as skinny_matmul's
 EXPERT_BLOCK = 64    # the experts' output columns per program and their K per step
 HEAD_BLOCK_N = 64    # the head products' output columns per program
+CHUNK_STEPS = 8      # key steps per attention program (`attention_chunk`)
 _NEG_INF = tl.constexpr(op.NEG_INF)
 
 
@@ -57,9 +64,10 @@ def attention_block_keys(lat: int, dtype) -> int:
     return keys // 2 if jnp.dtype(dtype) == jnp.float32 else keys
 
 
-def head_rows(num_heads: int) -> int:
-    """The query tile's rows: the heads padded to tl.dot's 16 or the next power of two."""
-    return max(MIN_DOT_DIM, triton.next_power_of_2(num_heads))
+def attention_chunk(lat: int, dtype) -> int:
+    """Key positions per chunk (a program's piece of a query's sequence): CHUNK_STEPS steps. A function of the
+    latent width and the dtype only, so an AR step and a tree node cut their sequences at the same positions."""
+    return CHUNK_STEPS * attention_block_keys(lat, dtype)
 
 
 @triton.jit
@@ -70,17 +78,27 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_ptr, c_kv_ptr, k_rope_ptr, out_ptr,
-                      SCALE: tl.constexpr, NUM_NODES: tl.constexpr, NUM_HEADS: tl.constexpr, CAPACITY: tl.constexpr,
-                      LAT: tl.constexpr, LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
-                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (node t, stream s): out[s, t] [H, LAT] = softmax over the node's positions 0 .. prefix + depth of
-    SCALE (q_lat k_lat + q_rope k_rope), times k_lat. ancestors [S, T, T] int32, depth [S, T] int32
+def _finite_or_zero(x):
+    """x, or 0 where it is -inf (the running max of a row that has seen no key: its weights stay 0, not NaN)."""
+    return tl.where(x == _NEG_INF, 0.0, x)
+
+
+@triton.jit
+def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_ptr, c_kv_ptr, k_rope_ptr, acc_ptr,
+                      max_ptr, sum_ptr, SCALE: tl.constexpr, NUM_NODES: tl.constexpr, NUM_HEADS: tl.constexpr,
+                      CAPACITY: tl.constexpr, CHUNKS: tl.constexpr, GROUPS: tl.constexpr, LAT: tl.constexpr,
+                      LAT_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr, BH: tl.constexpr,
+                      BK: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (node t, stream s, chunk c x head group g): over the node's positions n in [c CHUNK, (c + 1) CHUNK)
+    and <= prefix + depth, the BH heads of group g: acc [BH, LAT] = sum_n exp(l_n - max) k_lat[n] (unnormalised),
+    max and sum = sum_n exp(l_n - max), l_n = SCALE (q_lat k_lat[n] + q_rope k_rope[n]), into acc [S, T, CHUNKS, H,
+    LAT], max / sum [S, T, CHUNKS, H] (f32). ancestors [S, T, T] int32, depth [S, T] int32
     (`ancestors_in_depth_order`); q_lat [S, T, H, LAT], q_rope [S, T, H, ROPE], c_kv [S, CAPACITY, LAT], k_rope
-    [S, CAPACITY, ROPE]."""
-    t, s = tl.program_id(0), tl.program_id(1)
+    [S, CAPACITY, ROPE]. A chunk past the node's position runs no step (`_combine_chunks` never reads it)."""
+    t, s, cg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, g = cg // GROUPS, cg % GROUPS
     node = s * NUM_NODES + t
-    heads = tl.arange(0, BH)
+    heads = g * BH + tl.arange(0, BH)
     head_ok = heads < NUM_HEADS
     lat, rope = tl.arange(0, LAT_P), tl.arange(0, ROPE_P)
     lat_ok, rope_ok = lat < LAT, rope < ROPE
@@ -94,7 +112,7 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
     acc = tl.zeros((BH, LAT_P), tl.float32)
     row_max = tl.full((BH,), _NEG_INF, tl.float32)
     row_sum = tl.zeros((BH,), tl.float32)
-    for b in range(0, tl.cdiv(last + 1, BK)):
+    for b in range(c * (CHUNK // BK), tl.minimum((c + 1) * (CHUNK // BK), tl.cdiv(last + 1, BK))):
         n = b * BK + tl.arange(0, BK)                                   # positions of this step
         j = tl.minimum(tl.maximum(n - prefix, 0), NUM_NODES - 1)        # depth in the block
         ancestor = tl.load(ancestors_ptr + node.to(tl.int64) * NUM_NODES + j, mask=(n <= last) & (n >= prefix),
@@ -108,15 +126,48 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
         logits = _dot(q_lat, tl.trans(k_lat), logits, IEEE)
         logits = _dot(q_rope, tl.trans(k_rope), logits, IEEE) * SCALE
         logits = tl.where(key_ok[None, :], logits, _NEG_INF)
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        alpha = tl.exp(row_max - new_max)
-        prob = tl.where(key_ok[None, :], tl.exp(logits - new_max[:, None]), 0.0)
+        top = tl.maximum(row_max, tl.max(logits, axis=1))               # -inf while no key was seen
+        shift = _finite_or_zero(top)
+        alpha = tl.exp(row_max - shift)
+        prob = tl.where(key_ok[None, :], tl.exp(logits - shift[:, None]), 0.0)
         row_sum = row_sum * alpha + tl.sum(prob, axis=1)
         acc = _dot(prob.to(k_lat.dtype), k_lat, acc * alpha[:, None], IEEE)
-        row_max = new_max
+        row_max = top
+    part = (node.to(tl.int64) * CHUNKS + c) * NUM_HEADS + heads
+    tl.store(acc_ptr + part[:, None] * LAT + lat[None, :], acc, mask=head_ok[:, None] & lat_ok[None, :])
+    tl.store(max_ptr + part, row_max, mask=head_ok)
+    tl.store(sum_ptr + part, row_sum, mask=head_ok)
+
+
+@triton.jit
+def _combine_chunks_kernel(prefix_ptr, depth_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, NUM_NODES: tl.constexpr,
+                           NUM_HEADS: tl.constexpr, CHUNKS: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
+                           BH: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (node t, stream s, head group g): the node's chunks 0 .. (prefix + depth) // CHUNK merged one after
+    another in chunk order (running max, both sums rescaled to it), then normalised: out [S, T, H, LAT] in out's
+    dtype (a row with nothing to attend: 0). Partials as `_attention_kernel` writes them."""
+    t, s, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    node = s * NUM_NODES + t
+    heads = g * BH + tl.arange(0, BH)
+    head_ok = heads < NUM_HEADS
+    lat = tl.arange(0, LAT_P)
+    mask = head_ok[:, None] & (lat < LAT)[None, :]
+    last = tl.load(prefix_ptr + s) + tl.load(depth_ptr + node)
+    acc = tl.zeros((BH, LAT_P), tl.float32)
+    row_max = tl.full((BH,), _NEG_INF, tl.float32)
+    row_sum = tl.zeros((BH,), tl.float32)
+    for c in range(0, last // CHUNK + 1):
+        part = (node.to(tl.int64) * CHUNKS + c) * NUM_HEADS + heads
+        chunk_max = tl.load(max_ptr + part, mask=head_ok, other=_NEG_INF)
+        shift = _finite_or_zero(tl.maximum(row_max, chunk_max))
+        alpha, beta = tl.exp(row_max - shift), tl.exp(chunk_max - shift)
+        row_sum = row_sum * alpha + tl.load(sum_ptr + part, mask=head_ok, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + part[:, None] * LAT + lat[None, :], mask=mask,
+                                             other=0.0) * beta[:, None]
+        row_max = tl.maximum(row_max, chunk_max)
     out = acc * tl.where(row_sum > 0, 1.0 / row_sum, 0.0)[:, None]
-    tl.store(out_ptr + q_rows * LAT + lat[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & lat_ok[None, :])
+    rows = (node.to(tl.int64) * NUM_HEADS + heads)[:, None]
+    tl.store(out_ptr + rows * LAT + lat[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def check_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
@@ -129,18 +180,32 @@ def check_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible):
                          f"queries to the cache's dtype")
 
 
-def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale: float):
+def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale: float, chunk: int | None = None):
     """The host side through `call(*operands, kernel=, out_shape=, grid=, num_warps=, num_stages=, **constexprs)`
-    (`triton_call` on the GPU; Triton's interpreter in the tests). Shapes as `batch_invariant.attention`."""
+    (`triton_call` on the GPU; Triton's interpreter in the tests). Shapes as `batch_invariant.attention`. chunk:
+    key positions per program, a multiple of the step (default `attention_chunk`; the tests cut short sequences
+    into several)."""
     check_attention(q_lat, q_rope, c_kv, k_rope, prefix_len, visible)
     s, t, h, c = q_lat.shape
-    r = q_rope.shape[3]
+    r, capacity = q_rope.shape[3], c_kv.shape[1]
+    block_keys = attention_block_keys(c, c_kv.dtype)
+    chunk = chunk or attention_chunk(c, c_kv.dtype)
+    if chunk % block_keys:
+        raise ValueError(f"batch_invariant_triton.attention: chunk = {chunk} is not a multiple of the key step "
+                         f"{block_keys}")
+    chunks, groups = triton.cdiv(capacity, chunk), triton.cdiv(h, MIN_DOT_DIM)
     ancestors, depth = exact_layout.ancestors_in_depth_order(jnp.asarray(visible, jnp.bool_))
-    return call(jnp.asarray(prefix_len, jnp.int32), ancestors, depth, q_lat, q_rope, c_kv, k_rope,
-                kernel=_attention_kernel, out_shape=jax.ShapeDtypeStruct(q_lat.shape, q_lat.dtype), grid=(t, s),
-                num_warps=4, num_stages=2, SCALE=float(scale), NUM_NODES=t, NUM_HEADS=h, CAPACITY=c_kv.shape[1],
-                LAT=c, LAT_P=op.dot_width(c), ROPE=r, ROPE_P=op.dot_width(r), BH=head_rows(h),
-                BK=attention_block_keys(c, c_kv.dtype), IEEE=c_kv.dtype == jnp.float32)
+    prefix_len = jnp.asarray(prefix_len, jnp.int32)
+    per_head = jax.ShapeDtypeStruct((s, t, chunks, h), jnp.float32)
+    shapes = dict(NUM_NODES=t, NUM_HEADS=h, CHUNKS=chunks, LAT=c, LAT_P=op.dot_width(c), BH=MIN_DOT_DIM, CHUNK=chunk)
+    acc, row_max, row_sum = call(
+        prefix_len, ancestors, depth, q_lat, q_rope, c_kv, k_rope, kernel=_attention_kernel,
+        out_shape=(jax.ShapeDtypeStruct((s, t, chunks, h, c), jnp.float32), per_head, per_head),
+        grid=(t, s, chunks * groups), num_warps=4, num_stages=2, SCALE=float(scale), CAPACITY=capacity,
+        GROUPS=groups, ROPE=r, ROPE_P=op.dot_width(r), BK=block_keys, IEEE=c_kv.dtype == jnp.float32, **shapes)
+    return call(prefix_len, depth, acc, row_max, row_sum, kernel=_combine_chunks_kernel,
+                out_shape=jax.ShapeDtypeStruct(q_lat.shape, q_lat.dtype), grid=(t, s, groups), num_warps=4,
+                num_stages=1, **shapes)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "launcher"))

@@ -61,19 +61,20 @@ def numpy_experts(x, stacked, ids, weights):
 
 
 @in_triton_interpreter
-@pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity", [
-    (2, 1, 4, 32, 8, 80),          # AR steps
-    (3, 9, 8, 64, 16, 120),
-    (2, 40, 3, 24, 6, 140),        # a tree deeper than a key step; H, C and R not powers of two
-    (1, 5, 16, 32, 8, 37),         # a prefix up to N - T, off the step
+@pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity,chunk", [
+    (2, 1, 4, 32, 8, 80, 32),      # AR steps, three chunks of one key step
+    (3, 9, 8, 64, 16, 120, None),  # one chunk (attention_chunk)
+    (2, 40, 19, 24, 6, 140, 64),   # a tree deeper than a key step and across chunks; H, C and R not powers of two,
+    # two head groups
+    (1, 5, 16, 32, 8, 37, 32),     # a prefix up to N - T, off the step
 ])
-def test_attention_matches_the_reference(streams, nodes, heads, lat, rope, capacity):
+def test_attention_matches_the_reference(streams, nodes, heads, lat, rope, capacity, chunk):
     from test_attention_kernel import make_inputs, numpy_attention
     from triton_interpreter import interpreter_call
 
     rng = np.random.default_rng(streams * 1000 + nodes * 10 + heads)
     inputs = make_inputs(rng, streams=streams, nodes=nodes, heads=heads, lat=lat, rope=rope, capacity=capacity)
-    out = BT.run_attention(interpreter_call, *inputs, SCALE)
+    out = BT.run_attention(interpreter_call, *inputs, SCALE, chunk=chunk)
     assert out.shape == inputs[0].shape and np.isfinite(np.asarray(out)).all()
     assert rel_err(out, BI.attention_reference(*inputs, scale=SCALE)) < 1e-5
     assert rel_err(out, numpy_attention(*inputs)) < 1e-5
@@ -88,10 +89,10 @@ def test_a_nodes_attention_is_its_ar_steps_bitwise():
 
     rng = np.random.default_rng(5)
     inputs = make_inputs(rng, streams=2, nodes=37, heads=4, lat=32, rope=8, capacity=100)
-    tree = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE))
+    tree = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE, chunk=32))  # 32-position chunks
     for s in range(2):
         for t in range(37):
-            ar = np.asarray(BT.run_attention(interpreter_call, *ar_step_of(inputs, s, t), SCALE))
+            ar = np.asarray(BT.run_attention(interpreter_call, *ar_step_of(inputs, s, t), SCALE, chunk=32))
             np.testing.assert_array_equal(ar[0, 0], tree[s, t], err_msg=f"stream {s} node {t}")
 
 
@@ -171,10 +172,12 @@ def test_the_kernels_refuse_mismatched_operands():
 
 
 def test_the_tiles_are_functions_of_the_model_alone():
-    """The key step and the head tile depend on the latent width, the dtype and the heads only (never on T, the
-    prefix or the streams): what makes a node's row and its AR step's run one instruction sequence."""
+    """The key step and the chunk depend on the latent width and the dtype only (never on T, the prefix, the
+    capacity or the streams; the head tile is 16 rows): what makes a node's row and its AR step's run one instruction
+    sequence."""
     assert BT.attention_block_keys(512, jnp.bfloat16) == 32 and BT.attention_block_keys(64, jnp.bfloat16) == 64
     assert BT.attention_block_keys(512, jnp.float32) == 16
-    assert [BT.head_rows(h) for h in (1, 8, 16, 24, 64)] == [16, 16, 16, 32, 64]
+    assert [BT.attention_chunk(lat, dtype) for lat, dtype in ((512, jnp.bfloat16), (64, jnp.bfloat16),
+                                                              (512, jnp.float32))] == [256, 512, 128]
     assert [BT.head_block_k(k) for k in (8, 32, 128, 512)] == [16, 32, 64, 64]
     assert [BT.norm_block(k) for k in (64, 100, 1536, 7168)] == [64, 128, 1024, 1024]
