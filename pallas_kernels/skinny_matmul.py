@@ -6,6 +6,10 @@ Why: at M = 1 XLA:GPU turns each of these products into a reduction fusion that 
 H100's bandwidth in the tp=8 share's profile (~80 us a layer for ~74 MB; experiments/notes/k26.md, "Kernels per
 layer of the share"). Here each program streams a [BK, BN] slab of w per step with tl.dot on 16-row tiles of x;
 split-K gives a narrow N enough programs to cover the SMs, and a second kernel adds the splits in split order.
+The row tiles of a column block are neighbours on the grid (its first axis), so with M > 16 they run together and
+read the block's slabs of w from L2: w once from memory, not once per row tile (with the columns first, the grid
+ran every column block of one row tile before the next tile's, and a weight larger than L2, as the lm_head slice,
+came from memory once per tile; not yet measured).
 
 Fusions: `norm_weight` applies the RMSNorm that feeds the product: rmsnorm(x) w = rsqrt(mean(x^2) + eps) (x g) w
 per row, so a program multiplies its slab of x by g on the way into the product and sums the slab's squares on the
@@ -93,14 +97,14 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
                     N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
                     NORM: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, IEEE: tl.constexpr,
                     FMA: tl.constexpr):
-    """Program (columns n, row tile m, split s), over the split's K: out[s, m's rows, n's BN columns] = the f32 sum of
+    """Program (row tile m, columns n, split s), over the split's K: out[s, m's rows, n's BN columns] = the f32 sum of
     x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM);
     rows past M read as zeros and are not written. SPLITS = 1 finishes in place: out (the caller's dtype) = that sum
     times rsqrt(sum of x^2 / K + EPS) with NORM, rounded, then with RESIDUAL residual + it in f32, rounded again.
     x [M, K], w [K, N], g [K] (any float dtype), residual [M, N], out [SPLITS, M, N] (f32 when SPLITS > 1), squares
     [SPLITS, M] f32; g and residual are not read without NORM / RESIDUAL. FMA: the product as f32 multiply-adds
     into a [BM, BK, BN] accumulator, summed over its BK lanes at the end (`Tiling.fma`)."""
-    n, m, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m, n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
     rows_ok = rows < M
     cols = n * BN + tl.arange(0, BN)
@@ -209,7 +213,7 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
         x, w, g, r, kernel=_product_kernel,
         out_shape=(jax.ShapeDtypeStruct((tiling.splits, m, n), jnp.float32 if split else out_dtype),
                    jax.ShapeDtypeStruct((tiling.splits, m), jnp.float32)),
-        grid=(triton.cdiv(n, tiling.block_n), triton.cdiv(m, block_m), tiling.splits), num_warps=4, num_stages=3,
+        grid=(triton.cdiv(m, block_m), triton.cdiv(n, tiling.block_n), tiling.splits), num_warps=4, num_stages=3,
         M=m, K=k, N=n, BM=block_m, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
         RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32, FMA=tiling.fma)
     if not split:
