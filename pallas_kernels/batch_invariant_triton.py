@@ -12,7 +12,8 @@ block row of the node's ancestor at depth j: `exact_layout.ancestors_in_depth_or
 into chunks of `attention_chunk` positions, at the same positions for every query (a function of the latent width
 and the dtype). Program (node t, stream s, chunk c x head group g) walks its chunk in `attention_block_keys` steps
 with an online softmax for 16 heads (one tl.dot tile) and writes an unnormalised partial; a second kernel merges
-a node's chunks one after another in chunk order. The AR step of the same token cuts the same keys at the same
+a node's chunks one after another in chunk order (a cache of one chunk, as the code target's, is normalised in
+the first kernel: the same bits, one launch). The AR step of the same token cuts the same keys at the same
 positions and merges them in the same order with the same tiles, so each row gets bitwise the AR step's result
 whatever T, the tree, where its rows are stored, the cache's capacity and the other streams. The price: each node
 reads its stream's whole prefix (from L2 after the first node), where `tree_verify_attention` reads it once per
@@ -92,9 +93,11 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
     """Program (node t, stream s, chunk c x head group g): over the node's positions n in [c CHUNK, (c + 1) CHUNK)
     and <= prefix + depth, the BH heads of group g: acc [BH, LAT] = sum_n exp(l_n - max) k_lat[n] (unnormalised),
     max and sum = sum_n exp(l_n - max), l_n = SCALE (q_lat k_lat[n] + q_rope k_rope[n]), into acc [S, T, CHUNKS, H,
-    LAT], max / sum [S, T, CHUNKS, H] (f32). ancestors [S, T, T] int32, depth [S, T] int32
+    LAT], max / sum [S, T, CHUNKS, H] (f32). With one chunk (the whole capacity) it normalises and writes the
+    output [S, T, H, LAT] in its dtype instead (bitwise what the merge makes of one chunk: acc * 1 + 0, then the
+    same division) and max / sum are not written. ancestors [S, T, T] int32, depth [S, T] int32
     (`ancestors_in_depth_order`); q_lat [S, T, H, LAT], q_rope [S, T, H, ROPE], c_kv [S, CAPACITY, LAT], k_rope
-    [S, CAPACITY, ROPE]. A chunk past the node's position runs no step (`_combine_chunks` never reads it)."""
+    [S, CAPACITY, ROPE]. A chunk past the node's position runs no step (the merge never reads it)."""
     t, s, cg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, g = cg // GROUPS, cg % GROUPS
     node = s * NUM_NODES + t
@@ -134,9 +137,13 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
         acc = _dot(prob.to(k_lat.dtype), k_lat, acc * alpha[:, None], IEEE)
         row_max = top
     part = (node.to(tl.int64) * CHUNKS + c) * NUM_HEADS + heads
-    tl.store(acc_ptr + part[:, None] * LAT + lat[None, :], acc, mask=head_ok[:, None] & lat_ok[None, :])
-    tl.store(max_ptr + part, row_max, mask=head_ok)
-    tl.store(sum_ptr + part, row_sum, mask=head_ok)
+    if CHUNKS == 1:
+        acc = acc * tl.where(row_sum > 0, 1.0 / row_sum, 0.0)[:, None]
+    tl.store(acc_ptr + part[:, None] * LAT + lat[None, :], acc.to(acc_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & lat_ok[None, :])
+    if CHUNKS > 1:
+        tl.store(max_ptr + part, row_max, mask=head_ok)
+        tl.store(sum_ptr + part, row_sum, mask=head_ok)
 
 
 @triton.jit
@@ -196,13 +203,18 @@ def run_attention(call, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, scale:
     chunks, groups = triton.cdiv(capacity, chunk), triton.cdiv(h, MIN_DOT_DIM)
     ancestors, depth = exact_layout.ancestors_in_depth_order(jnp.asarray(visible, jnp.bool_))
     prefix_len = jnp.asarray(prefix_len, jnp.int32)
-    per_head = jax.ShapeDtypeStruct((s, t, chunks, h), jnp.float32)
     shapes = dict(NUM_NODES=t, NUM_HEADS=h, CHUNKS=chunks, LAT=c, LAT_P=op.dot_width(c), BH=MIN_DOT_DIM, CHUNK=chunk)
+    if chunks == 1:   # the output itself (no partials, no merge: one launch)
+        out_shape = (jax.ShapeDtypeStruct(q_lat.shape, q_lat.dtype),) + (jax.ShapeDtypeStruct((1,), jnp.float32),) * 2
+    else:
+        per_head = jax.ShapeDtypeStruct((s, t, chunks, h), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((s, t, chunks, h, c), jnp.float32), per_head, per_head)
     acc, row_max, row_sum = call(
-        prefix_len, ancestors, depth, q_lat, q_rope, c_kv, k_rope, kernel=_attention_kernel,
-        out_shape=(jax.ShapeDtypeStruct((s, t, chunks, h, c), jnp.float32), per_head, per_head),
+        prefix_len, ancestors, depth, q_lat, q_rope, c_kv, k_rope, kernel=_attention_kernel, out_shape=out_shape,
         grid=(t, s, chunks * groups), num_warps=4, num_stages=2, SCALE=float(scale), CAPACITY=capacity,
         GROUPS=groups, ROPE=r, ROPE_P=op.dot_width(r), BK=block_keys, IEEE=c_kv.dtype == jnp.float32, **shapes)
+    if chunks == 1:
+        return acc
     return call(prefix_len, depth, acc, row_max, row_sum, kernel=_combine_chunks_kernel,
                 out_shape=jax.ShapeDtypeStruct(q_lat.shape, q_lat.dtype), grid=(t, s, groups), num_warps=4,
                 num_stages=1, **shapes)

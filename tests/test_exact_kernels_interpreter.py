@@ -97,6 +97,23 @@ def test_a_nodes_attention_is_its_ar_steps_bitwise():
 
 
 @in_triton_interpreter
+def test_one_chunk_written_directly_is_the_merge_of_one_chunk_bitwise():
+    """A cache of one chunk normalises in the chunks' kernel (one launch); a larger cache merges the chunks in a
+    second. Nodes whose keys all lie in the first chunk get the same bits either way (an AR loop and a ddtree loop
+    may hold caches of different capacities)."""
+    from test_attention_kernel import make_inputs
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(rng, streams=2, nodes=9, heads=4, lat=32, rope=8, capacity=128, prefix=[5, 23])
+    two_chunks = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE, chunk=64))
+    q_lat, q_rope, c_kv, k_rope, prefix, visible = inputs
+    one_chunk = np.asarray(BT.run_attention(interpreter_call, q_lat, q_rope, c_kv[:, :64], k_rope[:, :64], prefix,
+                                            visible, SCALE, chunk=64))
+    np.testing.assert_array_equal(one_chunk, two_chunks)
+
+
+@in_triton_interpreter
 @pytest.mark.parametrize("m,k,d,i,experts", [
     (1, 2, 64, 64, 4),             # an AR step: two pairs
     (33, 2, 96, 80, 16),           # D and I off the 64-wide block; experts with several tiles
