@@ -80,7 +80,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _finite_or_zero(x):
-    """x, or 0 where it is -inf (the running max of a row that has seen no key: its weights stay 0, not NaN)."""
+    """x, or 0 where it is NEG_INF (the running max of a row that has seen no key: its weights stay 0, not NaN)."""
     return tl.where(x == _NEG_INF, 0.0, x)
 
 
@@ -97,7 +97,8 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
     output [S, T, H, LAT] in its dtype instead (bitwise what the merge makes of one chunk: acc * 1 + 0, then the
     same division) and max / sum are not written. ancestors [S, T, T] int32, depth [S, T] int32
     (`ancestors_in_depth_order`); q_lat [S, T, H, LAT], q_rope [S, T, H, ROPE], c_kv [S, CAPACITY, LAT], k_rope
-    [S, CAPACITY, ROPE]. A chunk past the node's position runs no step (the merge never reads it)."""
+    [S, CAPACITY, ROPE]. A chunk past the node's position runs no step and writes nothing (the merge never reads
+    it)."""
     t, s, cg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c, g = cg // GROUPS, cg % GROUPS
     node = s * NUM_NODES + t
@@ -139,19 +140,21 @@ def _attention_kernel(prefix_ptr, ancestors_ptr, depth_ptr, q_lat_ptr, q_rope_pt
     part = (node.to(tl.int64) * CHUNKS + c) * NUM_HEADS + heads
     if CHUNKS == 1:
         acc = acc * tl.where(row_sum > 0, 1.0 / row_sum, 0.0)[:, None]
-    tl.store(acc_ptr + part[:, None] * LAT + lat[None, :], acc.to(acc_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & lat_ok[None, :])
-    if CHUNKS > 1:
-        tl.store(max_ptr + part, row_max, mask=head_ok)
-        tl.store(sum_ptr + part, row_sum, mask=head_ok)
+    if c * CHUNK <= last:                                               # a chunk past the node writes nothing
+        tl.store(acc_ptr + part[:, None] * LAT + lat[None, :], acc.to(acc_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & lat_ok[None, :])
+        if CHUNKS > 1:
+            tl.store(max_ptr + part, row_max, mask=head_ok)
+            tl.store(sum_ptr + part, row_sum, mask=head_ok)
 
 
 @triton.jit
 def _combine_chunks_kernel(prefix_ptr, depth_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, NUM_NODES: tl.constexpr,
                            NUM_HEADS: tl.constexpr, CHUNKS: tl.constexpr, LAT: tl.constexpr, LAT_P: tl.constexpr,
                            BH: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (node t, stream s, head group g): the node's chunks 0 .. (prefix + depth) // CHUNK merged one after
-    another in chunk order (running max, both sums rescaled to it), then normalised: out [S, T, H, LAT] in out's
+    """Program (node t, stream s, head group g): the node's chunks 0 .. (prefix + depth) // CHUNK (at most the
+    last: a prefix past N - T has positions past the cache, which read nothing) merged one after another in chunk
+    order (running max, both sums rescaled to it), then normalised: out [S, T, H, LAT] in out's
     dtype (a row with nothing to attend: 0). Partials as `_attention_kernel` writes them."""
     t, s, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     node = s * NUM_NODES + t
@@ -163,7 +166,7 @@ def _combine_chunks_kernel(prefix_ptr, depth_ptr, acc_ptr, max_ptr, sum_ptr, out
     acc = tl.zeros((BH, LAT_P), tl.float32)
     row_max = tl.full((BH,), _NEG_INF, tl.float32)
     row_sum = tl.zeros((BH,), tl.float32)
-    for c in range(0, last // CHUNK + 1):
+    for c in range(0, tl.minimum(last // CHUNK, CHUNKS - 1) + 1):
         part = (node.to(tl.int64) * CHUNKS + c) * NUM_HEADS + heads
         chunk_max = tl.load(max_ptr + part, mask=head_ok, other=_NEG_INF)
         shift = _finite_or_zero(tl.maximum(row_max, chunk_max))

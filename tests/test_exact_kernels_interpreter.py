@@ -97,6 +97,20 @@ def test_a_nodes_attention_is_its_ar_steps_bitwise():
 
 
 @in_triton_interpreter
+def test_a_prefix_past_the_cache_merges_only_the_caches_chunks():
+    """Nodes whose positions run past the cache (prefix > N - T: those keys read nothing) merge the chunks the cache
+    has, not the next node's partials or memory past the buffer: the same as one chunk over the whole cache."""
+    from test_attention_kernel import make_inputs
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(12)
+    inputs = make_inputs(rng, streams=2, nodes=5, heads=8, lat=32, rope=8, capacity=64, prefix=[62, 40])
+    merged = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE, chunk=32))
+    whole = np.asarray(BT.run_attention(interpreter_call, *inputs, SCALE, chunk=64))
+    assert np.isfinite(merged).all() and rel_err(merged, whole) < 1e-6
+
+
+@in_triton_interpreter
 def test_one_chunk_written_directly_is_the_merge_of_one_chunk_bitwise():
     """A cache of one chunk normalises in the chunks' kernel (one launch); a larger cache merges the chunks in a
     second. Nodes whose keys all lie in the first chunk get the same bits either way (an AR loop and a ddtree loop

@@ -425,8 +425,10 @@ def test_exact_mode_forward_through_the_kernels():
     (2, 17, 8, 512, 64, 1024, jnp.float32),
 ])
 def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtype):
-    """The exact mode's attention kernel == its reference, and every node of the first stream bitwise == the AR
-    step at its position (its path committed to the cache: another prefix, T = 1, one stream)."""
+    """The exact mode's attention kernel == its reference, and every node of the first and the last stream bitwise
+    == the AR step at its position (its path committed to the cache: another prefix, T = 1, one stream): the last
+    stream's prefix is N - T, its nodes' keys in several chunks merged; the first's prefix is 0, its nodes' keys in
+    the first chunk, and its AR steps also run with a cache of that one chunk (normalised without a merge)."""
     from pallas_kernels import batch_invariant as BI
     from pallas_kernels import batch_invariant_triton as BT
     from test_exact_kernels_interpreter import ar_step_of
@@ -442,9 +444,15 @@ def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtyp
                                       scale=scale)
     assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else BF16_TOL)
     tree = np.asarray(out.astype(jnp.float32))
-    for t in range(nodes):
-        ar = np.asarray(BT.attention(*ar_step_of(inputs, 0, t), scale=scale).astype(jnp.float32))
-        np.testing.assert_array_equal(ar[0, 0], tree[0, t], err_msg=f"node {t}")
+    chunk = BT.attention_chunk(lat, dtype)
+    for s in sorted({0, streams - 1}):
+        for t in range(nodes):
+            q_lat, q_rope, c_kv, k_rope, prefix, visible = ar_step_of(inputs, s, t)
+            caches = [(c_kv, k_rope)] + ([(c_kv[:, :chunk], k_rope[:, :chunk])] if s == 0 else [])
+            for c, r in caches:
+                ar = BT.attention(q_lat, q_rope, c, r, prefix, visible, scale=scale)
+                np.testing.assert_array_equal(np.asarray(ar.astype(jnp.float32))[0, 0], tree[s, t],
+                                              err_msg=f"stream {s} node {t}, AR cache of {c.shape[1]} rows")
 
 
 @pytest.mark.parametrize("m,k,d,i,experts,dtype", [

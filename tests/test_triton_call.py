@@ -225,18 +225,21 @@ def test_attention_port_lowers_inside_the_head_parallel_shard_map():
     assert text.count(XLA_TRITON_TARGET) == 1 + combined and "tensor<2x16x8x512xbf16>" in text
 
 
-@pytest.mark.parametrize("heads,lat,rope,dtype", [(8, 512, 64, BF16), (64, 512, 64, BF16), (8, 64, 16, BF16),
-                                                  (8, 512, 64, F32)])
-def test_exact_attention_lowers_to_one_triton_cubin(heads, lat, rope, dtype):
+@pytest.mark.parametrize("heads,lat,rope,dtype,capacity", [
+    (8, 512, 64, BF16, 4096), (64, 512, 64, BF16, 4096), (8, 64, 16, BF16, 4096), (8, 512, 64, F32, 4096),
+    (8, 64, 16, BF16, 512),        # the code target's cache: one chunk, no merge
+])
+def test_exact_attention_lowers_to_triton_cubins(heads, lat, rope, dtype, capacity):
     """The exact mode's attention at K2.6's latents (the tp=8 share's 8 heads and all 64) and the code target's,
-    bf16 and f32, compiled by Triton for sm_90 (shared memory within the H200's): the chunks' kernel and their
-    merge after XLA's ancestor sort."""
+    bf16 and f32, compiled by Triton for sm_90 (shared memory within the H200's): the chunks' kernel and, with more
+    than one chunk, their merge, after XLA's ancestor sort."""
     from pallas_kernels import batch_invariant_triton as BT
     text = lower_for_h200(functools.partial(BT.attention, scale=0.1), spec((8, 33, heads, lat), dtype),
-                          spec((8, 33, heads, rope), dtype), spec((8, 4096, lat), dtype), spec((8, 4096, rope), dtype),
-                          spec((8,), I32), spec((8, 33, 33), jnp.bool_))
-    assert text.count(f"@{triton_ffi.TARGET}(") == 2 and 'name = "_attention_kernel"' in text
-    assert 'name = "_combine_chunks_kernel"' in text
+                          spec((8, 33, heads, rope), dtype), spec((8, capacity, lat), dtype),
+                          spec((8, capacity, rope), dtype), spec((8,), I32), spec((8, 33, 33), jnp.bool_))
+    merged = capacity > BT.attention_chunk(lat, dtype)
+    assert text.count(f"@{triton_ffi.TARGET}(") == 1 + merged and 'name = "_attention_kernel"' in text
+    assert ('name = "_combine_chunks_kernel"' in text) == merged
 
 
 @pytest.mark.parametrize("d,i,experts,dtype", [(D, I, 48, BF16), (256, 128, 16, BF16), (256, 128, 16, F32)])
