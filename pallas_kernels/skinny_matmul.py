@@ -49,6 +49,9 @@ BLOCK_M = 16          # rows per program: tl.dot's smallest tile; rows past M ar
 TARGET_PROGRAMS = 264  # programs a 16-row tile aims for (two per SM of an H200 / H100, 132 SMs)
 FMA_MAX_ROWS = 8     # the most rows of `Tiling.fma` (its accumulator holds rows x block_k x block_n floats)
 FLOATS = (jnp.bfloat16, jnp.float32)  # the dtypes of x, w, norm_weight, residual and the output
+MIN_SPLIT_STEPS = 8  # fewer K steps than this: no split (a program's walk is short, a split only adds the splits
+# kernel's launch: the code target's products, K = 256 in two steps, spent 54 of the exact AR round's 452 us of busy
+# time in it on an H100; experiments/notes/decode.md, "The splits kernel of short products")
 LAUNCHER = "ffi"      # typed custom call, command-buffer compatible (triton_call.py); not yet measured against "xla"
 
 
@@ -66,7 +69,8 @@ def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | No
                    fma: bool = False) -> Tiling:
     """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
     (64 when K is not a multiple of 128; 32 with fma, whose accumulator holds rows x steps x columns floats), and the
-    largest split of K into whole steps that keeps programs * splits <= TARGET_PROGRAMS. A function of (K, N) only
+    largest split of K into whole steps that keeps programs * splits <= TARGET_PROGRAMS (none below
+    MIN_SPLIT_STEPS steps). A function of (K, N) only
     (the module's row invariance rests on it). block_n / block_k replace the first two choices (the benchmark's
     variants); fma: `Tiling.fma`."""
     block_n = block_n or (128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64)
@@ -74,7 +78,8 @@ def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | No
     if k % block_k:
         raise ValueError(f"skinny_matmul: K = {k} is not a multiple of {block_k}; pad the weight's rows")
     steps, programs = k // block_k, triton.cdiv(n, block_n)
-    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or programs * s <= TARGET_PROGRAMS))
+    splits = max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or (
+        programs * s <= TARGET_PROGRAMS and steps >= MIN_SPLIT_STEPS)))
     return Tiling(block_n, block_k, splits, fma)
 
 

@@ -72,13 +72,16 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(tiling):
 
 
 def test_the_tiling_is_a_function_of_the_weight_alone():
-    """K2.6's tp=8 share: every split covers whole steps of K, and programs x splits stay within the target."""
+    """K2.6's tp=8 share: every split covers whole steps of K, and programs x splits stay within the target; K in
+    fewer than MIN_SPLIT_STEPS steps (the code target's products, the share's shared-expert down) is not split."""
     for k, n in [(7168, 1536), (7168, 576), (1536, 8 * 192), (1024, 7168), (7168, 256), (256, 7168), (7168, 384),
                  (7168, 20480), (512, 1024)]:
         t = SM.default_tiling(k, n)
         assert (k // t.block_k) % t.splits == 0
         assert t.splits == 1 or -(-n // t.block_n) * t.splits <= SM.TARGET_PROGRAMS
     assert SM.default_tiling(7168, 576).splits > 1                     # kv_a: 9 column blocks alone
+    assert [SM.default_tiling(k, n).splits for k, n in [(256, 7168), (256, 4096), (768, 256)]] == [1, 1, 1]
+    assert SM.default_tiling(128 * SM.MIN_SPLIT_STEPS, 256).splits > 1
     with pytest.raises(ValueError, match="multiple of 64"):
         SM.default_tiling(100, 64)
 
