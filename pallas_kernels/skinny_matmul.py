@@ -156,10 +156,10 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
 def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr,
                    N: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
                    RESIDUAL: tl.constexpr):
-    """Program (columns n, row r): out[r, n's columns] = the partials part [SPLITS, M, N] added in split order
+    """Program (row r, columns n): out[r, n's columns] = the partials part [SPLITS, M, N] added in split order
     (with NORM times rsqrt(the squares [SPLITS, M] added in split order / K + EPS)), rounded to out's dtype, then
     (RESIDUAL) residual[r] + that in f32, rounded again."""
-    n, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    r, n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = n * BN + tl.arange(0, BN)
     ok = cols < N
     acc = tl.zeros((BN,), tl.float32)
@@ -224,7 +224,7 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
     if not split:
         return part.reshape(m, n)
     return call(part, squares, r, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-                grid=(triton.cdiv(n, 256), m), num_warps=4, num_stages=1, M=m, K=k, N=n, BN=256,
+                grid=(m, triton.cdiv(n, 256)), num_warps=4, num_stages=1, M=m, K=k, N=n, BN=256,
                 SPLITS=tiling.splits, NORM=norm, EPS=float(eps), RESIDUAL=add)
 
 
