@@ -197,9 +197,6 @@ def check_spec(spec: DecodeSpec, cfg: ModelConfig, drafter_cfg: DrafterConfig | 
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
     if mesh is not None:
         sharding.check_streams(mesh, len(prompts))
-        if spec.exact and sharding.tp_size(mesh) > 1:
-            raise ValueError(f"the exact mode runs on meshes without tensor parallelism (tp=1); this mesh has "
-                             f"tp={sharding.tp_size(mesh)}: use a data-only mesh or one device, or turn exact off")
     longest = max(len(p) for p in prompts)
     check_capacity(cache_len, longest + spec.max_new_tokens + spec.depth + spec.tree_rows(),
                    f"a prompt of {longest} tokens + {spec.max_new_tokens} new tokens + {spec.tree_rows()} "

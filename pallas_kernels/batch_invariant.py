@@ -111,9 +111,10 @@ def head_matmul_reference(x, w, *, out_dtype=None):
     return jnp.moveaxis(out, 0, -2)
 
 
-def gated_mlp(x, gate, up, down):
-    """`layers.gated_mlp` with `matmul`: x [..., D], gate / up [D, I], down [I, D] -> [..., D] in x's dtype."""
-    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+def gated_mlp(x, gate, up, down, out_dtype=None):
+    """`layers.gated_mlp` with `matmul`: x [..., D], gate / up [D, I], down [I, D] -> [..., D] in out_dtype (default
+    x's)."""
+    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down, out_dtype=out_dtype)
 
 
 def block_sequences(prefix_len, visible, capacity: int):

@@ -255,12 +255,12 @@ def exact_kernels_take(*operands) -> bool:
 
 
 def _unpartitioned() -> bool:
-    """No mesh, a mesh of one device, or inside a shard_map over all of its axes: nothing for GSPMD to partition a
-    Triton call over. (bench_k26 runs tp=1 under a one-device mesh: with `empty` alone as the test, its exact
+    """No mesh, or every axis GSPMD could partition a Triton call over (those not manual: outside a shard_map, all;
+    inside one, the others) of size 1: a one-device mesh, a shard_map over every axis of size > 1. (bench_k26 runs tp=1 under a one-device mesh: with `empty` alone as the test, its exact
     forward ran the XLA references, 5.7-22x the default step at K2.6's shapes; k26.md, "Exact mode at K2.6's
     shapes")."""
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or math.prod(mesh.shape.values()) == 1 or mesh.are_all_axes_manual
+    return mesh.empty or math.prod(size for axis, size in mesh.shape.items() if axis not in mesh.manual_axes) == 1
 
 
 # One 16-row tile: each further tile re-reads the weight (busy time of the layer's products on an H100: 95 us at

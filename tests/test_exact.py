@@ -10,7 +10,7 @@ from flax import nnx
 from kdtree_jax import config as config_lib
 from kdtree_jax import sharding
 from kdtree_jax.cache import init_cache
-from kdtree_jax.decode import DecodeSpec, Decoder, check_spec
+from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
 from conftest import OracleDrafter, rel_err
@@ -150,18 +150,9 @@ def test_greedy_chain_and_ddtree_equal_ar_in_bf16(bf16_decoders, budget):
     assert random.generate(PROMPTS[1:2], spec).tokens == [truth[1][:24]]  # a stream alone
 
 
-def test_the_exact_mode_is_refused_under_tensor_parallelism():
-    cfg = config_lib.tiny()
-    mesh = jax.sharding.AbstractMesh((1, 2), sharding.MESH_AXES)  # the check reads the shape alone
-    spec = DecodeSpec(max_new_tokens=4, exact=True)
-    with pytest.raises(ValueError, match="exact mode runs on meshes without tensor parallelism"):
-        check_spec(spec, cfg, None, [[1, 2]], 64, mesh)
-    check_spec(spec, cfg, None, [[1, 2]], 64, None)
-
-
 def test_the_exact_kernels_run_wherever_nothing_is_partitioned(monkeypatch):
-    """Without a mesh, under a mesh of one device (bench_k26's tp=1) and inside a shard_map over every axis the
-    exact mode's Triton kernels run; under a mesh GSPMD may split, they do not (its references run)."""
+    """Without a mesh, under a mesh of one device (bench_k26's tp=1) and inside a shard_map over every axis of size
+    > 1 the exact mode's Triton kernels run; under a mesh GSPMD may split, they do not (its references run)."""
     from pallas_kernels import ops
     monkeypatch.setattr(ops, "_compiled_on_gpu", lambda: True)
     x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 2), jnp.bfloat16)
@@ -174,6 +165,11 @@ def test_the_exact_kernels_run_wherever_nothing_is_partitioned(monkeypatch):
                                        axis_types=(jax.sharding.AxisType.Manual,) * 2)
     with jax.sharding.use_abstract_mesh(manual):
         assert ops.exact_kernels_take(x)
+    auto, manual = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Manual
+    for shape, taken in (((1, 4), True), ((2, 4), False)):   # a shard_map over tp alone: data is GSPMD's to split
+        mesh = jax.sharding.AbstractMesh(shape, sharding.MESH_AXES, axis_types=(auto, manual))
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert ops.exact_kernels_take(x) == taken, shape
 
 
 @pytest.mark.parametrize("name, quant", [("tiny", "bf16"), ("tiny", "int4"), ("code_target", "bf16")])

@@ -16,6 +16,7 @@ from flax import nnx
 
 from conftest import OracleDrafter, causal_logits, rel_err, run_in_child
 from kdtree_jax import checkpoint, config, hf_import, sharding
+from kdtree_jax.cache import init_cache
 from kdtree_jax.decode import DecodeSpec, Decoder
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
@@ -122,6 +123,53 @@ def test_decode_equals_single_device_token_for_token(models):
     mixed = Decoder(target, drafter, mesh=sharding.parse_mesh("data=2,tp=4"))
     spec = DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK, max_new_tokens=max_new)
     assert mixed.generate(PROMPTS, spec).tokens == expect
+
+
+@on_devices
+@pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4"])
+def test_exact_mode_under_tensor_parallelism_equals_ar_on_the_same_mesh(mesh_text):
+    """bf16, the exact mode under tp (o_proj's and the MoE's partial sums gathered and added in device order, not a
+    psum): greedy chain and ddtree == ar on the same mesh token for token, with an oracle drafter (multi-token
+    rounds) and a random one; the tp partials are also the only cross-device sums of the forward."""
+    cfg = CFG.replace(dtype="bfloat16")
+    target = Transformer(cfg, nnx.Rngs(0))
+    mesh = sharding.parse_mesh(mesh_text)
+    truth = Decoder(target, mesh=mesh).generate(PROMPTS, DecodeSpec(max_new_tokens=24, exact=True)).tokens
+    seqs = np.zeros((len(PROMPTS), 64), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, truth)):
+        seqs[i, :len(p) + len(out)] = p + out
+    for drafter in (OracleDrafter(config.tiny_drafter(cfg, BLOCK), seqs),
+                    Drafter(config.tiny_drafter(cfg, BLOCK), cfg, nnx.Rngs(1))):
+        decoder = Decoder(target, drafter, mesh=mesh)
+        for policy in ("chain", "ddtree"):
+            spec = DecodeSpec(policy=policy, budget=8, block_size=BLOCK, max_new_tokens=24, exact=True)
+            assert decoder.generate(PROMPTS, spec).tokens == truth, (policy, type(drafter).__name__)
+
+
+@on_devices
+def test_exact_partials_travel_in_slots_and_are_added_in_device_order(models):
+    """The exact forward under tp=4: o_proj's and the MoE's partials travel in their devices' slots (f32 [tp, M, D],
+    one value and zeros per element: exact in any order) and are added in device order, as are the dense MLP's; no
+    all-reduce sums the partials themselves."""
+    target = Transformer(CFG.replace(dtype="bfloat16"), nnx.Rngs(0))
+    mesh = sharding.make_mesh(tp=4)
+    graphdef, params = nnx.split(target)
+    params = sharding.shard_params(params, mesh)
+    tokens = np.asarray([[5, 9, 14, 3]], np.int32)
+    positions = np.arange(4, dtype=np.int32)[None]
+    visible = np.tril(np.ones((4, 4), bool))[None]
+
+    def forward(p, t):
+        model = nnx.merge(graphdef, p)
+        return model(t, positions, init_cache(model.cfg, 1, 4), visible, exact=True).logits
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(forward).lower(params, tokens).compile().as_text()
+    d = CFG.hidden_size
+    summed = collectives(hlo, "all-reduce")
+    slotted = [s for s in summed if s.startswith("f32[4,") and s.endswith(f",{d}]")]
+    assert len(slotted) >= 2 * CFG.num_layers - CFG.first_k_dense, summed
+    others = [s for s in summed if s.endswith(f",{d}]") and s not in slotted]
+    assert others == [f"f32[1,4,{d}]"], summed   # the embedding lookup's psum (a row and zeros; CPU's all-reduce in f32)
 
 
 @on_devices

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.model.parallel import tp_size
+from kdtree_jax.model.parallel import mlp_parallel, tp_size
 from pallas_kernels import batch_invariant, ops
 
 
@@ -68,7 +68,11 @@ class GatedMLP(nnx.Module):
         return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
 
     def __call__(self, x, *, exact: bool = False):
-        return (batch_invariant.gated_mlp if exact else gated_mlp)(x, *self.weights())
+        """x [S, T, D] -> [S, T, D]. exact: `batch_invariant.gated_mlp`, under tp its partials added in device order
+        (`parallel.mlp_parallel`)."""
+        if exact:
+            return mlp_parallel(batch_invariant.gated_mlp, x, *self.weights())
+        return gated_mlp(x, *self.weights())
 
 
 def gated_mlp(x, gate, up, down):

@@ -20,7 +20,7 @@ from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, project
 from kdtree_jax.model.rope import apply_rope
-from kdtree_jax.model.parallel import head_parallel
+from kdtree_jax.model.parallel import head_parallel, head_parallel_product, tp_size
 from pallas_kernels import batch_invariant, ops
 from pallas_kernels.tree_verify_attention import block_attention_mask
 
@@ -124,8 +124,14 @@ class MLA(nnx.Module):
                                 plan)
         out = batch_invariant.head_matmul(out_lat, jnp.transpose(w_uv, (1, 0, 2)))       # [S, T, H, V]
         o_proj = self.o_proj[...]                                                       # [H, V, D]
-        out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
-                                     o_proj.reshape(-1, o_proj.shape[-1]), residual=residual)
+        if tp_size(jax.sharding.get_abstract_mesh()) == 1:   # the residual in the product's epilogue
+            out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
+                                         o_proj.reshape(-1, o_proj.shape[-1]), residual=residual)
+            return out, c_cache, r_cache
+        product = functools.partial(batch_invariant.matmul, out_dtype=jnp.float32)
+        out = head_parallel_product(product, out.astype(x.dtype), o_proj).astype(x.dtype)  # residual + round(x w)
+        if residual is not None:
+            out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(x.dtype)
         return out, c_cache, r_cache
 
 

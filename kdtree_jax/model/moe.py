@@ -115,7 +115,8 @@ class MoE(nnx.Module):
                                                   stacked=None if int4 else experts, int4=experts if int4 else None)
 
         shared = (batch_invariant.gated_mlp, self.shared.weights()) if with_shared and self.shared is not None else None
-        return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts)
+        return expert_parallel(local, x, experts, ids, weights, shared, routed_experts=self.cfg.num_experts,
+                               in_device_order=True)
 
     def route(self, flat, *, exact: bool = False):
         """flat [M, D] -> (ids [M, k] int32, weights [M, k] f32). A method, so that `nnx.capture(...,

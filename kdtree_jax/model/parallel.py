@@ -1,5 +1,6 @@
 """The model's shard_map regions: expert-parallel routed experts, head-parallel tree-verify attention (with its
-per-forward plan, `attention_plan`, made for each device's heads) and the vocab-parallel embedding lookup.
+per-forward plan, `attention_plan`, made for each device's heads), the vocab-parallel embedding lookup, and for the
+exact mode o_proj and the dense MLP with their partial sums added in device order (`sum_in_device_order`).
 
 The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
@@ -31,7 +32,8 @@ def tp_size(mesh) -> int:
     return 1 if mesh is None or mesh.empty else dict(mesh.shape).get(TP, 1)
 
 
-def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, routed_experts: int | None = None):
+def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, routed_experts: int | None = None,
+                    in_device_order: bool = False):
     """The MoE's expert work in one collective: the routed experts, expert-parallel over tp when the current mesh
     (jax.set_mesh) has tp > 1, plus the shared expert(s).
 
@@ -44,7 +46,8 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
     already have), sees every token (replicated over tp; split over data when M divides), shifts the ids by its first
     expert, adds its routed and shared partial outputs in f32 and takes ONE psum over tp in x's dtype (bf16 for a
     bf16 model: half the bytes of an f32 sum; an f32 model sums in f32). Without such a mesh: local_moe + mlp,
-    summed in f32.
+    summed in f32. in_device_order (the exact mode): the devices' f32 partials are gathered and added in device
+    order (`sum_in_device_order`) instead of a psum of the sum, then rounded to x's dtype.
 
     One device's share of a tp deployment without a mesh (`experts` holds fewer than routed_experts, as bench_k26's
     --shard_of builds it): the share computes the pairs of the device that holds the most of the step's distinct
@@ -72,10 +75,66 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
 
     def on_device(x, experts, ids, weights, shared_params):
         first = jax.lax.axis_index(TP) * per_device
-        return jax.lax.psum(local(x, experts, ids, weights, shared_params, first).astype(x.dtype), TP)
+        out = local(x, experts, ids, weights, shared_params, first)
+        if in_device_order:
+            return sum_in_device_order(out, tp).astype(x.dtype)
+        return jax.lax.psum(out.astype(x.dtype), TP)
 
     return jax.shard_map(on_device, in_specs=(tokens, P(TP), tokens, tokens, shared_specs), out_specs=tokens,
                          check_vma=_check_vma())(x, experts, ids, weights, shared_params)
+
+
+def sum_in_device_order(partial, tp: int):
+    """Inside a shard_map over tp (of size tp): every device's partial (f32) added in device order, ((p_0 + p_1) +
+    p_2) + ..., the same on every device. A psum of the partials (NCCL's ring) adds an element's terms in an order
+    set by the element's offset in the buffer, so a row summed among other rows (a tree verify) and alone (an AR
+    step) could round differently; this order depends on nothing but tp. The partials travel as one psum of a
+    [tp, ...] buffer that holds each device's partial in its own slot and zeros elsewhere (a sum of one value and
+    zeros is that value in any order): tp times the bytes of the plain psum."""
+    slots = jnp.zeros((tp, *partial.shape), partial.dtype).at[jax.lax.axis_index(TP)].set(partial)
+    parts = jax.lax.psum(slots, TP)
+    total = parts[0]
+    for d in range(1, tp):
+        total = total + parts[d]
+    return total
+
+
+def mlp_parallel(mlp: Callable, x, gate, up, down):
+    """The dense MLP with its intermediate columns split over tp, the devices' partial outputs added in device order
+    (the exact mode; `sum_in_device_order`). mlp(x, gate, up, down, out_dtype) -> [..., D]; x [S, T, D], gate / up
+    [D, I], down [I, D] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    if tp == 1:
+        return mlp(x, gate, up, down, None)
+    _per_device(gate.shape[1], tp, "intermediate", "MLP columns")
+    tokens = P(_stream_axis(mesh, x.shape[0]))
+
+    def local(x, gate, up, down):
+        return sum_in_device_order(mlp(x, gate, up, down, jnp.float32), tp).astype(x.dtype)
+    return jax.shard_map(local, in_specs=(tokens, P(None, TP), P(None, TP), P(TP, None)), out_specs=tokens,
+                         check_vma=_check_vma())(x, gate, up, down)
+
+
+def head_parallel_product(product: Callable, x, w):
+    """o_proj over heads split on tp, its sum over the heads in an order that depends on tp alone (the exact mode).
+
+    x [S, T, H, V], w [H, V, D], product(a [S, T, K], b [K, D]) -> [S, T, D] f32 with K the (local) heads x V ->
+    [S, T, D] f32. Under a mesh with tp > 1 each device multiplies its H / tp heads (the shards x and w already
+    have) and the partials are added in device order (`sum_in_device_order`); without one, one product over all
+    heads."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+
+    def local(x, w):
+        return product(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
+    if tp == 1:
+        return local(x, w)
+    _per_device(x.shape[2], tp, "heads", "attention heads")
+    streams = _stream_axis(mesh, x.shape[0])
+    return jax.shard_map(lambda x, w: sum_in_device_order(local(x, w), tp),
+                         in_specs=(P(streams, None, TP, None), P(TP, None, None)), out_specs=P(streams),
+                         check_vma=_check_vma())(x, w)
 
 
 def most_loaded_first(ids, held: int, routed: int):
