@@ -10,7 +10,7 @@ references) XLA runs it in fixed-shape pieces:
 
 - `matmul`: the rows padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
   product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has;
-  `head_matmul` the same for each head.
+  `absorbed_head_matmul` the same for each head.
 - `rms_norm`: a row's sum of squares as `row_sum`, a `matmul` by ones (an XLA reduce may order a row's terms by
   how many rows there are: measured on the CPU); the kernel sums it in fixed steps along the row. The router's sum
   over its top-k slots runs left to right (`router_topk`).
@@ -96,16 +96,21 @@ def row_sum(x):
     return matmul(x.astype(jnp.float32), jnp.ones((x.shape[-1], 1), jnp.float32))[..., 0]
 
 
-def head_matmul(x, w, *, out_dtype=None):
-    """Per-head products: x [..., H, K] @ w [H, K, N] -> [..., H, N]: one Triton kernel where
-    `ops.exact_kernels_take`, else `head_matmul_reference`."""
-    if ops.exact_kernels_take(x, w):
-        return batch_invariant_triton.head_matmul(x, w, out_dtype=out_dtype or x.dtype)
-    return head_matmul_reference(x, w, out_dtype=out_dtype)
+def absorbed_head_matmul(x, kv_b, *, nope: int, key: bool):
+    """The absorbed MLA's per-head products with kv_b [C, H, nope + V]: key, q_nope x [..., H, nope] @ W_UK -> [...,
+    H, C] (W_UK[h][p, c] = kv_b[c, h, p]); else x [..., H, C] @ W_UV -> [..., H, V] (W_UV[h][c, v] = kv_b[c, h,
+    nope + v]); in x's dtype. The kernel reads kv_b in place where `ops.exact_kernels_take` (no transposed copy of
+    the weight each step), else `head_matmul_reference` on the transposed slice: the same sums either way."""
+    if ops.exact_kernels_take(x, kv_b):
+        where = batch_invariant_triton.HeadWeights.absorbed(kv_b, nope, key)
+        return batch_invariant_triton.head_matmul(x, kv_b, out_dtype=x.dtype, where=where)
+    w = jnp.transpose(kv_b[..., :nope], (1, 2, 0)) if key else jnp.transpose(kv_b[..., nope:], (1, 0, 2))
+    return head_matmul_reference(x, w)
 
 
 def head_matmul_reference(x, w, *, out_dtype=None):
-    """`head_matmul` as `matmul` for each head, one after another."""
+    """Per-head products x [..., H, K] @ w [H, K, N] -> [..., H, N] as `matmul` for each head, one after another (the
+    reference of `absorbed_head_matmul`'s kernel)."""
     xh = jnp.moveaxis(x, -2, 0)                                           # [H, ..., K]
     out = lax.map(lambda args: matmul(*args, out_dtype=out_dtype or x.dtype), (xh, w))
     return jnp.moveaxis(out, 0, -2)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -285,10 +286,12 @@ def head_block_k(k: int) -> int:
 
 @triton.jit
 def _head_product_kernel(x_ptr, w_ptr, out_ptr, M: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                         N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                         N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                         W_OFFSET: tl.constexpr, W_SH: tl.constexpr, W_SK: tl.constexpr, W_SN: tl.constexpr):
     """Program (row tile, column block, head h): out[rows, h, cols] = x[rows, h] w[h, :, cols], the f32 sums over K
-    in BK steps, rounded to out's dtype. x [M, H, K], w [H, K, N], out [M, H, N]; rows past M load as zeros and are
-    not written."""
+    in BK steps, rounded to out's dtype. x [M, H, K], out [M, H, N]; w[h, k, n] at w_ptr + W_OFFSET + h W_SH + k W_SK
+    + n W_SN (a [H, K, N] array, or the absorbed MLA's W_UK / W_UV read in place from kv_b: `HeadWeights`); rows
+    past M load as zeros and are not written."""
     mt, nb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (mt * BM + tl.arange(0, BM)).to(tl.int64)
     row_ok = rows < M
@@ -300,36 +303,65 @@ def _head_product_kernel(x_ptr, w_ptr, out_ptr, M: tl.constexpr, H: tl.constexpr
         k_ok = k < K
         xk = tl.load(x_ptr + (rows[:, None] * H + h) * K + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                      other=0.0)
-        wk = tl.load(w_ptr + h * (K * N) + k[:, None] * N + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                     other=0.0)
+        wk = tl.load(w_ptr + W_OFFSET + h * W_SH + k[:, None] * W_SK + cols[None, :] * W_SN,
+                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = _dot(xk, wk, acc, IEEE)
     tl.store(out_ptr + (rows[:, None] * H + h) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def run_head_matmul(call, x, w, out_dtype):
+class HeadWeights(NamedTuple):
+    """Where w[h, k, n] of a head product lies in an array: at offset + h sh + k sk + n sn, for H x K x N."""
+    shape: tuple  # (H, K, N)
+    strides: tuple  # (sh, sk, sn) in elements
+    offset: int = 0
+
+    @staticmethod
+    def dense(w) -> "HeadWeights":
+        """w itself, [H, K, N] contiguous."""
+        h, k, n = w.shape
+        return HeadWeights((h, k, n), (k * n, n, 1))
+
+    @staticmethod
+    def absorbed(kv_b, nope: int, key: bool) -> "HeadWeights":
+        """The absorbed MLA's per-head products read in place from kv_b [C, H, nope + V]: key, W_UK[h][p, c] =
+        kv_b[c, h, p] ([H, nope, C]); else W_UV[h][c, v] = kv_b[c, h, nope + v] ([H, C, V]). No transposed copy
+        of the weight each step."""
+        c, h, width = kv_b.shape
+        if key:
+            return HeadWeights((h, nope, c), (width, 1, h * width))
+        return HeadWeights((h, c, width - nope), (width, h * width, 1), nope)
+
+
+def run_head_matmul(call, x, w, out_dtype, where: HeadWeights | None = None):
     """The host side through `call` (as `run_attention`'s): x [..., H, K] @ w [H, K, N] -> [..., H, N] in
-    out_dtype, one launch: 16-row tiles of the rows, HEAD_BLOCK_N columns a program, one head a program."""
+    out_dtype, one launch: 16-row tiles of the rows, HEAD_BLOCK_N columns a program, one head a program. where:
+    w's [H, K, N] inside the array w (default: w is that array, `HeadWeights.dense`)."""
     *lead, h, k = x.shape
-    if w.ndim != 3 or w.shape[:2] != (h, k) or w.dtype != x.dtype or x.dtype not in map(jnp.dtype, FLOATS):
+    where = where or (HeadWeights.dense(w) if w.ndim == 3 else None)
+    if (where is None or tuple(where.shape[:2]) != (h, k) or w.dtype != x.dtype
+            or x.dtype not in map(jnp.dtype, FLOATS)):
         raise ValueError(f"batch_invariant_triton.head_matmul takes x [..., H, K] and w [H, K, N] of one dtype "
-                         f"(bfloat16 or float32); got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
-    m, n = math.prod(lead), w.shape[2]
+                         f"(bfloat16 or float32); got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}"
+                         + (f" read as {where.shape}" if where is not None else ""))
+    m, n = math.prod(lead), where.shape[2]
+    sh, sk, sn = where.strides
     out = call(x.reshape(m, h, k), w, kernel=_head_product_kernel,
                out_shape=jax.ShapeDtypeStruct((m, h, n), out_dtype),
                grid=(triton.cdiv(m, MIN_DOT_DIM), triton.cdiv(n, HEAD_BLOCK_N), h), num_warps=4, num_stages=2,
                M=m, H=h, K=k, N=n, BM=MIN_DOT_DIM, BN=HEAD_BLOCK_N, BK=head_block_k(k),
-               IEEE=x.dtype == jnp.float32)
+               IEEE=x.dtype == jnp.float32, W_OFFSET=where.offset, W_SH=sh, W_SK=sk, W_SN=sn)
     return out.reshape(*lead, h, n)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "launcher"))
-def head_matmul(x, w, *, out_dtype=None, launcher: str = LAUNCHER):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "where", "launcher"))
+def head_matmul(x, w, *, out_dtype=None, where: HeadWeights | None = None, launcher: str = LAUNCHER):
     """x [..., H, K] @ w [H, K, N] -> [..., H, N] in out_dtype (default x's), each head's product of a row in one
-    order whatever the rows (`batch_invariant.head_matmul`'s kernel)."""
+    order whatever the rows (`batch_invariant.absorbed_head_matmul`'s kernel). where: w's [H, K, N] inside the array w
+    (`HeadWeights`; default w itself)."""
     call = bound_to(launcher, interpret=False, op="batch_invariant_triton.head_matmul",
                     reference="batch_invariant.head_matmul_reference")
-    return run_head_matmul(call, x, w, jnp.dtype(out_dtype or x.dtype))
+    return run_head_matmul(call, x, w, jnp.dtype(out_dtype or x.dtype), where)
 
 
 @triton.jit

@@ -166,6 +166,26 @@ def test_head_matmul_matches_the_reference(lead, heads, k, n):
 
 
 @in_triton_interpreter
+@pytest.mark.parametrize("key", [True, False])
+def test_absorbed_head_products_read_kv_b_in_place_bitwise(key):
+    """W_UK and W_UV read from kv_b [C, H, P + V] with its strides (no transposed copy) give the bits of the same
+    product on the transposed slice, and match the reference."""
+    from triton_interpreter import interpreter_call
+
+    rng = np.random.default_rng(21 + key)
+    c, h, nope, v = 48, 3, 32, 24
+    kv_b = jnp.asarray(rng.standard_normal((c, h, nope + v)) * c ** -0.5, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 9, h, nope if key else c)), jnp.float32)
+    w = jnp.transpose(kv_b[..., :nope], (1, 2, 0)) if key else jnp.transpose(kv_b[..., nope:], (1, 0, 2))
+    where = BT.HeadWeights.absorbed(kv_b, nope, key)
+    assert where.shape == w.shape
+    in_place = np.asarray(BT.run_head_matmul(interpreter_call, x, kv_b, jnp.dtype(jnp.float32), where))
+    copied = np.asarray(BT.run_head_matmul(interpreter_call, x, w, jnp.dtype(jnp.float32)))
+    np.testing.assert_array_equal(in_place, copied)
+    assert rel_err(in_place, BI.head_matmul_reference(x, w)) < 1e-5
+
+
+@in_triton_interpreter
 @pytest.mark.parametrize("lead,k", [((1,), 256), ((3, 5), 1536), ((2, 7), 100)])
 def test_rms_norm_matches_the_reference(lead, k):
     """The RMSNorm (one row, several steps along a row, K off the step)."""

@@ -255,13 +255,17 @@ def test_exact_expert_tiles_lower_to_two_triton_cubins(d, i, experts, dtype):
     assert 'name = "_gate_up_kernel"' in text and 'name = "_down_kernel"' in text
 
 
-@pytest.mark.parametrize("heads,k,n", [(8, 128, 512), (8, 512, 128), (8, 32, 64)])
-def test_exact_head_matmul_lowers_to_one_triton_cubin(heads, k, n):
-    """The exact mode's head products (K2.6's W_UK and W_UV at the share's 8 heads, the code target's W_UK) at a B=32
-    verify of 8 streams, compiled by Triton for sm_90: one kernel."""
+@pytest.mark.parametrize("heads,lat,nope,v,key", [(8, 512, 128, 128, True), (8, 512, 128, 128, False),
+                                                  (8, 64, 32, 32, True)])
+def test_exact_head_matmul_lowers_to_one_triton_cubin(heads, lat, nope, v, key):
+    """The exact mode's head products (K2.6's W_UK and W_UV at the share's 8 heads, the code target's W_UK) read in
+    place from kv_b at a B=32 verify of 8 streams, compiled by Triton for sm_90: one kernel, no transposed copy."""
     from pallas_kernels import batch_invariant_triton as BT
-    text = lower_for_h200(BT.head_matmul, spec((8, 33, heads, k), BF16), spec((heads, k, n), BF16))
+    kv_b = spec((lat, heads, nope + v), BF16)
+    text = lower_for_h200(functools.partial(BT.head_matmul, where=BT.HeadWeights.absorbed(kv_b, nope, key)),
+                          spec((8, 33, heads, nope if key else lat), BF16), kv_b)
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 and 'name = "_head_product_kernel"' in text
+    assert "transpose" not in text
 
 
 @pytest.mark.parametrize("k,dtype", [(D, BF16), (1536, BF16), (512, F32)])

@@ -116,13 +116,12 @@ class MLA(nnx.Module):
         c_cache = write_rows(c_cache, c_new, prefix_len)
         r_cache = write_rows(r_cache, r_new, prefix_len)
         q_nope, q_rope = self.queries(x, positions, exact=True, input_norm=input_norm)
-        w_uk = self.kv_b_proj[..., :cfg.qk_nope_head_dim]  # [C, H, P]
-        w_uv = self.kv_b_proj[..., cfg.qk_nope_head_dim:]  # [C, H, V]
-        q_lat = batch_invariant.head_matmul(q_nope, jnp.transpose(w_uk, (1, 2, 0)))    # [S, T, H, C]
+        kv_b, nope = self.kv_b_proj[...], cfg.qk_nope_head_dim                        # [C, H, P + V]
+        q_lat = batch_invariant.absorbed_head_matmul(q_nope, kv_b, nope=nope, key=True)  # [S, T, H, C]
         attention = lambda *args: batch_invariant.attention(*args[:-1], scale=cfg.softmax_scale)  # noqa: E731
         out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len, visible,
                                 plan)
-        out = batch_invariant.head_matmul(out_lat, jnp.transpose(w_uv, (1, 0, 2)))       # [S, T, H, V]
+        out = batch_invariant.absorbed_head_matmul(out_lat, kv_b, nope=nope, key=False)  # [S, T, H, V]
         o_proj = self.o_proj[...]                                                       # [H, V, D]
         if tp_size(jax.sharding.get_abstract_mesh()) == 1:   # the residual in the product's epilogue
             out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
