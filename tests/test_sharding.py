@@ -128,8 +128,9 @@ def test_decode_equals_single_device_token_for_token(models):
 @on_devices
 def test_exact_mode_under_tensor_parallelism_equals_ar_on_the_same_mesh():
     """bf16, the exact mode on data=2,tp=4 (o_proj's, the dense MLP's and the MoE's partial sums added in device
-    order, not by a psum): greedy chain and ddtree == ar on the same mesh token for token, with an oracle drafter
-    (multi-token rounds) and a random one."""
+    order, not by a psum): greedy ddtree == ar on the same mesh token for token, with an oracle drafter (multi-token
+    rounds: accepted tree rows compacted into the cache). The single-device exact tests cover chain and a random
+    drafter (test_exact.py)."""
     cfg = CFG.replace(dtype="bfloat16")
     target = Transformer(cfg, nnx.Rngs(0))
     mesh = sharding.parse_mesh("data=2,tp=4")
@@ -137,12 +138,10 @@ def test_exact_mode_under_tensor_parallelism_equals_ar_on_the_same_mesh():
     seqs = np.zeros((len(PROMPTS), 64), np.int32)
     for i, (p, out) in enumerate(zip(PROMPTS, truth)):
         seqs[i, :len(p) + len(out)] = p + out
-    for drafter in (OracleDrafter(config.tiny_drafter(cfg, BLOCK), seqs),
-                    Drafter(config.tiny_drafter(cfg, BLOCK), cfg, nnx.Rngs(1))):
-        decoder = Decoder(target, drafter, mesh=mesh)
-        for policy in ("chain", "ddtree"):
-            spec = DecodeSpec(policy=policy, budget=8, block_size=BLOCK, max_new_tokens=24, exact=True)
-            assert decoder.generate(PROMPTS, spec).tokens == truth, (policy, type(drafter).__name__)
+    decoder = Decoder(target, OracleDrafter(config.tiny_drafter(cfg, BLOCK), seqs), mesh=mesh)
+    spec = DecodeSpec(policy="ddtree", budget=8, block_size=BLOCK, max_new_tokens=24, exact=True)
+    result = decoder.generate(PROMPTS, spec)
+    assert result.tokens == truth and result.taus[result.taus > 0].mean() > 1.5
 
 
 @on_devices
