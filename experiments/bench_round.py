@@ -305,7 +305,8 @@ def measure(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: int, pr
     stages_sum = sum(stages_us.values())
     while_round, fixed_round = per_round("while_loop"), per_round("fixed_loop")
     return dict(policy=spec.policy, budget=spec.tree_budget, temperature=spec.temperature, exact=spec.exact,
-                streams=num_streams, prompt_len=prompt_len, cache_len=cache_len, rounds=rounds, tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
+                streams=num_streams, prompt_len=prompt_len, cache_len=cache_len, rounds=rounds,
+                tau_mean=float(taus[taus > 0].mean()) if (taus > 0).any() else 0.0,
                 stages_us=stages_us, stages_sum_us=stages_sum, round_us=t["round"]["us"], prefill_us=t["prefill"]["us"],
                 while_loop_us=t["while_loop"]["us"], fixed_loop_us=t["fixed_loop"]["us"],
                 while_per_round_us=while_round, fixed_per_round_us=fixed_round,
@@ -342,7 +343,8 @@ def measure_auto(decoder: Decoder, target_cfg, spec: DecodeSpec, num_streams: in
 def print_auto(row) -> None:
     costs = " ".join(f"B={b}:{us:.0f}" for b, us in row["step_costs_us"].items())
     chosen = " ".join(f"{b}:{n}" for b, n in row["budget_hist"].items())
-    print(f"auto T={row['temperature']:g} S={row['streams']}{' exact' if row['exact'] else ''}: step costs (us) {costs} | while/r "
+    exact = " exact" if row["exact"] else ""
+    print(f"auto T={row['temperature']:g} S={row['streams']}{exact}: step costs (us) {costs} | while/r "
           f"{row['while_per_round_us']:.1f} us, tau {row['tau_mean']:.2f}, rounds by B {chosen}", flush=True)
 
 

@@ -69,10 +69,14 @@ def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtyp
     tiles = -(-m // ROW_TILE)
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
     out = lax.map(lambda tile: fixed_dot(tile, w), rows)
-    y = out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, n).astype(out_dtype)
-    if residual is not None:
-        y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_dtype)
-    return y
+    y = out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, n)
+    return y.astype(out_dtype) if residual is None else add_residual(residual, y, out_dtype)
+
+
+def add_residual(residual, y, out_dtype):
+    """residual + y rounded to out_dtype, added in f32 and rounded again: `matmul`'s epilogue (skinny_matmul's too),
+    wherever a product's residual is added after it."""
+    return (residual.astype(jnp.float32) + y.astype(out_dtype).astype(jnp.float32)).astype(out_dtype)
 
 
 def rms_norm(x, weight, eps: float):

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
-
 import math
+from typing import Callable
 
 import jax
 
@@ -256,9 +255,9 @@ def exact_kernels_take(*operands) -> bool:
 
 def _unpartitioned() -> bool:
     """No mesh, or every axis GSPMD could partition a Triton call over (those not manual: outside a shard_map, all;
-    inside one, the others) of size 1: a one-device mesh, a shard_map over every axis of size > 1. (bench_k26 runs tp=1 under a one-device mesh: with `empty` alone as the test, its exact
-    forward ran the XLA references, 5.7-22x the default step at K2.6's shapes; k26.md, "Exact mode at K2.6's
-    shapes")."""
+    inside one, the others) of size 1: a one-device mesh, a shard_map over every axis of size > 1. (bench_k26 runs
+    tp=1 under a one-device mesh: with `empty` alone as the test, its exact forward ran the XLA references, 5.7-22x
+    the default step at K2.6's shapes; k26.md, "Exact mode at K2.6's shapes")."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or math.prod(size for axis, size in mesh.shape.items() if axis not in mesh.manual_axes) == 1
 

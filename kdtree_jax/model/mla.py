@@ -128,9 +128,8 @@ class MLA(nnx.Module):
                                          o_proj.reshape(-1, o_proj.shape[-1]), residual=residual)
             return out, c_cache, r_cache
         product = functools.partial(batch_invariant.matmul, out_dtype=jnp.float32)
-        out = head_parallel_product(product, out.astype(x.dtype), o_proj).astype(x.dtype)  # residual + round(x w)
-        if residual is not None:
-            out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(x.dtype)
+        out = head_parallel_product(product, out.astype(x.dtype), o_proj)                  # f32, over all heads
+        out = out.astype(x.dtype) if residual is None else batch_invariant.add_residual(residual, out, x.dtype)
         return out, c_cache, r_cache
 
 
