@@ -99,21 +99,30 @@ def sum_in_device_order(partial, tp: int):
     return total
 
 
+def _sum_of_partials(partial: Callable, x, weights, x_spec: tuple, weight_specs: tuple):
+    """Inside a shard_map over tp (streams on data where they divide it): partial(x, *weights) -> f32 [S, T, D] on
+    each device's shards, the partials added in device order (`sum_in_device_order`) -> [S, T, D] f32. x_spec: x's
+    spec after its stream axis; weight_specs: one per weight."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = tp_size(mesh)
+    streams = _stream_axis(mesh, x.shape[0])
+    return jax.shard_map(lambda x, *w: sum_in_device_order(partial(x, *w), tp),
+                         in_specs=(P(streams, *x_spec), *weight_specs), out_specs=P(streams),
+                         check_vma=_check_vma())(x, *weights)
+
+
 def mlp_parallel(mlp: Callable, x, gate, up, down):
     """The dense MLP with its intermediate columns split over tp, the devices' partial outputs added in device order
     (the exact mode; `sum_in_device_order`). mlp(x, gate, up, down, out_dtype) -> [..., D]; x [S, T, D], gate / up
     [D, I], down [I, D] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
+    tp = tp_size(jax.sharding.get_abstract_mesh())
     if tp == 1:
         return mlp(x, gate, up, down, None)
     _per_device(gate.shape[1], tp, "intermediate", "MLP columns")
-    tokens = P(_stream_axis(mesh, x.shape[0]))
 
-    def local(x, gate, up, down):
-        return sum_in_device_order(mlp(x, gate, up, down, jnp.float32), tp).astype(x.dtype)
-    return jax.shard_map(local, in_specs=(tokens, P(None, TP), P(None, TP), P(TP, None)), out_specs=tokens,
-                         check_vma=_check_vma())(x, gate, up, down)
+    def partial(x, gate, up, down):
+        return mlp(x, gate, up, down, jnp.float32)
+    return _sum_of_partials(partial, x, (gate, up, down), (), (P(None, TP), P(None, TP), P(TP, None))).astype(x.dtype)
 
 
 def head_parallel_product(product: Callable, x, w):
@@ -123,18 +132,14 @@ def head_parallel_product(product: Callable, x, w):
     [S, T, D] f32. Under a mesh with tp > 1 each device multiplies its H / tp heads (the shards x and w already
     have) and the partials are added in device order (`sum_in_device_order`); without one, one product over all
     heads."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
+    tp = tp_size(jax.sharding.get_abstract_mesh())
 
-    def local(x, w):
+    def partial(x, w):
         return product(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
     if tp == 1:
-        return local(x, w)
+        return partial(x, w)
     _per_device(x.shape[2], tp, "heads", "attention heads")
-    streams = _stream_axis(mesh, x.shape[0])
-    return jax.shard_map(lambda x, w: sum_in_device_order(local(x, w), tp),
-                         in_specs=(P(streams, None, TP, None), P(TP, None, None)), out_specs=P(streams),
-                         check_vma=_check_vma())(x, w)
+    return _sum_of_partials(partial, x, (w,), (None, TP, None), (P(TP, None, None),))
 
 
 def most_loaded_first(ids, held: int, routed: int):
