@@ -91,12 +91,13 @@ def test_bf16_kernels_compile_to_wgmma_with_packed_dequantization(make, config):
     assert compiled.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("config", CONFIGS["argvalues"] + [dataclasses.replace(LARGE, down_num_stages=4)],
-                         ids=CONFIGS["ids"] + ["large_blocks_down_4_stages"])
+@pytest.mark.parametrize("config", [SMALL, SPLIT_K, dataclasses.replace(LARGE, down_num_stages=4)],
+                         ids=["small_blocks", "split_k", "large_blocks_down_4_stages"])
 def test_f32_kernels_compile_with_ieee_dots(config):
     """f32 activations (the tests' and references' precision): exact dequantization and IEEE f32 dots, no tf32, with
     the stages int4_moe launches them with (`launch_config`: at most two, for both kernels) within the H200's shared
-    memory."""
+    memory. The dots' precision does not depend on the tiling: the smallest blocks, the split-K partials' kernels and
+    the largest blocks with the most stages asked for (the most shared memory) cover it (each compile ~10-25 s)."""
     config = MT.launch_config(config, jnp.float32)
     assert config.num_stages <= 2 and config.down_tiling()[2] <= 2
     for make in (gate_up, down):
