@@ -420,7 +420,7 @@ def test_exact_mode_forward_through_the_kernels():
 
 @pytest.mark.parametrize("streams,nodes,heads,lat,rope,capacity,dtype", [
     (8, 33, 8, 512, 64, 4096, jnp.bfloat16),     # the tp=8 share's heads, a B=32 verify of 8 streams
-    (1, 9, 64, 512, 64, 2048, jnp.bfloat16),     # all of K2.6's heads
+    (2, 9, 64, 512, 64, 2048, jnp.bfloat16),     # all of K2.6's heads
     (4, 33, 8, 64, 16, 640, jnp.bfloat16),       # the code target
     (2, 17, 8, 512, 64, 1024, jnp.float32),
 ])
@@ -428,7 +428,9 @@ def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtyp
     """The exact mode's attention kernel == its reference, and every node of the first and the last stream bitwise
     == the AR step at its position (its path committed to the cache: another prefix, T = 1, one stream): the last
     stream's prefix is N - T, its nodes' keys in several chunks merged; the first's prefix is 0, its nodes' keys in
-    the first chunk, and its AR steps also run with a cache of that one chunk (normalised without a merge)."""
+    the first chunk, and its AR steps also run with a cache of that one chunk (normalised without a merge). Every
+    case has two streams or more: make_inputs gives a lone stream the prefix N - T."""
+    assert streams >= 2
     from pallas_kernels import batch_invariant as BI
     from pallas_kernels import batch_invariant_triton as BT
     from test_exact_kernels_interpreter import ar_step_of
@@ -448,7 +450,8 @@ def test_exact_attention_kernel(streams, nodes, heads, lat, rope, capacity, dtyp
     for s in sorted({0, streams - 1}):
         for t in range(nodes):
             q_lat, q_rope, c_kv, k_rope, prefix, visible = ar_step_of(inputs, s, t)
-            caches = [(c_kv, k_rope)] + ([(c_kv[:, :chunk], k_rope[:, :chunk])] if s == 0 else [])
+            in_first_chunk = int(inputs[4][s]) + nodes <= chunk     # make_inputs: prefix 0 for stream 0 of >= 2
+            caches = [(c_kv, k_rope)] + ([(c_kv[:, :chunk], k_rope[:, :chunk])] if in_first_chunk else [])
             for c, r in caches:
                 ar = BT.attention(q_lat, q_rope, c, r, prefix, visible, scale=scale)
                 np.testing.assert_array_equal(np.asarray(ar.astype(jnp.float32))[0, 0], tree[s, t],
