@@ -238,7 +238,7 @@ def dense_takes(x, w) -> bool:
 def exact_dense_takes(x, w) -> bool:
     """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w [K, N]) run as one skinny_matmul:
     kernels running compiled on the GPU, one dtype (bf16 or f32), K a multiple of 64, nothing partitioned (a Triton
-    call has no GSPMD partitioning: `_unpartitioned`). Any M: the kernel's order along K does not depend on it. Not
+    call has no GSPMD partitioning: `unpartitioned`). Any M: the kernel's order along K does not depend on it. Not
     behind `set_dense_kernel`: the exact mode's other path is a loop of 64-row tiles (decode.md, "Exact mode")."""
     return exact_kernels_take(x, w) and x.shape[0] > 0 and x.shape[-1] % 64 == 0
 
@@ -247,13 +247,13 @@ def exact_kernels_take(*operands) -> bool:
     """Whether the exact mode's norms, head products, attention and routed experts run their Triton kernels
     (`batch_invariant_triton`):
     kernels running compiled on the GPU, operands of one dtype (bf16 or f32), nothing partitioned (a Triton call has
-    no GSPMD partitioning: `_unpartitioned`)."""
+    no GSPMD partitioning: `unpartitioned`)."""
     dtypes = {x.dtype for x in operands}
     return (_compiled_on_gpu() and len(dtypes) == 1 and dtypes.pop() in _skinny_matmul.FLOATS
-            and _unpartitioned())
+            and unpartitioned())
 
 
-def _unpartitioned() -> bool:
+def unpartitioned() -> bool:
     """No mesh, or every axis GSPMD could partition a Triton call over (those not manual: outside a shard_map, all;
     inside one, the others) of size 1: a one-device mesh, a shard_map over every axis of size > 1. (bench_k26 runs
     tp=1 under a one-device mesh: with `empty` alone as the test, its exact forward ran the XLA references, 5.7-22x

@@ -311,3 +311,34 @@ def test_memory_plan_weights_are_the_sharded_layout(models):
     assert plan.kv_bytes_per_token == k2.num_layers * (512 + 64) * 2
     assert plan.cache == 64 * 4096 * plan.kv_bytes_per_token
     assert 0 < plan.total < plan.hbm
+
+
+@on_devices
+@pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4", "data=4"])
+def test_the_exact_forward_leaves_no_kernel_to_gspmd(monkeypatch, mesh_text):
+    """Under a mesh every choice of the exact forward between a kernel and its XLA reference (`ops.exact_kernels_take`)
+    is made where nothing is left for GSPMD to partition (`parallel.per_device` and the layer's shard_maps), so on
+    GPUs each takes its Triton kernel on its device's shards. Before, q_a, kv_a, the norms, W_UK / W_UV, the router,
+    the lm_head and (without tp) o_proj and the dense MLP saw the mesh and ran their references (5-22x slower at
+    K2.6's shapes). The spy answers False: the references trace cheaply on the CPU."""
+    unpartitioned = []
+
+    def spy(*operands):
+        unpartitioned.append(ops.unpartitioned())
+        return False
+    monkeypatch.setattr(ops, "exact_kernels_take", spy)
+    target = Transformer(CFG.replace(dtype="bfloat16"), nnx.Rngs(0))
+    mesh = sharding.parse_mesh(mesh_text)
+    graphdef, params = nnx.split(target)
+    params = sharding.shard_params(params, mesh)
+    tokens = np.asarray([[5, 9, 14], [3, 8, 1], [7, 22, 40], [11, 2, 4]], np.int32)
+    positions = np.broadcast_to(np.arange(3, dtype=np.int32), tokens.shape)
+    visible = np.broadcast_to(np.tril(np.ones((3, 3), bool)), (4, 3, 3))
+
+    def forward(p, t):
+        model = nnx.merge(graphdef, p)
+        return model(t, positions, init_cache(model.cfg, 4, 3), visible, exact=True).logits
+    with jax.set_mesh(mesh):
+        jax.eval_shape(forward, params, tokens)
+    layers = CFG.num_layers
+    assert len(unpartitioned) >= 8 * layers and all(unpartitioned), unpartitioned

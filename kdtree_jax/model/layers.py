@@ -1,11 +1,14 @@
 """Small building blocks shared by the target model and the drafter."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.model.parallel import mlp_parallel, tp_size
+from kdtree_jax.model.parallel import STREAMS, mlp_parallel, per_device, tp_size
 from pallas_kernels import batch_invariant, ops
 
 
@@ -27,19 +30,29 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x, *, exact: bool = False):
-        """exact: the mean of squares in one order per row (`batch_invariant.rms_norm`)."""
+        """exact: the mean of squares in one order per row (`batch_invariant.rms_norm`; on each device's streams
+        under a mesh: `parallel.per_device`)."""
         if exact:
-            return batch_invariant.rms_norm(x, self.weight[...], self.eps)
+            norm = functools.partial(batch_invariant.rms_norm, eps=self.eps)
+            return per_device(norm, (x, self.weight[...]), (P(STREAMS), P()), P(STREAMS))
         x32 = x.astype(jnp.float32)
         mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         x32 = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def fused_norm(norm: RMSNorm | None) -> dict:
+def fused_norm(norm: RMSNorm | None, *weight) -> dict:
     """The keywords (norm_weight, eps) that fuse `norm` into a product's prologue (`ops.dense`,
-    `batch_invariant.matmul`); none for no norm."""
-    return {} if norm is None else dict(norm_weight=norm.weight[...], eps=norm.eps)
+    `batch_invariant.matmul`); none for no norm. weight: the norm's weight as passed into a shard_map (default
+    norm.weight)."""
+    if norm is None:
+        return {}
+    return dict(norm_weight=weight[0] if weight else norm.weight[...], eps=norm.eps)
+
+
+def norm_weights(norm: RMSNorm | None) -> tuple:
+    """(norm.weight,) or () for no norm: the operand `fused_norm` takes inside a shard_map."""
+    return () if norm is None else (norm.weight[...],)
 
 
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):

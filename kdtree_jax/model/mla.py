@@ -15,14 +15,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, project
+from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, norm_weights, project
 from kdtree_jax.model.rope import apply_rope
-from kdtree_jax.model.parallel import head_parallel, head_parallel_product, tp_size
+from kdtree_jax.model.parallel import STREAMS, TP, head_parallel, head_parallel_product, per_device, tp_size
 from pallas_kernels import batch_invariant, ops
 from pallas_kernels.tree_verify_attention import block_attention_mask
+
+ON_HEADS = P(STREAMS, None, TP, None)   # [S, T, H, *]: the exact products' per-head activations under a mesh
+ON_HEADS_W = P(None, TP, None)          # q_proj / q_b_proj [*, H, P + R], kv_b_proj [C, H, P + V]: split on heads
 
 
 class MLA(nnx.Module):
@@ -43,17 +47,10 @@ class MLA(nnx.Module):
 
     def queries(self, x, positions, *, exact: bool = False, input_norm=None):
         """x [S, T, D], positions [S, T] -> q_nope [S, T, H, P], q_rope [S, T, H, R] (rotated). exact: every row's
-        sums in one order (`batch_invariant.matmul`), with input_norm (an RMSNorm, or None) applied to x in the
-        first product's prologue."""
+        sums in one order (`batch_invariant.matmul`, on each device's shards under a mesh: q_a replicated, q_b split
+        on heads), with input_norm (an RMSNorm, or None) applied to x in the first product's prologue."""
         if exact:
-            def heads(y, w, **norm):
-                return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1],
-                                                                                            *w.shape[1:])
-            if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
-                q = heads(batch_invariant.matmul(x, self.q_a_proj[...], **fused_norm(input_norm)), self.q_b_proj[...],
-                          **fused_norm(self.q_a_norm))
-            else:
-                q = heads(x, self.q_proj[...], **fused_norm(input_norm))
+            q = self._exact_queries(x, input_norm)
         elif self.cfg.q_lora_rank:
             q = project(project(x, self.q_a_proj[...]), self.q_b_proj[...], norm=self.q_a_norm)
         else:
@@ -61,15 +58,38 @@ class MLA(nnx.Module):
         p = self.cfg.qk_nope_head_dim
         return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
 
+    def _exact_queries(self, x, input_norm):
+        """`queries`' products in the exact mode -> q [S, T, H, P + R] (`parallel.per_device`)."""
+        def heads(y, w, **norm):
+            return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1], *w.shape[1:])
+        in_w = norm_weights(input_norm)
+        if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
+            def local(x, q_a, q_a_norm, q_b, *in_w):
+                q = batch_invariant.matmul(x, q_a, **fused_norm(input_norm, *in_w))
+                return heads(q, q_b, **fused_norm(self.q_a_norm, q_a_norm))
+            args = (x, self.q_a_proj[...], self.q_a_norm.weight[...], self.q_b_proj[...], *in_w)
+            specs = (P(STREAMS), P(), P(), ON_HEADS_W, *(P(),) * len(in_w))
+        else:
+            def local(x, q_proj, *in_w):
+                return heads(x, q_proj, **fused_norm(input_norm, *in_w))
+            args, specs = (x, self.q_proj[...], *in_w), (P(STREAMS), ON_HEADS_W, *(P(),) * len(in_w))
+        return per_device(local, args, specs, ON_HEADS)
+
     def latents(self, x, positions, *, exact: bool = False, input_norm=None):
         """x [S, T, D] -> c_kv [S, T, C] (normed), k_rope [S, T, R] (rotated): what the cache stores. input_norm:
-        as in `queries` (exact only)."""
+        as in `queries` (exact only; kv_a and its norm on each device's streams under a mesh)."""
+        c = self.cfg.kv_lora_rank
         if exact:
-            kv = batch_invariant.matmul(x, self.kv_a_proj[...], **fused_norm(input_norm))
+            def local(x, kv_a, kv_norm, *in_w):
+                kv = batch_invariant.matmul(x, kv_a, **fused_norm(input_norm, *in_w))
+                return batch_invariant.rms_norm(kv[..., :c], kv_norm, self.kv_a_norm.eps), kv[..., c:]
+            in_w = norm_weights(input_norm)
+            c_kv, k_rope = per_device(local, (x, self.kv_a_proj[...], self.kv_a_norm.weight[...], *in_w),
+                                      (P(STREAMS), P(), P(), *(P(),) * len(in_w)), (P(STREAMS), P(STREAMS)))
         else:
             kv = project(x, self.kv_a_proj[...])
-        c = self.cfg.kv_lora_rank
-        return self.kv_a_norm(kv[..., :c], exact=exact), apply_rope(kv[..., c:], positions, self.cfg)
+            c_kv, k_rope = self.kv_a_norm(kv[..., :c]), kv[..., c:]
+        return c_kv, apply_rope(k_rope, positions, self.cfg)
 
     def __call__(self, x, positions, c_cache, r_cache, prefix_len, visible, *, plan=None, absorbed: bool = True,
                  exact: bool = False, input_norm=None, residual=None):
@@ -117,15 +137,21 @@ class MLA(nnx.Module):
         r_cache = write_rows(r_cache, r_new, prefix_len)
         q_nope, q_rope = self.queries(x, positions, exact=True, input_norm=input_norm)
         kv_b, nope = self.kv_b_proj[...], cfg.qk_nope_head_dim                        # [C, H, P + V]
-        q_lat = batch_invariant.absorbed_head_matmul(q_nope, kv_b, nope=nope, key=True)  # [S, T, H, C]
+        q_lat = per_device(functools.partial(batch_invariant.absorbed_head_matmul, nope=nope, key=True),
+                           (q_nope, kv_b), (ON_HEADS, ON_HEADS_W), ON_HEADS)                 # [S, T, H, C]
         attention = lambda *args: batch_invariant.attention(*args[:-1], scale=cfg.softmax_scale)  # noqa: E731
         out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len, visible,
                                 plan)
-        out = batch_invariant.absorbed_head_matmul(out_lat, kv_b, nope=nope, key=False)  # [S, T, H, V]
+        out = per_device(functools.partial(batch_invariant.absorbed_head_matmul, nope=nope, key=False),
+                         (out_lat, kv_b), (ON_HEADS, ON_HEADS_W), ON_HEADS)                  # [S, T, H, V]
         o_proj = self.o_proj[...]                                                       # [H, V, D]
         if tp_size(jax.sharding.get_abstract_mesh()) == 1:   # the residual in the product's epilogue
-            out = batch_invariant.matmul(out.astype(x.dtype).reshape(*out.shape[:-2], -1),
-                                         o_proj.reshape(-1, o_proj.shape[-1]), residual=residual)
+            def local(out, o_proj, *residual):
+                return batch_invariant.matmul(out.reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]),
+                                              residual=residual[0] if residual else None)
+            residual = () if residual is None else (residual,)
+            out = per_device(local, (out.astype(x.dtype), o_proj, *residual),
+                             (P(STREAMS), P(), *(P(STREAMS),) * len(residual)), P(STREAMS))
             return out, c_cache, r_cache
         product = functools.partial(batch_invariant.matmul, out_dtype=jnp.float32)
         out = head_parallel_product(product, out.astype(x.dtype), o_proj)                  # f32, over all heads

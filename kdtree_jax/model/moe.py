@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight, project
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from kdtree_jax.model.parallel import expert_parallel, tp_size
+from kdtree_jax.model.parallel import STREAMS, expert_parallel, per_device, tp_size
 from pallas_kernels import batch_invariant, ops
 from pallas_kernels.int4_moe import Int4Experts
 from pallas_kernels.router_topk import router_topk_reference
@@ -24,7 +25,10 @@ def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
     `batch_invariant.matmul`), then the sigmoid, the top-k and the weights (`router_topk_reference`, or its one-kernel
     form where `ops.router_takes` and no tp mesh shards the call)."""
     x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
-    logits = batch_invariant.matmul(x32, w32) if exact else project(x32, w32)
+    if exact:                # on each device's tokens under a mesh (the router is replicated)
+        logits = per_device(batch_invariant.matmul, (x32, w32), (P(STREAMS), P()), P(STREAMS))
+    else:
+        logits = project(x32, w32)
     args = (logits, bias.astype(jnp.float32), cfg.num_experts_per_tok)
     kw = dict(normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.router_takes():

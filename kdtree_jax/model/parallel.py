@@ -1,6 +1,7 @@
 """The model's shard_map regions: expert-parallel routed experts, head-parallel tree-verify attention (with its
 per-forward plan, `attention_plan`, made for each device's heads), the vocab-parallel embedding lookup, and for the
-exact mode o_proj and the dense MLP with their partial sums added in device order (`sum_in_device_order`).
+exact mode o_proj and the dense MLP with their partial sums added in device order (`sum_in_device_order`) and its
+other kernels on each device's shards (`per_device`).
 
 The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
@@ -25,6 +26,7 @@ from pallas_kernels import ops
 
 DATA, TP = "data", "tp"
 MESH_AXES = (DATA, TP)
+STREAMS = "streams"     # in `per_device`'s specs: the stream axis (data where it divides the streams)
 
 
 def tp_size(mesh) -> int:
@@ -46,8 +48,9 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
     already have), sees every token (replicated over tp; split over data when M divides), shifts the ids by its first
     expert, adds its routed and shared partial outputs in f32 and takes ONE psum over tp in x's dtype (bf16 for a
     bf16 model: half the bytes of an f32 sum; an f32 model sums in f32). Without such a mesh: local_moe + mlp,
-    summed in f32. in_device_order (the exact mode): the devices' f32 partials are gathered and added in device
-    order (`sum_in_device_order`) instead of a psum of the sum, then rounded to x's dtype.
+    summed in f32 (under a data mesh on each device's tokens: `per_device`). in_device_order (the exact mode): the
+    devices' f32 partials are gathered and added in device order (`sum_in_device_order`) instead of a psum of the
+    sum, then rounded to x's dtype.
 
     One device's share of a tp deployment without a mesh (`experts` holds fewer than routed_experts, as bench_k26's
     --shard_of builds it): the share computes the pairs of the device that holds the most of the step's distinct
@@ -65,16 +68,17 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
         return out
 
     shared_params = () if shared is None else tuple(shared[1])
-    if tp == 1:
+    if tp == 1:                                # on each device's tokens under a data mesh
         routed = routed_experts or held
         first = most_loaded_first(ids, held, routed) if routed > held else 0
-        return local(x, experts, ids, weights, shared_params, first).astype(x.dtype)
-    per_device = _per_device(held, tp, "experts", "routed experts")
+        return per_device(lambda *args: local(*args, first).astype(x.dtype), (x, experts, ids, weights, shared_params),
+                          (P(STREAMS), P(), P(STREAMS), P(STREAMS), P()), P(STREAMS))
+    experts_here = _split_count(held, tp, "experts", "routed experts")
     tokens = P(_stream_axis(mesh, x.shape[0]))
     shared_specs = () if shared is None else (P(None, TP), P(None, TP), P(TP, None))
 
     def on_device(x, experts, ids, weights, shared_params):
-        first = jax.lax.axis_index(TP) * per_device
+        first = jax.lax.axis_index(TP) * experts_here
         out = local(x, experts, ids, weights, shared_params, first)
         if in_device_order:
             return sum_in_device_order(out, tp).astype(x.dtype)
@@ -114,11 +118,12 @@ def _sum_of_partials(partial: Callable, x, weights, x_spec: tuple, weight_specs:
 def mlp_parallel(mlp: Callable, x, gate, up, down):
     """The dense MLP with its intermediate columns split over tp, the devices' partial outputs added in device order
     (the exact mode; `sum_in_device_order`). mlp(x, gate, up, down, out_dtype) -> [..., D]; x [S, T, D], gate / up
-    [D, I], down [I, D] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype."""
+    [D, I], down [I, D] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype (on each device's
+    streams: `per_device`)."""
     tp = tp_size(jax.sharding.get_abstract_mesh())
     if tp == 1:
-        return mlp(x, gate, up, down, None)
-    _per_device(gate.shape[1], tp, "intermediate", "MLP columns")
+        return per_device(lambda *a: mlp(*a, None), (x, gate, up, down), (P(STREAMS), P(), P(), P()), P(STREAMS))
+    _split_count(gate.shape[1], tp, "intermediate", "MLP columns")
 
     def partial(x, gate, up, down):
         return mlp(x, gate, up, down, jnp.float32)
@@ -131,15 +136,34 @@ def head_parallel_product(product: Callable, x, w):
     x [S, T, H, V], w [H, V, D], product(a [S, T, K], b [K, D]) -> [S, T, D] f32 with K the (local) heads x V ->
     [S, T, D] f32. Under a mesh with tp > 1 each device multiplies its H / tp heads (the shards x and w already
     have) and the partials are added in device order (`sum_in_device_order`); without one, one product over all
-    heads."""
+    heads (on each device's streams: `per_device`)."""
     tp = tp_size(jax.sharding.get_abstract_mesh())
 
     def partial(x, w):
         return product(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
     if tp == 1:
-        return partial(x, w)
-    _per_device(x.shape[2], tp, "heads", "attention heads")
+        return per_device(partial, (x, w), (P(STREAMS), P()), P(STREAMS))
+    _split_count(x.shape[2], tp, "heads", "attention heads")
     return _sum_of_partials(partial, x, (w,), (None, TP, None), (P(TP, None, None),))
+
+
+def per_device(fn: Callable, args: tuple, in_specs: tuple, out_specs):
+    """fn(*args) on each device's shards: a shard_map over every axis of the current mesh when it has more than one
+    device, else fn(*args). For the exact mode's kernels, which run only where nothing is left for GSPMD to
+    partition (`ops.exact_kernels_take`; outside a shard_map under tp or data their XLA references run, 5-22x slower
+    at K2.6's shapes). Specs as shard_map's, with STREAMS for the stream axis: data where it divides args[0]'s first
+    dim (the streams, or the tokens of [S T, D]), else unsplit. What fn computes from operands replicated over an
+    axis stays replicated over it (each device computes it, as GSPMD would)."""
+    if ops.unpartitioned():                    # no mesh, one device, or inside a shard_map over every axis
+        return fn(*args)
+    mesh = jax.sharding.get_abstract_mesh()
+    streams = _stream_axis(mesh, args[0].shape[0])
+
+    def resolve(spec):
+        return P(*(streams if axis == STREAMS else axis for axis in spec))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    in_specs, out_specs = jax.tree.map(resolve, (in_specs, out_specs), is_leaf=is_spec)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=_check_vma())(*args)
 
 
 def most_loaded_first(ids, held: int, routed: int):
@@ -156,7 +180,7 @@ def attention_plan(prefix_len, visible, num_heads: int):
     """`ops.tree_verify_plan` for a forward's `head_parallel` calls of num_heads heads: built for the heads each
     device attends for (num_heads / tp under a mesh with tp > 1), once per forward, outside the shard_map."""
     tp = tp_size(jax.sharding.get_abstract_mesh())
-    return ops.tree_verify_plan(prefix_len, visible, num_heads=_per_device(num_heads, tp, "heads", "attention heads"))
+    return ops.tree_verify_plan(prefix_len, visible, num_heads=_split_count(num_heads, tp, "heads", "attention heads"))
 
 
 def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan=None):
@@ -171,9 +195,9 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
     mesh = jax.sharding.get_abstract_mesh()
     tp = tp_size(mesh)
     args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan)
-    if tp == 1:
-        return attention(*args)
-    _per_device(q_lat.shape[2], tp, "heads", "attention heads")
+    if tp == 1:                                # on each device's streams under a data mesh
+        return per_device(attention, args, (P(STREAMS),) * len(args), P(STREAMS))
+    _split_count(q_lat.shape[2], tp, "heads", "attention heads")
     streams = _stream_axis(mesh, q_lat.shape[0])
     per_head = P(streams, None, TP, None)
     per_stream = P(streams)
@@ -194,19 +218,19 @@ def vocab_parallel_embed(table, tokens):
     tp = tp_size(mesh)
     if tp == 1:
         return jnp.take(table, tokens, axis=0)
-    per_device = _per_device(table.shape[0], tp, "vocab", "vocabulary entries")
+    rows_here = _split_count(table.shape[0], tp, "vocab", "vocabulary entries")
     streams = P(_stream_axis(mesh, tokens.shape[0]))
 
     def local(table, tokens):
-        ids = tokens - jax.lax.axis_index(TP) * per_device
-        mine = (ids >= 0) & (ids < per_device)
+        ids = tokens - jax.lax.axis_index(TP) * rows_here
+        mine = (ids >= 0) & (ids < rows_here)
         rows = jnp.take(table, jnp.where(mine, ids, 0), axis=0)
         return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), TP)
 
     return jax.shard_map(local, in_specs=(P(TP), streams), out_specs=streams)(table, tokens)
 
 
-def _per_device(count: int, tp: int, name: str, what: str) -> int:
+def _split_count(count: int, tp: int, name: str, what: str) -> int:
     """count / tp, or a ValueError naming the axis that tp does not divide."""
     if count % tp:
         raise ValueError(f"{name} = {count} is not divisible by {TP} = {tp}; choose a {TP} size that divides the "
