@@ -84,7 +84,7 @@ from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.moe import random_int4_experts
 from kdtree_jax.model.transformer import Transformer
 from kdtree_jax.training.target_objective import expert_loads
-from pallas_kernels import int4_moe_triton, ops
+from pallas_kernels import batch_invariant, int4_moe_triton, ops
 from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 from pallas_kernels.tree import random_tree_visible
 from pallas_kernels.triton_call import LAUNCHERS
@@ -456,7 +456,7 @@ def make_step(graphdef, params, mesh, exact: bool = False):
     """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache, experts hit
     [num MoE layers, E] bool), cache donated; params in their shards, every per-stream array split over data. Lower it
     under jax.set_mesh(mesh). exact: the target's batch-invariant forward (`Transformer(..., exact=True)`)."""
-    return _jit_step(functools.partial(_forward, graphdef, exact=exact), params, mesh)
+    return _jit_step(functools.partial(_forward, graphdef, exact=exact), params, mesh, exact)
 
 
 class StepLoop(NamedTuple):
@@ -483,7 +483,7 @@ def make_step_loop(graphdef, params, mesh, steps: int, exact: bool = False) -> S
         _, tokens, cache, hit = lax.while_loop(more, body, (jnp.int32(1), *first))
         return tokens, cache, hit
 
-    return StepLoop(_jit_step(loop, params, mesh), steps)
+    return StepLoop(_jit_step(loop, params, mesh, exact), steps)
 
 
 def _forward(graphdef, params, cache, tokens, positions, visible, *, exact: bool = False):
@@ -496,10 +496,11 @@ def _forward(graphdef, params, cache, tokens, positions, visible, *, exact: bool
     return pick_tokens(fwd.logits, 0.0, None).astype(tokens.dtype), fwd.cache, hit
 
 
-def _jit_step(fn, params, mesh):
+def _jit_step(fn, params, mesh, exact: bool):
     streams = sharding.stream_sharding(mesh)
     return jax.jit(fn, donate_argnums=(1,), out_shardings=(streams, streams, sharding.replicated(mesh)),
-                   in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams))
+                   in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams),
+                   **batch_invariant.jit_options(exact))
 
 
 # ----------------------------------------------------------------------------------------------------- one case

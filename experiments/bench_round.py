@@ -34,6 +34,7 @@ On the GPU the loops also report device busy time, device events and device-to-h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -56,7 +57,7 @@ from kdtree_jax.decode import (DecodeSpec, Decoder, LoopState, budget_counts, ch
                                prefill, root_only_tree, split_each, walk_tree)
 from kdtree_jax.drafter import Drafter
 from kdtree_jax.model.transformer import Transformer
-from pallas_kernels import ops
+from pallas_kernels import batch_invariant, ops
 
 F = flags.FLAGS
 
@@ -221,11 +222,12 @@ def round_functions(decoder: Decoder, spec: DecodeSpec, num_streams: int, prompt
     def one_round(params, dparams, state):
         return decode_round(*models(params, dparams), spec, state)
 
-    stages = {"build": jax.jit(build), "verify": jax.jit(verify, donate_argnums=2), "accept": jax.jit(accept),
-              "commit": jax.jit(commit, donate_argnums=(2, 3))}
+    jit = functools.partial(jax.jit, **batch_invariant.jit_options(spec.exact))   # as the decoder's loop compiles
+    stages = {"build": jit(build), "verify": jit(verify, donate_argnums=2), "accept": jit(accept),
+              "commit": jit(commit, donate_argnums=(2, 3))}
     if spec.policy != "ar":
-        stages["draft"] = jax.jit(draft)
-    return RoundFunctions(jax.jit(prefill_fn, donate_argnums=(2, 3)), stages, jax.jit(one_round, donate_argnums=2),
+        stages["draft"] = jit(draft)
+    return RoundFunctions(jit(prefill_fn, donate_argnums=(2, 3)), stages, jit(one_round, donate_argnums=2),
                           decoder.compiled_loop(spec, num_streams, prompt_len, cache_len))
 
 

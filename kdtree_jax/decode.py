@@ -35,7 +35,7 @@ from kdtree_jax.config import DrafterConfig, ModelConfig
 from kdtree_jax.drafter import Drafter, DrafterCache
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.transformer import Transformer
-from pallas_kernels import ops
+from pallas_kernels import batch_invariant, ops
 
 POLICIES = ("ar", "chain", "ddtree")
 
@@ -437,11 +437,12 @@ class Decoder:
         spec = dataclasses.replace(spec, budget=spec.tree_budget, topk=spec.tree_topk)  # chain ignores the budget
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
+            options = batch_invariant.jit_options(spec.exact)
             if self.mesh is None:
-                fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3))
+                fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3), **options)
             else:
                 fn = sharding.under_mesh(self.mesh, jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3),
-                                                            **self._loop_shardings()))
+                                                            **self._loop_shardings(), **options))
             self._compiled[key] = fn
         return self._compiled[key]
 

@@ -42,6 +42,14 @@ ROW_TILE = 64  # rows per product: the verify of a 63-node tree at one stream is
 QUERY_TILE = 16  # queries per step of `attention` (each still over its own key sequence: a batched product)
 
 
+def jit_options(exact: bool) -> dict:
+    """jax.jit's keywords for a function holding the exact forward: XLA's excess precision off, so that every
+    rounding to bf16 the code writes happens wherever XLA fuses it (with it on, XLA dropped a product's rounding
+    before the residual outside a shard_map and kept it inside: the forward on a data mesh and without one differed
+    by up to 0.03 in a logit, tests/test_sharding.py). None for the default forward."""
+    return dict(compiler_options={"xla_allow_excess_precision": False}) if exact else {}
+
+
 def fixed_dot(a, b):
     """a [..., K] . b [K, N] (jnp.dot), or a batch of them a [Q, M, K] . b [Q, K, N] (jnp.matmul) -> f32, as a
     product of its own: no producer or consumer fused into it."""
