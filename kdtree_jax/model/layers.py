@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.model.parallel import STREAMS, mlp_parallel, per_device, tp_size
+from kdtree_jax.model.parallel import STREAMS, mlp_parallel, per_device
 from pallas_kernels import batch_invariant, ops
 
 
@@ -57,11 +57,11 @@ def norm_weights(norm: RMSNorm | None) -> tuple:
 
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):
     """[norm](x) . w: x [..., K], w [K, *out] -> [..., *out] (f32 accumulation; out_dtype default x's). One
-    `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`) and no tp
-    mesh shards the product (a Triton call has no GSPMD partitioning), else XLA's dot over x's last axis and w's
-    first."""
+    `skinny_matmul` kernel with the norm fused where `ops.dense_takes` the rows (`ops.set_dense_kernel`) and no mesh
+    shards the product (`ops.unpartitioned`: a Triton call has no GSPMD partitioning), else XLA's dot over x's last
+    axis and w's first."""
     w2 = w.reshape(w.shape[0], -1)
-    if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.dense_takes(x, w2):
+    if ops.unpartitioned() and ops.dense_takes(x, w2):
         y = ops.dense(x, w2, out_dtype=out_dtype, **fused_norm(norm))
         return y.reshape(*x.shape[:-1], *w.shape[1:])
     x = x if norm is None else norm(x)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.layers import GatedMLP, dtype_of, gated_mlp, init_weight, project
 from pallas_kernels.int4_layout import NIBBLES_PER_WORD
-from kdtree_jax.model.parallel import STREAMS, expert_parallel, per_device, tp_size
+from kdtree_jax.model.parallel import STREAMS, expert_parallel, per_device
 from pallas_kernels import batch_invariant, ops
 from pallas_kernels.int4_moe import Int4Experts
 from pallas_kernels.router_topk import router_topk_reference
@@ -23,7 +23,7 @@ from pallas_kernels.router_topk import router_topk_reference
 def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
     """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32): the product in f32 (exact:
     `batch_invariant.matmul`), then the sigmoid, the top-k and the weights (`router_topk_reference`, or its one-kernel
-    form where `ops.router_takes` and no tp mesh shards the call)."""
+    form where `ops.router_takes` and no mesh shards the call: `ops.unpartitioned`)."""
     x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
     if exact:                # on each device's tokens under a mesh (the router is replicated)
         logits = per_device(batch_invariant.matmul, (x32, w32), (P(STREAMS), P()), P(STREAMS))
@@ -31,7 +31,7 @@ def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
         logits = project(x32, w32)
     args = (logits, bias.astype(jnp.float32), cfg.num_experts_per_tok)
     kw = dict(normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-    if tp_size(jax.sharding.get_abstract_mesh()) == 1 and ops.router_takes():
+    if ops.unpartitioned() and ops.router_takes():
         return ops.router_topk(*args, **kw)
     return router_topk_reference(*args, **kw)
 

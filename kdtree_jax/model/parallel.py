@@ -5,9 +5,10 @@ other kernels on each device's shards (`per_device`).
 
 The mesh has axes ("data", "tp") (`kdtree_jax.sharding` builds it and places the params). The model code calls
 `expert_parallel` and `head_parallel` unconditionally; under a mesh with tp > 1 (`jax.set_mesh`) they wrap the
-kernel in a `jax.shard_map` over the shards the params already have, and without one they call it directly.
+kernel in a `jax.shard_map` over the shards the params already have, under a data mesh in one over each device's
+streams (`per_device`), and without a mesh they call it directly.
 
-Both shard_maps check varying manual axes (check_vma, jax's default): the Triton kernels state theirs
+The shard_maps check varying manual axes (check_vma, jax's default): the Triton kernels state theirs
 (`pallas_kernels.triton_call`), and Mosaic GPU's `plgpu.kernel` traces its body with the check off (both lower inside
 `head_parallel`: tests/test_attention_kernel.py). One exception, `_check_vma()`: a kernel run in Pallas' interpret
 mode (the CPU tests) is evaluated by jax 0.11.2's HLO interpreter, which mixes the kernel's own constants (no varying
@@ -134,29 +135,31 @@ def head_parallel_product(product: Callable, x, w):
     """o_proj over heads split on tp, its sum over the heads in an order that depends on tp alone (the exact mode).
 
     x [S, T, H, V], w [H, V, D], product(a [S, T, K], b [K, D]) -> [S, T, D] f32 with K the (local) heads x V ->
-    [S, T, D] f32. Under a mesh with tp > 1 each device multiplies its H / tp heads (the shards x and w already
-    have) and the partials are added in device order (`sum_in_device_order`); without one, one product over all
-    heads (on each device's streams: `per_device`)."""
+    [S, T, D] f32. Under a mesh with tp > 1 (where `MLA._exact` calls it; otherwise o_proj is one product with the
+    residual in its epilogue) each device multiplies its H / tp heads (the shards x and w already have) and the
+    partials are added in device order (`sum_in_device_order`)."""
     tp = tp_size(jax.sharding.get_abstract_mesh())
+    _split_count(x.shape[2], tp, "heads", "attention heads")
 
     def partial(x, w):
         return product(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
-    if tp == 1:
-        return per_device(partial, (x, w), (P(STREAMS), P()), P(STREAMS))
-    _split_count(x.shape[2], tp, "heads", "attention heads")
     return _sum_of_partials(partial, x, (w,), (None, TP, None), (P(TP, None, None),))
 
 
 def per_device(fn: Callable, args: tuple, in_specs: tuple, out_specs):
     """fn(*args) on each device's shards: a shard_map over every axis of the current mesh when it has more than one
-    device, else fn(*args). For the exact mode's kernels, which run only where nothing is left for GSPMD to
-    partition (`ops.exact_kernels_take`; outside a shard_map under tp or data their XLA references run, 5-22x slower
-    at K2.6's shapes). Specs as shard_map's, with STREAMS for the stream axis: data where it divides args[0]'s first
+    device, else fn(*args). For kernels, which GSPMD cannot partition: the exact mode's run only where nothing is
+    left to partition (`ops.exact_kernels_take`; outside a shard_map under tp or data their XLA references run, 5-22x
+    slower at K2.6's shapes), and under a data mesh the attention and the experts of both modes. Not inside a
+    shard_map over only some axes (a ValueError). Specs as shard_map's, with STREAMS for the stream axis: data where it divides args[0]'s first
     dim (the streams, or the tokens of [S T, D]), else unsplit. What fn computes from operands replicated over an
     axis stays replicated over it (each device computes it, as GSPMD would)."""
     if ops.unpartitioned():                    # no mesh, one device, or inside a shard_map over every axis
         return fn(*args)
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes:
+        raise ValueError(f"parallel.per_device inside a shard_map over {sorted(mesh.manual_axes)} only: call it "
+                         "outside, or inside a shard_map over every mesh axis")
     streams = _stream_axis(mesh, args[0].shape[0])
 
     def resolve(spec):
