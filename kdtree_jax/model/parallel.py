@@ -151,9 +151,9 @@ def per_device(fn: Callable, args: tuple, in_specs: tuple, out_specs):
     device, else fn(*args). For kernels, which GSPMD cannot partition: the exact mode's run only where nothing is
     left to partition (`ops.exact_kernels_take`; outside a shard_map under tp or data their XLA references run, 5-22x
     slower at K2.6's shapes), and under a data mesh the attention and the experts of both modes. Not inside a
-    shard_map over only some axes (a ValueError). Specs as shard_map's, with STREAMS for the stream axis: data where it divides args[0]'s first
-    dim (the streams, or the tokens of [S T, D]), else unsplit. What fn computes from operands replicated over an
-    axis stays replicated over it (each device computes it, as GSPMD would)."""
+    shard_map over only some axes (a ValueError). Specs as shard_map's, with STREAMS for the stream axis: data where
+    it divides args[0]'s first dim (the streams, or the tokens of [S T, D]), else unsplit. What fn computes from
+    operands replicated over an axis stays replicated over it (each device computes it, as GSPMD would)."""
     if ops.unpartitioned():                    # no mesh, one device, or inside a shard_map over every axis
         return fn(*args)
     mesh = jax.sharding.get_abstract_mesh()
