@@ -171,10 +171,10 @@ def test_exact_partials_travel_in_slots_and_are_added_in_device_order(models):
 
 
 @on_devices
-@pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4"])
+@pytest.mark.parametrize("mesh_text", ["tp=4", "data=2,tp=4", "data=4"])
 def test_decode_with_every_kernel_in_interpret_mode_equals_one_device(mesh_text):
     """Every Pallas kernel the model calls, in Pallas' interpret mode, under a mesh: tree-verify attention per head
-    group inside its shard_map, tree build and accept in the loop (int4_moe per expert group runs its reference:
+    group inside its shard_map (data=4: per stream, `parallel.per_device`), tree build and accept in the loop (int4_moe per expert group runs its reference:
     its Triton kernel has no interpret mode). ar, chain and ddtree (ragged
     batch, INT4 experts, an oracle drafter so that rounds accept several nodes and branch) give one device's greedy
     tokens (pure-JAX references). Failed before the kernels stated their varying axes."""
