@@ -70,8 +70,8 @@ def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | No
     """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
     (64 when K is not a multiple of 128; 32 with fma, whose accumulator holds rows x steps x columns floats), and the
     largest split of K into whole steps that keeps programs * splits <= TARGET_PROGRAMS (none below
-    MIN_SPLIT_STEPS steps). A function of (K, N) only (the module's row invariance rests on it). block_n / block_k replace the first two choices (the benchmark's
-    variants); fma: `Tiling.fma`."""
+    MIN_SPLIT_STEPS steps). A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
+    replace the first two choices (the benchmark's variants); fma: `Tiling.fma`."""
     block_n = block_n or (128 if triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64)
     block_k = block_k or (32 if fma else 128 if k % 128 == 0 else 64)
     if k % block_k:

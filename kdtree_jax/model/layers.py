@@ -41,18 +41,10 @@ class RMSNorm(nnx.Module):
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def fused_norm(norm: RMSNorm | None, *weight) -> dict:
+def fused_norm(norm: RMSNorm | None) -> dict:
     """The keywords (norm_weight, eps) that fuse `norm` into a product's prologue (`ops.dense`,
-    `batch_invariant.matmul`); none for no norm. weight: the norm's weight as passed into a shard_map (default
-    norm.weight)."""
-    if norm is None:
-        return {}
-    return dict(norm_weight=weight[0] if weight else norm.weight[...], eps=norm.eps)
-
-
-def norm_weights(norm: RMSNorm | None) -> tuple:
-    """(norm.weight,) or () for no norm: the operand `fused_norm` takes inside a shard_map."""
-    return () if norm is None else (norm.weight[...],)
+    `batch_invariant.matmul`); none for no norm."""
+    return {} if norm is None else dict(norm_weight=norm.weight[...], eps=norm.eps)
 
 
 def project(x, w, *, norm: RMSNorm | None = None, out_dtype=None):

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.cache import write_rows
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, norm_weights, project
+from kdtree_jax.model.layers import RMSNorm, dtype_of, fused_norm, init_weight, project
 from kdtree_jax.model.rope import apply_rope
 from kdtree_jax.model.parallel import STREAMS, TP, head_parallel, head_parallel_product, per_device, tp_size
 from pallas_kernels import batch_invariant, ops
@@ -59,20 +59,19 @@ class MLA(nnx.Module):
         return q[..., :p], apply_rope(q[..., p:], positions, self.cfg)
 
     def _exact_queries(self, x, input_norm):
-        """`queries`' products in the exact mode -> q [S, T, H, P + R] (`parallel.per_device`)."""
+        """`queries`' products in the exact mode -> q [S, T, H, P + R] (`parallel.per_device`; the norms' weights,
+        replicated, closed over)."""
         def heads(y, w, **norm):
             return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1], *w.shape[1:])
-        in_w = norm_weights(input_norm)
         if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
-            def local(x, q_a, q_a_norm, q_b, *in_w):
-                q = batch_invariant.matmul(x, q_a, **fused_norm(input_norm, *in_w))
-                return heads(q, q_b, **fused_norm(self.q_a_norm, q_a_norm))
-            args = (x, self.q_a_proj[...], self.q_a_norm.weight[...], self.q_b_proj[...], *in_w)
-            specs = (P(STREAMS), P(), P(), ON_HEADS_W, *(P(),) * len(in_w))
+            def local(x, q_a, q_b):
+                q = batch_invariant.matmul(x, q_a, **fused_norm(input_norm))
+                return heads(q, q_b, **fused_norm(self.q_a_norm))
+            args, specs = (x, self.q_a_proj[...], self.q_b_proj[...]), (P(STREAMS), P(), ON_HEADS_W)
         else:
-            def local(x, q_proj, *in_w):
-                return heads(x, q_proj, **fused_norm(input_norm, *in_w))
-            args, specs = (x, self.q_proj[...], *in_w), (P(STREAMS), ON_HEADS_W, *(P(),) * len(in_w))
+            def local(x, q_proj):
+                return heads(x, q_proj, **fused_norm(input_norm))
+            args, specs = (x, self.q_proj[...]), (P(STREAMS), ON_HEADS_W)
         return per_device(local, args, specs, ON_HEADS)
 
     def latents(self, x, positions, *, exact: bool = False, input_norm=None):
@@ -80,12 +79,10 @@ class MLA(nnx.Module):
         as in `queries` (exact only; kv_a and its norm on each device's streams under a mesh)."""
         c = self.cfg.kv_lora_rank
         if exact:
-            def local(x, kv_a, kv_norm, *in_w):
-                kv = batch_invariant.matmul(x, kv_a, **fused_norm(input_norm, *in_w))
-                return batch_invariant.rms_norm(kv[..., :c], kv_norm, self.kv_a_norm.eps), kv[..., c:]
-            in_w = norm_weights(input_norm)
-            c_kv, k_rope = per_device(local, (x, self.kv_a_proj[...], self.kv_a_norm.weight[...], *in_w),
-                                      (P(STREAMS), P(), P(), *(P(),) * len(in_w)), (P(STREAMS), P(STREAMS)))
+            def local(x, kv_a):
+                kv = batch_invariant.matmul(x, kv_a, **fused_norm(input_norm))
+                return self.kv_a_norm(kv[..., :c], exact=True), kv[..., c:]
+            c_kv, k_rope = per_device(local, (x, self.kv_a_proj[...]), (P(STREAMS), P()), (P(STREAMS), P(STREAMS)))
         else:
             kv = project(x, self.kv_a_proj[...])
             c_kv, k_rope = self.kv_a_norm(kv[..., :c]), kv[..., c:]

@@ -58,8 +58,7 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
     experts (`most_loaded_first`), the device a tp deployment waits for at this layer; its psum is left out (the
     caller reports the collectives apart).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
+    tp = tp_size(jax.sharding.get_abstract_mesh())
     held = jax.tree.leaves(experts)[0].shape[0]
 
     def local(x, experts, ids, weights, shared_params, first):
@@ -75,7 +74,6 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
         return per_device(lambda *args: local(*args, first).astype(x.dtype), (x, experts, ids, weights, shared_params),
                           (P(STREAMS), P(), P(STREAMS), P(STREAMS), P()), P(STREAMS))
     experts_here = _split_count(held, tp, "experts", "routed experts")
-    tokens = P(_stream_axis(mesh, x.shape[0]))
     shared_specs = () if shared is None else (P(None, TP), P(None, TP), P(TP, None))
 
     def on_device(x, experts, ids, weights, shared_params):
@@ -85,8 +83,8 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
             return sum_in_device_order(out, tp).astype(x.dtype)
         return jax.lax.psum(out.astype(x.dtype), TP)
 
-    return jax.shard_map(on_device, in_specs=(tokens, P(TP), tokens, tokens, shared_specs), out_specs=tokens,
-                         check_vma=_check_vma())(x, experts, ids, weights, shared_params)
+    return per_device(on_device, (x, experts, ids, weights, shared_params),
+                      (P(STREAMS), P(TP), P(STREAMS), P(STREAMS), shared_specs), P(STREAMS))
 
 
 def sum_in_device_order(partial, tp: int):
@@ -108,12 +106,9 @@ def _sum_of_partials(partial: Callable, x, weights, x_spec: tuple, weight_specs:
     """Inside a shard_map over tp (streams on data where they divide it): partial(x, *weights) -> f32 [S, T, D] on
     each device's shards, the partials added in device order (`sum_in_device_order`) -> [S, T, D] f32. x_spec: x's
     spec after its stream axis; weight_specs: one per weight."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
-    streams = _stream_axis(mesh, x.shape[0])
-    return jax.shard_map(lambda x, *w: sum_in_device_order(partial(x, *w), tp),
-                         in_specs=(P(streams, *x_spec), *weight_specs), out_specs=P(streams),
-                         check_vma=_check_vma())(x, *weights)
+    tp = tp_size(jax.sharding.get_abstract_mesh())
+    return per_device(lambda x, *w: sum_in_device_order(partial(x, *w), tp), (x, *weights),
+                      (P(STREAMS, *x_spec), *weight_specs), P(STREAMS))
 
 
 def mlp_parallel(mlp: Callable, x, gate, up, down):
@@ -153,7 +148,8 @@ def per_device(fn: Callable, args: tuple, in_specs: tuple, out_specs):
     slower at K2.6's shapes), and under a data mesh the attention and the experts of both modes. Not inside a
     shard_map over only some axes (a ValueError). Specs as shard_map's, with STREAMS for the stream axis: data where
     it divides args[0]'s first dim (the streams, or the tokens of [S T, D]), else unsplit. What fn computes from
-    operands replicated over an axis stays replicated over it (each device computes it, as GSPMD would)."""
+    operands replicated over an axis stays replicated over it (each device computes it, as GSPMD would); a
+    replicated param (a norm's weight) may be closed over instead of passed."""
     if ops.unpartitioned():                    # no mesh, one device, or inside a shard_map over every axis
         return fn(*args)
     mesh = jax.sharding.get_abstract_mesh()
@@ -193,19 +189,13 @@ def head_parallel(attention: Callable, q_lat, q_rope, c_kv, k_rope, prefix_len, 
     visible [S, T, T], plan) -> [S, T, H, C]; plan: `attention_plan`'s, or None. A Pallas call cannot be partitioned
     by XLA, so without this every device would gather all H heads and attend for all of them; under shard_map each
     device attends for its own H / tp heads over the replicated latent cache, and no collective is needed (o_proj is
-    split on heads too). Streams stay split over data when it divides S.
+    split on heads too). Streams stay split over data when it divides S (`per_device`; with tp = 1 each device
+    attends for all heads of its streams).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = tp_size(mesh)
-    args = (q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan)
-    if tp == 1:                                # on each device's streams under a data mesh
-        return per_device(attention, args, (P(STREAMS),) * len(args), P(STREAMS))
-    _split_count(q_lat.shape[2], tp, "heads", "attention heads")
-    streams = _stream_axis(mesh, q_lat.shape[0])
-    per_head = P(streams, None, TP, None)
-    per_stream = P(streams)
-    return jax.shard_map(attention, in_specs=(per_head, per_head) + (per_stream,) * 5, out_specs=per_head,
-                         check_vma=_check_vma())(*args)
+    _split_count(q_lat.shape[2], tp_size(jax.sharding.get_abstract_mesh()), "heads", "attention heads")
+    per_head = P(STREAMS, None, TP, None)
+    return per_device(attention, (q_lat, q_rope, c_kv, k_rope, prefix_len, visible, plan),
+                      (per_head, per_head) + (P(STREAMS),) * 5, per_head)
 
 
 def vocab_parallel_embed(table, tokens):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.cache import KVCache, init_cache
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, fused_norm, init_weight, norm_weights, project
+from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, fused_norm, init_weight, project
 from kdtree_jax.model.mla import MLA
 from kdtree_jax.model.moe import MoE
 from kdtree_jax.model.parallel import STREAMS, TP, attention_plan, per_device, vocab_parallel_embed
@@ -66,11 +66,9 @@ class Transformer(nnx.Module):
         its final norm, which the lm_head's kernel fuses: `project`)."""
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         if exact:            # on each device's streams and vocabulary slice under a mesh
-            def local(hidden, w, *norm_w):
-                return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused_norm(norm, *norm_w))
-            norm_w = norm_weights(norm)
-            return per_device(local, (hidden, w, *norm_w), (P(STREAMS), P(None, TP), *(P(),) * len(norm_w)),
-                              P(STREAMS, None, TP))
+            def local(hidden, w):
+                return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused_norm(norm))
+            return per_device(local, (hidden, w), (P(STREAMS), P(None, TP)), P(STREAMS, None, TP))
         return project(hidden, w, norm=norm, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
