@@ -303,7 +303,7 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
                     NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     ROW_WORDS: tl.constexpr, H_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     WORDS: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                    FMA: tl.constexpr):
+                    FMA: tl.constexpr, STAGES: tl.constexpr):
     """Program (block b, rows n, split s): h[b's BM rows, n's BN columns] = silu(x W_gate^T) * (x W_up^T), its
     expert's (0 on the block's padding rows); with SPLITS > 1, over the split's 1 / SPLITS of D, the f32 sums
     x W_gate^T and x W_up^T into h_ptr [SPLITS, ROWS, 2, H_COLS] at [s, b's rows, 0 / 1, n's columns]
@@ -329,19 +329,10 @@ def _gate_up_kernel(block_expert_ptr, block_token_ptr, x_ptr, gate_q_ptr, gate_s
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * INTER
         acc_g = _zero_acc(BM, BN, WORDS, FMA)
         acc_u = _zero_acc(BM, BN, WORDS, FMA)
-        if FMA:         # no dot for Triton's pipeliner to stage loads for: the next step's words load a step ahead
-            gate_ahead = tl.load(gate_q + first * WORDS)
-            up_ahead = tl.load(up_q + first * WORDS)
-        for step in tl.range(first, first + steps):
+        for step in tl.range(first, first + steps, num_stages=STAGES):
             block = step * WORDS // 32
-            if FMA:
-                w_gate, w_up = gate_ahead, up_ahead
-                ahead = tl.minimum(step + 1, first + steps - 1) * WORDS
-                gate_ahead = tl.load(gate_q + ahead)
-                up_ahead = tl.load(up_q + ahead)
-            else:
-                w_gate = tl.load(gate_q + step * WORDS)
-                w_up = tl.load(up_q + step * WORDS)
+            w_gate = tl.load(gate_q + step * WORDS)
+            w_up = tl.load(up_q + step * WORDS)
             if FMA or dtype == tl.bfloat16:
                 scale_at = expert_scales + block * 8 * INTER
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
@@ -397,7 +388,7 @@ def _gate_up_reduce_kernel(block_token_ptr, part_ptr, h_ptr, NUM_TOKENS: tl.cons
 def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, down_q_ptr, down_s_ptr, y_ptr,
                  NUM_EXPERTS: tl.constexpr, NUM_TOKENS: tl.constexpr, HIDDEN: tl.constexpr, ROW_WORDS: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, WORDS: tl.constexpr, GROUP_BY_BLOCK: tl.constexpr,
-                 FMA: tl.constexpr):
+                 FMA: tl.constexpr, STAGES: tl.constexpr):
     """Program (block b, rows n): y[b's BM rows, n's BN columns] = weight * (h W_down^T), its expert's (the block's
     padding rows of y are not written). FMA: the products as multiply-adds (`_nibble_fmas`)."""
     b, n = _block_and_tile(GROUP_BY_BLOCK)
@@ -414,15 +405,9 @@ def _down_kernel(block_expert_ptr, block_token_ptr, block_weight_ptr, h_ptr, dow
         down_q = down_q_ptr + e.to(tl.int64) * HIDDEN * ROW_WORDS + rows_in[:, None] * ROW_WORDS + word[None, :]
         expert_scales = e.to(tl.int64) * (ROW_WORDS // 4) * HIDDEN
         acc = _zero_acc(BM, BN, WORDS, FMA)
-        if FMA:         # as in `_gate_up_kernel`: the next step's words load a step ahead
-            w_ahead = tl.load(down_q)
-        for step in tl.range(0, ROW_WORDS // WORDS):
+        for step in tl.range(0, ROW_WORDS // WORDS, num_stages=STAGES):
             block = step * WORDS // 32
-            if FMA:
-                w = w_ahead
-                w_ahead = tl.load(down_q + tl.minimum(step + 1, ROW_WORDS // WORDS - 1) * WORDS)
-            else:
-                w = tl.load(down_q + step * WORDS)
+            w = tl.load(down_q + step * WORDS)
             if FMA or dtype == tl.bfloat16:
                 cols = tl.multiple_of(block * 256 + (step * WORDS) % 32, WORDS) + word                  # nibble 0
                 act_at = h_ptr + pair_rows[:, None].to(tl.int64) * h_cols + cols[None, :]                # [BM, W]
@@ -577,8 +562,8 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, BM=cfg.block_m, BN=cfg.block_n, WORDS=cfg.words,
-                  GROUP_BY_BLOCK=cfg.group_by_block, FMA=cfg.fma)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, STAGES=cfg.num_stages, BM=cfg.block_m,
+                  BN=cfg.block_n, WORDS=cfg.words, GROUP_BY_BLOCK=cfg.group_by_block, FMA=cfg.fma)
     if cfg.group_by_block and num_blocks > MAX_GRID_Y:
         raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
                          f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")
@@ -607,7 +592,8 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=grid(triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
-        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, num_stages=down_stages))
+        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, num_stages=down_stages,
+                                     STAGES=down_stages))
     return combine_pairs(call, pair_row, y, topk_ids.shape, x.dtype)
 
 

@@ -22,7 +22,7 @@ def compile_tiled(kernel, pointers: dict, constants: dict, config: MT.TritonMoeC
     """`compile_for_h200` with the config's tiles (the down kernel's where `down`) and launch parameters."""
     rows, words, stages = config.down_tiling() if down else (config.block_n, config.words, config.num_stages)
     constants = dict(constants, BM=config.block_m, BN=rows, WORDS=words, GROUP_BY_BLOCK=config.group_by_block,
-                     FMA=config.fma)
+                     FMA=config.fma, STAGES=stages)
     return compile_for_h200(kernel, pointers, constants, config.num_warps, stages)
 
 
@@ -73,10 +73,11 @@ def test_down_kernel_at_two_stages_fits_two_blocks_per_sm():
                          ids=["fma", "fma_split_k"])
 @pytest.mark.parametrize("make", [gate_up, down], ids=["gate_up", "down"])
 def test_fma_kernels_multiply_add_without_tensor_cores(make, config):
-    """fma: the packed bf16x2 dequantization, then f32 multiply-adds, no wgmma and no wait on one; a step's loads
-    are issued a step ahead of its arithmetic (Triton stages loads only for dots)."""
+    """fma: the packed bf16x2 dequantization, then f32 multiply-adds, no wgmma and no wait on one; the weights and
+    scales of later steps are copied ahead asynchronously (cp.async: the loop's `tl.range(num_stages=)` has Triton's
+    pipeliner stage loads that feed no dot)."""
     ptx = make("bf16", config).asm["ptx"]
-    assert "fma.rn.f32" in ptx and "mul.rn.bf16x2" in ptx
+    assert "fma.rn.f32" in ptx and "mul.rn.bf16x2" in ptx and "cp.async" in ptx
     assert "wgmma" not in ptx
 
 

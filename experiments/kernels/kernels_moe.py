@@ -70,7 +70,8 @@ def triton_sweep(m: int, n_pairs: int, num_experts: int, sweep_tokens: list[int]
                                   gate_up_splits=splits)
                            for splits, stages in ((2, 4), (2, 3), (4, 3), (4, 2))]
             candidates += [Config(block_m=1, block_n=rows, fma=True, gate_up_splits=splits, down_block_n=down_rows)
-                           for rows, splits, down_rows in ((32, 1, 64), (32, 2, 64), (16, 2, 32), (64, 4, 64))]
+                           for rows, splits, down_rows in ((32, 1, 64), (32, 2, 64), (32, 4, 64), (16, 2, 32),
+                                                           (16, 4, 32), (64, 4, 64))]
     elif per_expert < 48:
         candidates = [Config(block_m=16, block_n=64, words=32), Config(block_m=32, block_n=128, words=32, num_warps=8),
                       Config(block_m=64, block_n=64, words=32), Config(block_m=128, block_n=128, words=16, num_warps=8),
