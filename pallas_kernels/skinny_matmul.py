@@ -47,6 +47,7 @@ from pallas_kernels.triton_call import bound_to
 
 BLOCK_M = 16          # rows per program: tl.dot's smallest tile; rows past M are masked
 TARGET_PROGRAMS = 264  # programs a 16-row tile aims for (two per SM of an H200 / H100, 132 SMs)
+STAGES = 3           # the product kernel's pipeline: steps whose x and w loads are in flight
 FMA_MAX_ROWS = 8     # the most rows of `Tiling.fma` (its accumulator holds rows x block_k x block_n floats)
 FLOATS = (jnp.bfloat16, jnp.float32)  # the dtypes of x, w, norm_weight, residual and the output
 MIN_SPLIT_STEPS = 8  # fewer K steps than this: no split (a program's walk is short, a split only adds the splits
@@ -100,7 +101,7 @@ def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residu
 def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: tl.constexpr, K: tl.constexpr,
                     N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
                     NORM: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, IEEE: tl.constexpr,
-                    FMA: tl.constexpr):
+                    FMA: tl.constexpr, STAGES: tl.constexpr):
     """Program (row tile m, columns n, split s), over the split's K: out[s, m's rows, n's BN columns] = the f32 sum of
     x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM);
     rows past M read as zeros and are not written. SPLITS = 1 finishes in place: out (the caller's dtype) = that sum
@@ -120,7 +121,7 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
         lanes = tl.zeros((BM, BK, BN), tl.float32)
     squares = tl.zeros((BM,), tl.float32)
     steps: tl.constexpr = K // BK // SPLITS
-    for step in tl.range(s * steps, (s + 1) * steps):
+    for step in tl.range(s * steps, (s + 1) * steps, num_stages=STAGES):     # staged for FMA too (no dot)
         k = step * BK + ks
         xk = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rows_ok[:, None], other=0.0)
         if NORM:
@@ -217,9 +218,9 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
         x, w, g, r, kernel=_product_kernel,
         out_shape=(jax.ShapeDtypeStruct((tiling.splits, m, n), jnp.float32 if split else out_dtype),
                    jax.ShapeDtypeStruct((tiling.splits, m), jnp.float32)),
-        grid=(triton.cdiv(m, block_m), triton.cdiv(n, tiling.block_n), tiling.splits), num_warps=4, num_stages=3,
+        grid=(triton.cdiv(m, block_m), triton.cdiv(n, tiling.block_n), tiling.splits), num_warps=4, num_stages=STAGES,
         M=m, K=k, N=n, BM=block_m, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=norm,
-        RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32, FMA=tiling.fma)
+        RESIDUAL=add and not split, EPS=float(eps), IEEE=x.dtype == jnp.float32, FMA=tiling.fma, STAGES=STAGES)
     if not split:
         return part.reshape(m, n)
     return call(part, squares, r, kernel=_splits_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+import triton
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4_moe as M
@@ -23,7 +24,7 @@ from pallas_kernels import tree_verify_attention_triton as AT
 from pallas_kernels.tree import TreeArrays
 from pallas_kernels import triton_ffi
 from pallas_kernels.triton_call import XLA_TRITON_TARGET, kernel_cubin, kernel_ttir, triton_call
-from triton_h200 import h200_mesh, lower_for_h200, spec
+from triton_h200 import compile_for_h200, h200_mesh, lower_for_h200, spec
 
 BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
 E, D, I, TOP_K = 384, 7168, 2048, 8     # Kimi K2.6's routed experts
@@ -121,11 +122,19 @@ def test_skinny_matmul_lowers_to_ffi_launches_of_triton_cubins(rows, k, n, norm,
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_skinny_matmul_fma_tiling_lowers_for_sm90(rows):
-    """The multiply-add tiling (`Tiling.fma`) at q_a's shape with its norm: compiled by Triton for sm_90."""
+    """The multiply-add tiling (`Tiling.fma`) at q_a's shape with its norm: compiled by Triton for sm_90, its x and w
+    loads copied steps ahead (cp.async: the loop's `tl.range(num_stages=)` stages loads that feed no dot)."""
     tiling = SM.default_tiling(D, 1536, fma=True)
     text = lower_for_h200(lambda x, w, g: SM.skinny_matmul(x, w, norm_weight=g, tiling=tiling), spec((rows, D), BF16),
                           spec((D, 1536), BF16), spec((D,), BF16))
     assert text.count('cubin = "\\7FELF') == 1 + (tiling.splits > 1) and 'name = "_product_kernel"' in text
+    block_m = triton.next_power_of_2(rows)
+    compiled = compile_for_h200(
+        SM._product_kernel, {name: "*bf16" for name in ("x_ptr", "w_ptr", "g_ptr", "residual_ptr")}
+        | {"out_ptr": "*fp32", "squares_ptr": "*fp32"},
+        dict(M=rows, K=D, N=1536, BM=block_m, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=True,
+             RESIDUAL=False, EPS=1e-6, IEEE=False, FMA=True, STAGES=SM.STAGES), 4, SM.STAGES)
+    assert "cp.async" in compiled.asm["ptx"] and "wgmma" not in compiled.asm["ptx"]
 
 
 def test_router_topk_lowers_to_one_triton_call():
