@@ -62,7 +62,7 @@ def test_int4_moe_lowers_to_ffi_launches_of_triton_cubins():
                            tuple(sorted((k, int, v) for k, v in dict(
                                NUM_EXPERTS=E, NUM_TOKENS=8, HIDDEN=D, INTER=I, ROW_WORDS=D // 8, H_COLS=I,
                                BM=config.block_m, BN=config.block_n, WORDS=config.words, SPLITS=1, GROUP_BY_BLOCK=False,
-                               FMA=config.fma,
+                               FMA=config.fma, STAGES=config.num_stages,
                                ROWS=M.num_route_blocks(8 * TOP_K, E, config.block_m) * config.block_m).items())),
                            config.num_warps, config.num_stages, 90)
     assert gate_up.shared_mem > 48 * 1024 and f"shared_mem = {gate_up.shared_mem} : i32" in text
