@@ -76,7 +76,7 @@ from experiments.run_record import code_version
 from experiments.timing import annotation_calls, wall_us
 from kdtree_jax import cli
 from kdtree_jax import config as config_lib
-from kdtree_jax import model_dir, sharding, weight_layout
+from kdtree_jax import model_dir, sharding
 from kdtree_jax.cache import KVCache
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.decode import pick_tokens
@@ -452,12 +452,11 @@ def block_inputs(rng: np.random.Generator, cfg: ModelConfig, kind: str, streams:
     return tokens, (prefix + visible.sum(-1) - 1).astype(np.int32), visible
 
 
-def make_step(graphdef, params, mesh, exact: bool = False, layout: str = "kn"):
+def make_step(graphdef, params, mesh, exact: bool = False):
     """The jitted step (params, cache, tokens, positions, visible) -> (argmax tokens [S, T], cache, experts hit
     [num MoE layers, E] bool), cache donated; params in their shards, every per-stream array split over data. Lower it
-    under jax.set_mesh(mesh). exact: the target's batch-invariant forward (`Transformer(..., exact=True)`). layout:
-    how the dense product weights lie (`weight_layout.formats`; the params placed so)."""
-    return _jit_step(functools.partial(_forward, graphdef, exact=exact), params, mesh, exact, layout)
+    under jax.set_mesh(mesh). exact: the target's batch-invariant forward (`Transformer(..., exact=True)`)."""
+    return _jit_step(functools.partial(_forward, graphdef, exact=exact), params, mesh, exact)
 
 
 class StepLoop(NamedTuple):
@@ -465,7 +464,7 @@ class StepLoop(NamedTuple):
     steps: int          # steps per call
 
 
-def make_step_loop(graphdef, params, mesh, steps: int, exact: bool = False, layout: str = "kn") -> StepLoop:
+def make_step_loop(graphdef, params, mesh, steps: int, exact: bool = False) -> StepLoop:
     """A function of `make_step`'s signature running the step `steps` times in one `lax.while_loop` on the same
     input tokens (so each step routes as the waited step does), the cache fed forward: the decode loop's regime, where
     the host reads the loop's predicate after every iteration (it depends on the step's argmax tokens, so XLA cannot
@@ -484,7 +483,7 @@ def make_step_loop(graphdef, params, mesh, steps: int, exact: bool = False, layo
         _, tokens, cache, hit = lax.while_loop(more, body, (jnp.int32(1), *first))
         return tokens, cache, hit
 
-    return StepLoop(_jit_step(loop, params, mesh, exact, layout), steps)
+    return StepLoop(_jit_step(loop, params, mesh, exact), steps)
 
 
 def _forward(graphdef, params, cache, tokens, positions, visible, *, exact: bool = False):
@@ -497,11 +496,10 @@ def _forward(graphdef, params, cache, tokens, positions, visible, *, exact: bool
     return pick_tokens(fwd.logits, 0.0, None).astype(tokens.dtype), fwd.cache, hit
 
 
-def _jit_step(fn, params, mesh, exact: bool, layout: str = "kn"):
+def _jit_step(fn, params, mesh, exact: bool):
     streams = sharding.stream_sharding(mesh)
-    formats = weight_layout.formats(params, sharding.param_shardings(params, mesh), layout)
     return jax.jit(fn, donate_argnums=(1,), out_shardings=(streams, streams, sharding.replicated(mesh)),
-                   in_shardings=(formats, streams, streams, streams, streams),
+                   in_shardings=(sharding.param_shardings(params, mesh), streams, streams, streams, streams),
                    **batch_invariant.jit_options(exact))
 
 
@@ -774,9 +772,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_bool("dense_kernel", False, "the dense products of few rows through skinny_matmul "
                       "(`ops.set_dense_kernel`: q_a, kv_a, q_b with its norm, o_proj, the shared expert, the router, "
                       "the lm_head with the final norm) instead of XLA", flag_values=fv)
-    flags.DEFINE_enum("weight_layout", "kn", list(weight_layout.LAYOUTS), "how the dense product weights lie on the "
-                      "device: 'kn' as stored (row-major [K, *out]), 'nk' their reduction axes minor-most "
-                      "(`kdtree_jax.weight_layout`; not with --exact=on, whose kernels read [K, N])", flag_values=fv)
     flags.DEFINE_bool("router_kernel", False, "the MoE router's sigmoid, top-k and weights as one Triton kernel "
                       "(`ops.set_router_kernel`) instead of XLA's ops", flag_values=fv)
     flags.DEFINE_list("exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
@@ -860,10 +855,6 @@ def check(f) -> tuple[ModelConfig, object, list[Case], int, dict]:
         cli.refuse(f, "mesh", f"--shard_of={f.shard_of} runs one device's share on this one device; drop --mesh")
     if share_tp and f.compile_only:
         cli.refuse(f, "compile_only", "is for a whole model on a mesh; --shard_of runs the share on this device")
-    if f.weight_layout != "kn" and True in cli.on_off(f, "exact"):
-        cli.refuse(f, "weight_layout", "is for the default forward only: with --exact=on the exact mode's "
-                   "products are Triton calls that read their weights [K, N] row-major (XLA would copy each weight "
-                   "every call); use --exact=off")
     with cli.about(f, "moe_tiling"):        # run() sets it
         moe_tiling = cli.dataclass_fields(f, "moe_tiling", int4_moe_triton.TritonMoeConfig)
         ops.check_int4_moe_tiling(**moe_tiling)
@@ -899,7 +890,7 @@ def run(f) -> None:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
                 prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
                 shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel,
-                router_kernel=f.router_kernel, moe_tiling=f.moe_tiling, weight_layout=f.weight_layout,
+                router_kernel=f.router_kernel, moe_tiling=f.moe_tiling,
                 collective_table=f.collective_table if share_tp else "",
                 bandwidth_GBps=f.bandwidth_GBps, matmul_TFLOPs=f.matmul_TFLOPs, compile_only=f.compile_only,
                 cache="random latents written in place (no prefill), lengths = prefix",
@@ -938,11 +929,9 @@ def run(f) -> None:
     dump()
 
     view = share_view(cfg, share_tp) if share_tp else cfg  # the config the step's code runs with
-    if f.weight_layout != "kn" and not f.compile_only:
-        params = weight_layout.place(params, sharding.param_shardings(params, mesh), f.weight_layout)
-    steps = {exact: make_step(graphdef, params, mesh, exact, f.weight_layout) for exact in (False, True)}
-    step_loops = {exact: make_step_loop(graphdef, params, mesh, f.loop_steps, exact, f.weight_layout)
-                  if f.loop_steps else None for exact in (False, True)}
+    steps = {exact: make_step(graphdef, params, mesh, exact) for exact in (False, True)}
+    step_loops = {exact: make_step_loop(graphdef, params, mesh, f.loop_steps, exact) if f.loop_steps else None
+                  for exact in (False, True)}
     timed_collectives: dict = {}
     if f.profile_dir:
         jax.profiler.start_trace(f.profile_dir)

@@ -151,14 +151,14 @@ def import_placer(mesh: Mesh) -> Callable[[tuple, np.ndarray], jax.Array]:
     return place
 
 
-def path_names(path) -> tuple[str, ...]:
+def _names(path) -> tuple[str, ...]:
     """The string keys of a state path (jax key entries or plain keys), e.g. ("layers", "mlp", "w_gate")."""
     keys = (getattr(k, "key", getattr(k, "idx", k)) for k in path if not isinstance(k, jax.tree_util.GetAttrKey))
     return tuple(k for k in keys if isinstance(k, str))
 
 
 def _param_spec(path, shape, axis_sizes) -> tuple[P, dict]:
-    names = path_names(path)
+    names = _names(path)
     where = "/".join(names)
     if not names or names[-1] not in PARAM_AXES:
         raise ValueError(f"param {where or path!r} has no sharding rule; add its name to sharding.PARAM_AXES")

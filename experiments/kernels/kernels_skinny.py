@@ -10,10 +10,8 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
                16-row tensor-core tile; 32-deep steps), fma_k64 (the same, 64-deep: twice the bytes a load, twice
                the accumulator's registers), xla, and xla_nk: XLA's product with the weight stored [N, K] (the
                reduction runs along contiguous memory: a row reduction for XLA's GEMV at small M, where [K, N] gives
-               it a column reduction), xla_layout: XLA's product with w kept [K, N] but stored column-major
-               through JAX's layout API (`column_major_weight_product`: xla_nk's bytes without a change of
-               shapes, if XLA honours the layout). Timed and dropped: wider grids (default_tiling aiming at 528
-               and 1056 programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
+               it a column reduction). Timed and dropped: wider grids (default_tiling aiming at 528 and 1056
+               programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
     times      `busy_us` (the sum of the call's device events) is what a product costs inside the decode step, where
                the calls run back to back; `us` (the device span of a call alone) adds the launch gaps between a
                call's events, which made XLA's 2-4 events a product look 2-3x slower than they are in the step
@@ -29,7 +27,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Format, Layout
 
 from experiments.timing import Job, gb_per_s, rel_err, time_jobs
 from pallas_kernels import skinny_matmul as SM
@@ -53,23 +50,6 @@ def product_inputs(seed: int, rows: int, k: int, n: int, dtype, norm: bool, resi
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None
     r = jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None
     return x, w, g, r
-
-
-def column_major_weight_product(args):
-    """XLA's product (`skinny_matmul_reference` under jit) with w [K, N] kept logically as it is but stored
-    column-major on the device (JAX's layout API: major_to_minor (0, 1), the bytes of w.T row-major), the jit told
-    so by its in_shardings: whether XLA then emits `xla_nk`'s row-reduction GEMV without the model changing its
-    weights' shapes. -> (the jitted fn, its args with w so placed); raises where the backend refuses the layout."""
-    device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    column_major = Format(Layout(major_to_minor=(0, 1)), sharding)
-    x, w, g, r = args
-    placed = jax.block_until_ready(jax.device_put(w, column_major))
-    fn = jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r),
-                 in_shardings=(sharding, column_major, None if g is None else sharding,
-                               None if r is None else sharding))
-    fn.lower(x, placed, g, r).compile()
-    return fn, (x, placed, g, r)
 
 
 def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> None:
@@ -98,16 +78,11 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r)),
                    "xla_nk": jax.jit(lambda x, w_t, g, r: SM.skinny_matmul_reference(x, w_t.T, norm_weight=g,
                                                                                    residual=r))}
-            variant_errors = {}
             try:
                 x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
                 want = SM.skinny_matmul_reference(x32, w32, norm_weight=g32, residual=r32)
                 args_of = {v: (args[0], args[1].T.copy() if v == "xla_nk" else args[1], *args[2:]) for v in fns}
                 args_of["xla_nk"] = jax.block_until_ready(args_of["xla_nk"])
-                try:
-                    fns["xla_layout"], args_of["xla_layout"] = column_major_weight_product(args)
-                except Exception as e:  # noqa: BLE001 - the layout API's refusal is a result of its own
-                    variant_errors["xla_layout"] = f"{type(e).__name__}: {str(e)[:500]}"
                 errors = {v: rel_err(fn(*args_of[v]), want) for v, fn in fns.items()}
                 t = time_jobs([Job(v, fn, [args_of[v]]) for v, fn in fns.items()], reps)
             except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on
@@ -122,7 +97,7 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
                          device_events={v: t[v].get("device_events") for v in fns},
                          kernels_us={v: t[v].get("kernels_us") for v in fns},
                          bandwidth_fraction={v: gb_per_s(bytes_, busy[v]) / ceil["bandwidth_GBps"] for v in fns},
-                         bytes=bytes_, variant_errors=variant_errors)
+                         bytes=bytes_)
             results.append(entry)
             for v in fns:
                 layer.setdefault(v, {"busy_us": 0.0, "us": 0.0})
