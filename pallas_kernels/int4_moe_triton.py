@@ -522,6 +522,12 @@ def launch_config(config: TritonMoeConfig, dtype) -> TritonMoeConfig:
     return config
 
 
+def pipelined(stages: int) -> dict:
+    """The launch's num_stages and the step loops' STAGES (their `tl.range(num_stages=)`), one value: Triton's
+    pipeliner stages a loop's loads only for dots unless the loop asks, and the multiply-add tilings have none."""
+    return dict(num_stages=stages, STAGES=stages)
+
+
 def int4_moe(x, experts: ref.Int4Experts, topk_ids, topk_weights, *, config: TritonMoeConfig | None = None,
              interpret: bool = False, launcher: str | None = None):
     """Triton kernels with the signature and semantics of `int4_moe_reference`.
@@ -562,8 +568,8 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
     rows = num_blocks * cfg.block_m
     gate_words, down_words = experts.gate_packed.shape[2], experts.down_packed.shape[2]
     inter_padded = down_words * NIBBLES_PER_WORD       # every column of h is written; padding meets zero down weights
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, STAGES=cfg.num_stages, BM=cfg.block_m,
-                  BN=cfg.block_n, WORDS=cfg.words, GROUP_BY_BLOCK=cfg.group_by_block, FMA=cfg.fma)
+    launch = dict(num_warps=cfg.num_warps, **pipelined(cfg.num_stages), BM=cfg.block_m, BN=cfg.block_n,
+                  WORDS=cfg.words, GROUP_BY_BLOCK=cfg.group_by_block, FMA=cfg.fma)
     if cfg.group_by_block and num_blocks > MAX_GRID_Y:
         raise ValueError(f"group_by_block puts the {num_blocks} routed blocks on the grid's second axis, which CUDA "
                          f"caps at {MAX_GRID_Y}: use group_by_block=False or a larger block_m")
@@ -592,8 +598,7 @@ def run_kernels(call, x, experts: ref.Int4Experts, topk_ids, topk_weights, confi
         block_expert, block_token, block_weight, h, experts.down_packed, experts.down_scale,
         kernel=_down_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
         grid=grid(triton.cdiv(d, down_n)), NUM_EXPERTS=num_experts, NUM_TOKENS=m, HIDDEN=d,
-        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, num_stages=down_stages,
-                                     STAGES=down_stages))
+        ROW_WORDS=down_words, **dict(launch, BN=down_n, WORDS=down_step_words, **pipelined(down_stages)))
     return combine_pairs(call, pair_row, y, topk_ids.shape, x.dtype)
 
 
