@@ -196,6 +196,11 @@ def check_inputs(x, w, norm_weight, residual, out_dtype):
         raise ValueError(f"skinny_matmul writes bfloat16 or float32, not {out_dtype}")
 
 
+def row_tile(m: int, tiling: Tiling) -> int:
+    """Rows per program of the product kernel for M rows: BLOCK_M, or with fma next_pow2(M) up to BLOCK_M."""
+    return min(triton.next_power_of_2(m), BLOCK_M) if tiling.fma else BLOCK_M
+
+
 def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None,
                 tiling: Tiling | None = None):
     """The host side: check, then launch through `call(*operands, kernel=, out_shape=, grid=, num_warps=,
@@ -213,7 +218,7 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
     if tiling.fma and m > FMA_MAX_ROWS:
         raise ValueError(f"skinny_matmul: the fma tiling takes at most {FMA_MAX_ROWS} rows, got {m}; use a tiling "
                          "with fma=False")
-    block_m = min(triton.next_power_of_2(m), BLOCK_M) if tiling.fma else BLOCK_M
+    block_m = row_tile(m, tiling)
     part, squares = call(
         x, w, g, r, kernel=_product_kernel,
         out_shape=(jax.ShapeDtypeStruct((tiling.splits, m, n), jnp.float32 if split else out_dtype),

@@ -11,7 +11,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-import triton
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4_moe as M
@@ -128,12 +127,12 @@ def test_skinny_matmul_fma_tiling_lowers_for_sm90(rows):
     text = lower_for_h200(lambda x, w, g: SM.skinny_matmul(x, w, norm_weight=g, tiling=tiling), spec((rows, D), BF16),
                           spec((D, 1536), BF16), spec((D,), BF16))
     assert text.count('cubin = "\\7FELF') == 1 + (tiling.splits > 1) and 'name = "_product_kernel"' in text
-    block_m = triton.next_power_of_2(rows)
     compiled = compile_for_h200(
         SM._product_kernel, {name: "*bf16" for name in ("x_ptr", "w_ptr", "g_ptr", "residual_ptr")}
         | {"out_ptr": "*fp32", "squares_ptr": "*fp32"},
-        dict(M=rows, K=D, N=1536, BM=block_m, BN=tiling.block_n, BK=tiling.block_k, SPLITS=tiling.splits, NORM=True,
-             RESIDUAL=False, EPS=1e-6, IEEE=False, FMA=True, STAGES=SM.STAGES), 4, SM.STAGES)
+        dict(M=rows, K=D, N=1536, BM=SM.row_tile(rows, tiling), BN=tiling.block_n, BK=tiling.block_k,
+             SPLITS=tiling.splits, NORM=True, RESIDUAL=False, EPS=1e-6, IEEE=False, FMA=True, STAGES=SM.STAGES),
+        4, SM.STAGES)
     assert "cp.async" in compiled.asm["ptx"] and "wgmma" not in compiled.asm["ptx"]
 
 
