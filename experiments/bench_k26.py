@@ -306,12 +306,14 @@ def share_view(cfg: ModelConfig, tp: int) -> ModelConfig:
 def _share_init(name: str, full_shape: tuple, shape: tuple, dtype):
     """A jitted key -> random param of the share's `shape`, drawn as the model draws the whole param `full_shape`:
     norms ones, the router's correction bias zeros, the embedding N(0, 0.02), every other weight a truncated
-    normal over the whole param's fan-in (o_proj: heads x head dim; everything else its first axis)."""
+    normal over the whole param's fan-in (the dense weights' last axis, [out..., in]; o_proj [D, H, V]: heads x head
+    dim; kv_b_proj [C, H, P + V]: its first axis)."""
     if name == "weight":
         return jax.jit(lambda key: jnp.ones(shape, dtype))
     if name == "e_score_correction_bias":
         return jax.jit(lambda key: jnp.zeros(shape, dtype))
-    scale = 0.02 if name == "embed_tokens" else (full_shape[0] * (full_shape[1] if name == "o_proj" else 1)) ** -0.5
+    fan_in = {"o_proj": math.prod(full_shape[1:]), "kv_b_proj": full_shape[0]}.get(name, full_shape[-1])
+    scale = 0.02 if name == "embed_tokens" else fan_in ** -0.5
     return jax.jit(lambda key: (jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) * scale).astype(dtype))
 
 

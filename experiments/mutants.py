@@ -92,8 +92,8 @@ MUTANTS = (
            ("tests/test_int4_layout.py", "tests/test_hf_fixtures.py")),
     Mutant("exact_products_untiled", "the exact mode's products run at the caller's row count, not in fixed tiles",
            "pallas_kernels/batch_invariant.py",
-           (("    out = lax.map(lambda tile: fixed_dot(tile, w), rows)\n",
-             "    out = fixed_dot(rows.reshape(-1, k)[:m], w)\n"
+           (("    out = lax.map(lambda tile: fixed_dot(tile, w, b_nk=True), rows)\n",
+             "    out = fixed_dot(rows.reshape(-1, k)[:m], w, b_nk=True)\n"
              "    out = jnp.pad(out, ((0, tiles * ROW_TILE - m), (0, 0)))\n"),),
            ("tests/test_exact.py",)),
     Mutant("yarn_mscale_not_squared", "the softmax scale takes YaRN's mscale once instead of squared",

@@ -4,7 +4,9 @@ A checkpoint directory holds one orbax step per save (`<directory>/<step>/`) wit
   params  the `nnx.Param` state as a pure dict (StandardSave), each array in the dtype it had when saved
   meta    JSON: {"kind": "target" | "drafter", "config": the ModelConfig or DrafterConfig as a dict}, and for a
           target with INT4 experts "int4_nibbles": their encoding in the kernels' layout (`Int4Experts.NIBBLES`;
-          a checkpoint without it, or with another, is refused: the words would be read as other values)
+          a checkpoint without it, or with another, is refused: the words would be read as other values), and
+          "dense_layout": DENSE_LAYOUT (the dense weights stored [out..., in]; a checkpoint without it holds them
+          [in, out...] and is refused with the command that converts it: `upgrade`)
 and beside them FILE_SIZES, the size of every file of the step when it was written. Restores build the model
 abstractly (no random init), refuse a model larger than the devices' memory, check that the step's files are all
 there with their sizes (a missing or truncated file is reported as corrupt, by name), compare the checkpoint's tree of
@@ -33,6 +35,7 @@ from pallas_kernels.int4_moe import Int4Experts
 TARGET, DRAFTER = "target", "drafter"
 FILE_SIZES = "file_sizes.json"  # in each step directory: {file path relative to the step: bytes when saved}
 REQUIRED_FILES = ("params/_METADATA", "params/manifest.ocdbt", "meta/metadata")  # what every orbax step of ours has
+DENSE_LAYOUT = "out_in"  # meta["dense_layout"]: the dense weights [out..., in] (`layers.project`)
 
 # A pytree of jax.sharding.Sharding shaped like the model's Param state (or an nnx.State of them), or a function
 # (path, jax.ShapeDtypeStruct) -> Sharding with path a tuple of state keys such as ("layers", 1, "mlp", "w_gate").
@@ -42,11 +45,50 @@ Shardings = Any | Callable[[tuple, jax.ShapeDtypeStruct], jax.sharding.Sharding]
 def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
     """Write `model`'s params and config as step `step` under `directory`; returns the absolute directory."""
     kind, cfg = _kind_and_config(model)
-    directory = os.path.abspath(directory)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    meta = {"kind": kind, "config": dataclasses.asdict(cfg)}
+    meta = {"kind": kind, "config": dataclasses.asdict(cfg), "dense_layout": DENSE_LAYOUT}
     if kind == TARGET and cfg.expert_quant == "int4":
         meta["int4_nibbles"] = Int4Experts.NIBBLES
+    return _write(directory, nnx.to_pure_dict(nnx.state(model, nnx.Param)), meta, step)
+
+
+def upgrade(old: str, new: str) -> str:
+    """Convert OLD's latest step, whose dense weights are stored [in, out...] (saved before the model stored them
+    [out..., in]), into a new checkpoint NEW in the current layout (`to_out_in`); returns NEW's absolute path. The
+    config and every value are kept: the converted model computes the same function. Raises ValueError when OLD is
+    already current or NEW exists. Command line: python -m kdtree_jax.checkpoint OLD NEW."""
+    meta = read_meta(old, any_layout=True)
+    if meta.get("dense_layout") == DENSE_LAYOUT:
+        raise ValueError(f"checkpoint {old} already stores its dense weights {DENSE_LAYOUT!r}; use it as it is")
+    if os.path.exists(new):
+        raise ValueError(f"{new} exists; pass a new directory for the converted checkpoint")
+    old = os.path.abspath(old)
+    with _manager(old) as mngr:
+        step = _resolve_step(mngr, old, None)
+        with _reported_as_corrupt(old, step):
+            params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    params = jax.tree_util.tree_map_with_path(lambda path, x: to_out_in(_keys(path), x), params)
+    return _write(new, params, {**meta, "dense_layout": DENSE_LAYOUT}, step)
+
+
+# Leaf names of the dense weights whose input axis came first in the old layout and goes last now (o_proj apart).
+_INPUT_FIRST = ("q_a_proj", "q_b_proj", "q_proj", "k_proj", "v_proj", "kv_a_proj", "gate_proj", "up_proj",
+                "down_proj", "gate", "lm_head", "fc")
+
+
+def to_out_in(path: tuple, x):
+    """One param of the old layout in the current one: o_proj [H, V, D] -> [D, H, V] (its input is the heads x head
+    dim), the `_INPUT_FIRST` weights their first axis last; kv_b_proj, the routed experts, the embedding and the norms
+    as they are. path: the param's state keys, e.g. ("layers", 0, "self_attn", "o_proj")."""
+    name = path[-1]
+    if name == "o_proj":
+        return jnp.moveaxis(x, -1, 0)
+    return jnp.moveaxis(x, 0, -1) if name in _INPUT_FIRST else x
+
+
+def _write(directory: str, params: dict, meta: dict, step: int) -> str:
+    """params (a pure dict) and meta as step `step` under `directory`, with FILE_SIZES; returns the absolute
+    directory."""
+    directory = os.path.abspath(directory)
     with _manager(directory, read_only=False) as mngr:
         mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
         mngr.wait_until_finished()
@@ -104,8 +146,9 @@ def restore_params_into(directory: str, model: Transformer | Drafter, step: int 
     return model
 
 
-def read_meta(directory: str, step: int | None = None) -> dict:
-    """The JSON meta item ({"kind", "config"}) of a checkpoint step."""
+def read_meta(directory: str, step: int | None = None, *, any_layout: bool = False) -> dict:
+    """The JSON meta item ({"kind", "config", ...}) of a checkpoint step. any_layout: also one whose dense weights
+    are stored [in, out...] (`upgrade` reads those); else such a checkpoint is refused."""
     directory = os.path.abspath(directory)
     with _manager(directory) as mngr:
         step = _resolve_step(mngr, directory, step)
@@ -114,6 +157,10 @@ def read_meta(directory: str, step: int | None = None) -> dict:
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if not (isinstance(meta, dict) and meta.get("kind") in (TARGET, DRAFTER) and isinstance(meta.get("config"), dict)):
         raise _corrupt(directory, step, "its meta item is not {\"kind\": \"target\" | \"drafter\", \"config\": {...}}")
+    if meta.get("dense_layout") != DENSE_LAYOUT and not any_layout:
+        raise ValueError(f"checkpoint {directory} stores its dense weights as {meta.get('dense_layout', 'in_out')!r} "
+                         f"([in, out...], saved before they were stored [out..., in]), not {DENSE_LAYOUT!r}; convert "
+                         f"it once: python -m kdtree_jax.checkpoint {directory} <new directory>")
     return meta
 
 
@@ -307,3 +354,10 @@ def _resolve_step(mngr: ocp.CheckpointManager, directory: str, step: int | None)
     if step not in steps:
         raise ValueError(f"checkpoint {directory} has no step {step}; it has steps {sorted(steps)}")
     return step
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m kdtree_jax.checkpoint OLD_DIR NEW_DIR (converts OLD's dense weights to [out, in])")
+    print(upgrade(sys.argv[1], sys.argv[2]))

@@ -12,8 +12,8 @@ A published drafter directory holds a Qwen3-style `config.json` (architectures [
   (names may carry a `model.` prefix; there is no embedding or lm_head: the drafter uses the target's).
 The math is ours (kdtree_jax/drafter.py): the context feature hidden_norm(fc(concat of the target layers' outputs))
 is projected into every layer's K/V, the block attends non-causally to context + block, q/k are RMS-normed per head
-then rotated. Two layout differences are converted here: torch Linear weights are [out, in] (ours [in, ...out]), and
-the published RoPE turns dims (i, i + hd/2) together where ours turns (2i, 2i+1); q_proj / k_proj columns and the
+then rotated. Torch Linear weights are [out, in], as ours (ours split `out` into heads: q_proj [H, hd, D], o_proj's
+`in` into [H, hd]); one layout difference is converted here: the published RoPE turns dims (i, i + hd/2) together where ours turns (2i, 2i+1); q_proj / k_proj columns and the
 q_norm / k_norm weights are permuted per head on the way in and back on the way out, which leaves every attention
 score unchanged.
 
@@ -255,35 +255,34 @@ def _rotated(path: tuple) -> bool:
 def _hf_shape(path: tuple, ours: tuple) -> tuple:
     """The published shape of a param of our shape `ours`: Linear weights [out, in], the rest as ours."""
     name = path[-1]
-    if name == "weight":
-        return ours
-    if name == "o_proj":  # ours [H, hd, D]
-        return ours[2], ours[0] * ours[1]
-    if name in ("q_proj", "k_proj", "v_proj"):  # ours [D, H, hd]
-        return ours[1] * ours[2], ours[0]
-    return ours[1], ours[0]  # fc, gate/up/down_proj: ours [in, out]
+    if name == "o_proj":  # ours [D, H, hd]
+        return ours[0], ours[1] * ours[2]
+    if name in ("q_proj", "k_proj", "v_proj"):  # ours [H, hd, D]
+        return ours[0] * ours[1], ours[2]
+    return ours  # norms; fc, gate/up/down_proj: ours [out, in]
+
+
+def _head_dim_axis(path: tuple) -> int:
+    """The axis of a rotated param (`_rotated`) that holds the head dim: a norm's only one, a projection's [H, hd, D]
+    middle one."""
+    return 0 if path[-1] == "weight" else 1
 
 
 def _to_ours(path: tuple, x: np.ndarray, ours: tuple) -> np.ndarray:
-    """A published tensor in our layout `ours` (Linear transposed, RoPE dims reordered into pairs)."""
-    name = path[-1]
-    if name == "weight":
-        return x[_pairs_from_halves(x.shape[0])] if _rotated(path) else x
-    if name == "o_proj":
-        return x.T.reshape(ours)
-    y = x.T.reshape(ours)
-    return y[..., _pairs_from_halves(ours[-1])] if _rotated(path) else y
+    """A published tensor in our layout `ours` (heads split out of Linear axes, RoPE dims reordered into pairs)."""
+    y = x.reshape(ours)
+    if not _rotated(path):
+        return y
+    axis = _head_dim_axis(path)
+    return np.take(y, _pairs_from_halves(ours[axis]), axis=axis)
 
 
 def _to_hf(path: tuple, x: np.ndarray) -> np.ndarray:
     """Our param in the published layout (the inverse of _to_ours)."""
     if _rotated(path):
-        x = x[..., np.argsort(_pairs_from_halves(x.shape[-1]))]
-    if path[-1] == "weight":
-        return x
-    if path[-1] == "o_proj":
-        return x.reshape(-1, x.shape[-1]).T
-    return x.reshape(x.shape[0], -1).T
+        axis = _head_dim_axis(path)
+        x = np.take(x, np.argsort(_pairs_from_halves(x.shape[axis])), axis=axis)
+    return x.reshape(_hf_shape(path, x.shape))
 
 
 # ----------------------------------------------------------------------------------------------- helpers

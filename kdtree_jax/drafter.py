@@ -16,7 +16,7 @@ from flax import nnx
 
 from kdtree_jax.cache import write_first_rows, write_rows
 from kdtree_jax.config import DrafterConfig, ModelConfig
-from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight
+from kdtree_jax.model.layers import GatedMLP, RMSNorm, dtype_of, init_weight, project
 from kdtree_jax.model.rope import plain_inv_frequencies, rotate_pairs
 
 
@@ -31,18 +31,19 @@ class DrafterLayer(nnx.Module):
     """A pre-norm decoder layer: attention over [context K/V, block K/V] (non-causal), then a gated MLP.
 
     Grouped-query attention when cfg.kv_heads < cfg.num_heads: query head h reads K/V head h // (H / H_kv).
-    Projections: q_proj [D, H, hd], k_proj / v_proj [D, H_kv, hd], o_proj [H, hd, D]; q_norm / k_norm over hd.
+    Projections ([out..., in], `layers.project`): q_proj [H, hd, D], k_proj / v_proj [H_kv, hd, D], o_proj
+    [D, H, hd]; q_norm / k_norm over hd.
     """
 
     def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
         d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.q_proj = init_weight(rngs, (d, h, hd), d, dtype)
-        self.k_proj = init_weight(rngs, (d, kvh, hd), d, dtype)
-        self.v_proj = init_weight(rngs, (d, kvh, hd), d, dtype)
+        self.q_proj = init_weight(rngs, (h, hd, d), d, dtype)
+        self.k_proj = init_weight(rngs, (kvh, hd, d), d, dtype)
+        self.v_proj = init_weight(rngs, (kvh, hd, d), d, dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
-        self.o_proj = init_weight(rngs, (h, hd, d), h * hd, dtype)
+        self.o_proj = init_weight(rngs, (d, h, hd), h * hd, dtype)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(d, cfg.intermediate_size, dtype, rngs)
         self.cfg = cfg
@@ -52,13 +53,13 @@ class DrafterLayer(nnx.Module):
 
     def keys_values(self, x, positions):
         """x [S, T, D] -> k, v [S, T, H_kv, hd] (k normed and rotated)."""
-        k = self.k_norm(jnp.einsum("std,dhk->sthk", x, self.k_proj[...]))
-        return self._rope(k, positions), jnp.einsum("std,dhk->sthk", x, self.v_proj[...])
+        k = self.k_norm(project(x, self.k_proj[...]))
+        return self._rope(k, positions), project(x, self.v_proj[...])
 
     def __call__(self, x, positions, ctx_k, ctx_v, ctx_len):
         """x [S, L, D] block, positions [S, L]; ctx_k/ctx_v [S, N, H_kv, hd] with ctx_len [S] valid rows."""
         h = self.input_layernorm(x)
-        q = self._rope(self.q_norm(jnp.einsum("std,dhk->sthk", h, self.q_proj[...])), positions)
+        q = self._rope(self.q_norm(project(h, self.q_proj[...])), positions)
         k_blk, v_blk = self.keys_values(h, positions)
         k = jnp.concatenate([ctx_k.astype(k_blk.dtype), k_blk], axis=1)  # [S, N+L, H_kv, hd]
         v = jnp.concatenate([ctx_v.astype(v_blk.dtype), v_blk], axis=1)
@@ -72,7 +73,8 @@ class DrafterLayer(nnx.Module):
         scores = jnp.where(allowed[:, None, None, None, :], scores, -jnp.inf)
         attn = jnp.einsum("stkgn,snkd->stkgd", jax.nn.softmax(scores, axis=-1), v.astype(f32))
         attn = attn.reshape(s, t, heads, hd).astype(x.dtype)
-        x = x + jnp.einsum("sthk,hkd->std", attn, self.o_proj[...])
+        o_proj = self.o_proj[...]
+        x = x + project(attn.reshape(s, t, -1), o_proj.reshape(o_proj.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,7 +83,7 @@ class Drafter(nnx.Module):
         cfg.check_fits(target_cfg)
         dt = dtype_of(target_cfg.dtype)
         feat = len(cfg.target_layer_ids) * cfg.hidden_size
-        self.fc = init_weight(rngs, (feat, cfg.hidden_size), feat, dt)
+        self.fc = init_weight(rngs, (cfg.hidden_size, feat), feat, dt)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.layers = nnx.List([DrafterLayer(cfg, dt, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
@@ -89,7 +91,7 @@ class Drafter(nnx.Module):
 
     def context_features(self, hidden):
         """hidden: tuple of the target layers' outputs [S, T, D] (target_layer_ids order) -> [S, T, D]."""
-        return self.hidden_norm(jnp.concatenate(hidden, axis=-1) @ self.fc[...])
+        return self.hidden_norm(project(jnp.concatenate(hidden, axis=-1), self.fc[...]))
 
     def context_kv(self, hidden, positions):
         """Per-layer context K/V of T committed tokens: tuples of [S, T, H_kv, hd]."""

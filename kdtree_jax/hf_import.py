@@ -2,9 +2,9 @@
 
 Import streams tensor by tensor: each of our params is read, converted and placed before the next is touched, and the
 routed experts are stacked into one host array [E, ...] filled expert by expert, so the host never holds more than one
-param. HF Linear weights are [out, in]; ours are [in, ...out] (q_b_proj [Q, H, P+R], kv_b_proj [C, H, P+V],
-o_proj [H, V, D], w_gate [E, D, I], ...): a transpose then a reshape, the HF head-major order kept. Routed experts in
-INT4 (`weight_packed`, `weight_scale`, `weight_shape`) are dequantized into the model dtype. Tensor names may carry the
+param. HF Linear weights are [out, in], and so are our dense weights, their axes split (q_b_proj [H, P+R, Q], o_proj
+[D, H, V]): a reshape, the HF head-major order kept; kv_b_proj [C, H, P+V] and the bf16 expert stacks (w_gate
+[E, D, I], ...) are ours [in, ...out]: a transpose then a reshape. Routed experts in INT4 (`weight_packed`, `weight_scale`, `weight_shape`) are dequantized into the model dtype. Tensor names may carry the
 `language_model.` prefix of K2.5/K2.6; tensors of other towers and MTP layers (index >= num_layers) are ignored.
 Export writes the same layout (config.json + safetensors, INT4 experts packed on request).
 """
@@ -46,9 +46,10 @@ class Source:
     """Where one of our params comes from.
 
     path: our Param path, e.g. ("layers", 1, "mlp", "w_gate"). hf: the HF tensor names, one per routed expert for
-    an expert stack (our axis 0), else one. linear: an HF Linear weight [out, in], transposed into our layout whose
-    first `in_axes` axes split `in` and the rest split `out` (row-major, as HF views them: o_proj [H*V] -> [H, V]);
-    else copied as is. int4: a routed expert stored as compressed-tensors INT4.
+    an expert stack (our axis 0), else one. linear: an HF Linear weight [out, in], whose `in` our last `in_axes`
+    axes split and `out` the rest (row-major, as HF views them: o_proj [D, H*V] -> [D, H, V]); transposed: our
+    layout is [in..., out...] instead, `in` the first `in_axes` axes (kv_b_proj, the bf16 expert stacks); else
+    copied as is. int4: a routed expert stored as compressed-tensors INT4.
     """
 
     path: tuple
@@ -56,6 +57,7 @@ class Source:
     linear: bool
     int4: bool = False
     in_axes: int = 1
+    transposed: bool = False
 
     @property
     def stacked(self) -> bool:
@@ -73,8 +75,8 @@ def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
     for i in range(cfg.num_layers):
         hf_layer, layer = f"{model}layers.{i}.", ("layers", i)
 
-        def src(ours: tuple, theirs: str, linear: bool = True, in_axes: int = 1):
-            return Source(layer + ours, (hf_layer + theirs,), linear, in_axes=in_axes)
+        def src(ours: tuple, theirs: str, linear: bool = True, in_axes: int = 1, transposed: bool = False):
+            return Source(layer + ours, (hf_layer + theirs,), linear, in_axes=in_axes, transposed=transposed)
 
         out += [src(("input_layernorm", "weight"), "input_layernorm.weight", False),
                 src(("post_attention_layernorm", "weight"), "post_attention_layernorm.weight", False)]
@@ -86,8 +88,8 @@ def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
             out.append(src(("self_attn", "q_proj"), "self_attn.q_proj.weight"))
         out += [src(("self_attn", "kv_a_proj"), "self_attn.kv_a_proj_with_mqa.weight"),
                 src(("self_attn", "kv_a_norm", "weight"), "self_attn.kv_a_layernorm.weight", False),
-                src(("self_attn", "kv_b_proj"), "self_attn.kv_b_proj.weight"),
-                src(("self_attn", "o_proj"), "self_attn.o_proj.weight", in_axes=2)]  # [H, V, D]
+                src(("self_attn", "kv_b_proj"), "self_attn.kv_b_proj.weight", transposed=True),  # [C, H, P+V]
+                src(("self_attn", "o_proj"), "self_attn.o_proj.weight", in_axes=2)]  # [D, H, V]
         if i < cfg.first_k_dense:
             out += [src(("mlp", w), f"mlp.{w}.weight") for w in ("gate_proj", "up_proj", "down_proj")]
             continue
@@ -95,7 +97,7 @@ def param_sources(cfg: ModelConfig, prefix: str = "") -> list[Source]:
                 src(("mlp", "e_score_correction_bias"), "mlp.gate.e_score_correction_bias", False)]
         for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             names = tuple(f"{hf_layer}mlp.experts.{e}.{theirs}.weight" for e in range(cfg.num_experts))
-            out.append(Source(layer + ("mlp", ours), names, linear=True, int4=int4))
+            out.append(Source(layer + ("mlp", ours), names, linear=True, int4=int4, transposed=True))
         if cfg.num_shared_experts:
             out += [src(("mlp", "shared", w), f"mlp.shared_experts.{w}.weight")
                     for w in ("gate_proj", "up_proj", "down_proj")]
@@ -545,11 +547,17 @@ def _read_int4_stack(files: _TensorFiles, s: Source, cfg: ModelConfig) -> tuple[
 
 def _hf_shape(s: Source, ours: tuple) -> tuple:
     """HF shape of a tensor whose param (one expert of a stack) has our shape `ours`."""
-    return (math.prod(ours[s.in_axes:]), math.prod(ours[:s.in_axes])) if s.linear else tuple(ours)
+    if not s.linear:
+        return tuple(ours)
+    if s.transposed:
+        return math.prod(ours[s.in_axes:]), math.prod(ours[:s.in_axes])
+    return math.prod(ours[:-s.in_axes]), math.prod(ours[-s.in_axes:])
 
 
 def _our_layout(x: np.ndarray, s: Source, ours: tuple) -> np.ndarray:
-    return x.T.reshape(ours) if s.linear else x
+    if not s.linear:
+        return x
+    return x.T.reshape(ours) if s.transposed else x.reshape(ours)
 
 
 def _nest(tree: dict, path: tuple, value) -> None:
@@ -577,4 +585,8 @@ def _hf_tensors(s: Source, ours: np.ndarray, group: int) -> Iterator[tuple[str, 
 
 
 def _hf_layout(x: np.ndarray, s: Source) -> np.ndarray:
-    return x.reshape(math.prod(x.shape[:s.in_axes]), -1).T if s.linear else x
+    if not s.linear:
+        return x
+    if s.transposed:
+        return x.reshape(math.prod(x.shape[:s.in_axes]), -1).T
+    return x.reshape(-1, math.prod(x.shape[-s.in_axes:]))

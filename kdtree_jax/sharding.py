@@ -34,18 +34,18 @@ from pallas_kernels.int4_moe import GROUP as INT4_GROUP, Int4Experts
 # Logical axes of every target param, by the param's own name (the last name of its path).
 PARAM_AXES: dict[str, tuple] = {
     "embed_tokens": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
+    "lm_head": ("vocab", "embed"),
     "weight": ("norm",),  # every RMSNorm
-    "q_a_proj": ("embed", "q_lora"),
-    "q_b_proj": ("q_lora", "heads", "qk_head_dim"),
-    "q_proj": ("embed", "heads", "qk_head_dim"),
-    "kv_a_proj": ("embed", "kv_latent"),
-    "kv_b_proj": ("kv_lora", "heads", "kv_head_dim"),
-    "o_proj": ("heads", "v_head_dim", "embed"),
-    "gate_proj": ("embed", "mlp"),  # dense MLP and shared expert(s)
-    "up_proj": ("embed", "mlp"),
-    "down_proj": ("mlp", "embed"),
-    "gate": ("embed", "router"),  # the router: replicated, so that every device routes its tokens with no collective
+    "q_a_proj": ("q_lora", "embed"),  # the dense products' weights: [out..., in]
+    "q_b_proj": ("heads", "qk_head_dim", "q_lora"),
+    "q_proj": ("heads", "qk_head_dim", "embed"),
+    "kv_a_proj": ("kv_latent", "embed"),
+    "kv_b_proj": ("kv_lora", "heads", "kv_head_dim"),  # the absorbed attention's operand: [in, heads, out]
+    "o_proj": ("embed", "heads", "v_head_dim"),
+    "gate_proj": ("mlp", "embed"),  # dense MLP and shared expert(s)
+    "up_proj": ("mlp", "embed"),
+    "down_proj": ("embed", "mlp"),
+    "gate": ("router", "embed"),  # the router: replicated, so that every device routes its tokens with no collective
     "e_score_correction_bias": ("router",),
     "w_gate": ("experts", "embed", "expert_mlp"),
     "w_up": ("experts", "embed", "expert_mlp"),

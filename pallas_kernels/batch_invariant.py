@@ -9,7 +9,7 @@ tiling is fixed by the model's shapes (`skinny_matmul`, `batch_invariant_triton`
 references) XLA runs it in fixed-shape pieces:
 
 - `matmul`: the rows padded to whole tiles of ROW_TILE and the tiles run one after another (`lax.map`), so every
-  product is the same (ROW_TILE, K) x (K, N) problem, and a row's sum runs in the one order that problem has;
+  product is the same (ROW_TILE, K) x (N, K)^T problem, and a row's sum runs in the one order that problem has;
   `absorbed_head_matmul` the same for each head.
 - `rms_norm`: a row's sum of squares as `row_sum`, a `matmul` by ones (an XLA reduce may order a row's terms by
   how many rows there are: measured on the CPU); the kernel sums it in fixed steps along the row. The router's sum
@@ -50,22 +50,27 @@ def jit_options(exact: bool) -> dict:
     return dict(compiler_options={"xla_allow_excess_precision": False}) if exact else {}
 
 
-def fixed_dot(a, b):
-    """a [..., K] . b [K, N] (jnp.dot), or a batch of them a [Q, M, K] . b [Q, K, N] (jnp.matmul) -> f32, as a
-    product of its own: no producer or consumer fused into it."""
+def fixed_dot(a, b, *, b_nk: bool = False):
+    """a [..., K] . b [K, N] (jnp.dot; b_nk: b [N, K], a dense weight as the model stores it), or a batch of them
+    a [Q, M, K] . b [Q, K, N] (jnp.matmul) -> f32, as a product of its own: no producer or consumer fused into it."""
     a, b = lax.optimization_barrier((a, b))
-    product = jnp.matmul if a.ndim == b.ndim == 3 else jnp.dot
-    return lax.optimization_barrier(product(a, b, preferred_element_type=jnp.float32))
+    if b_nk:
+        y = lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    else:
+        product = jnp.matmul if a.ndim == b.ndim == 3 else jnp.dot
+        y = product(a, b, preferred_element_type=jnp.float32)
+    return lax.optimization_barrier(y)
 
 
 def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
-    """x [..., K] @ w [K, N] -> [..., N] (f32 accumulation, out_dtype default x's), each row's sum in one order: one
+    """x [..., K] @ w^T, w [N, K] (a dense weight as stored, `layers.project`) -> [..., N] (f32 accumulation,
+    out_dtype default x's), each row's sum in one order: one
     `skinny_matmul` where `ops.exact_dense_takes` (kernels compiled on the GPU), else fixed-shape tiles.
     norm_weight [K]: the RMSNorm of x by it first, in the kernel's prologue (no launch of its own) or as `rms_norm`
     before the tiles; the two round differently, and a given shape always takes the same one. residual [..., N]:
     added to the product rounded to out_dtype (residual + round(x @ w), in f32, rounded), in the kernel's epilogue
     or after the tiles: the same numbers either way."""
-    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     rows = x.reshape(-1, k)
     out_dtype = out_dtype or x.dtype
     if ops.exact_dense_takes(rows, w):
@@ -76,7 +81,7 @@ def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtyp
     m = rows.shape[0]
     tiles = -(-m // ROW_TILE)
     rows = jnp.pad(rows, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
-    out = lax.map(lambda tile: fixed_dot(tile, w), rows)
+    out = lax.map(lambda tile: fixed_dot(tile, w, b_nk=True), rows)
     y = out.reshape(tiles * ROW_TILE, -1)[:m].reshape(*lead, n)
     return y.astype(out_dtype) if residual is None else add_residual(residual, y, out_dtype)
 
@@ -105,7 +110,7 @@ def rms_norm_reference(x, weight, eps: float):
 def row_sum(x):
     """x [..., K] -> [...] f32: each row's sum in one order (a `matmul` by a column of ones; a reduce's order may
     change with the number of rows)."""
-    return matmul(x.astype(jnp.float32), jnp.ones((x.shape[-1], 1), jnp.float32))[..., 0]
+    return matmul(x.astype(jnp.float32), jnp.ones((1, x.shape[-1]), jnp.float32))[..., 0]
 
 
 def absorbed_head_matmul(x, kv_b, *, nope: int, key: bool):
@@ -124,12 +129,12 @@ def head_matmul_reference(x, w, *, out_dtype=None):
     """Per-head products x [..., H, K] @ w [H, K, N] -> [..., H, N] as `matmul` for each head, one after another (the
     reference of `absorbed_head_matmul`'s kernel)."""
     xh = jnp.moveaxis(x, -2, 0)                                           # [H, ..., K]
-    out = lax.map(lambda args: matmul(*args, out_dtype=out_dtype or x.dtype), (xh, w))
+    out = lax.map(lambda args: matmul(args[0], args[1].T, out_dtype=out_dtype or x.dtype), (xh, w))
     return jnp.moveaxis(out, 0, -2)
 
 
 def gated_mlp(x, gate, up, down, out_dtype=None):
-    """`layers.gated_mlp` with `matmul`: x [..., D], gate / up [D, I], down [I, D] -> [..., D] in out_dtype (default
+    """`layers.gated_mlp` with `matmul`: x [..., D], gate / up [I, D], down [D, I] -> [..., D] in out_dtype (default
     x's)."""
     return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down, out_dtype=out_dtype)
 

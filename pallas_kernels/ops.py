@@ -226,7 +226,7 @@ def set_dense_kernel(on: bool = False) -> None:
 
 
 def dense_takes(x, w) -> bool:
-    """Whether `dense` runs the kernel for x [..., K] @ w [K, N]: set_dense_kernel(True), kernels running on the GPU,
+    """Whether `dense` runs the kernel for x [..., K] @ w^T, w [N, K]: set_dense_kernel(True), kernels running on the GPU,
     one dtype, and the shapes the kernel is built for (`bench_kernels --sections=skinny`, the tp=8 share's products):
     at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller keeps
     sharded products on XLA.)"""
@@ -236,7 +236,7 @@ def dense_takes(x, w) -> bool:
 
 
 def exact_dense_takes(x, w) -> bool:
-    """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w [K, N]) run as one skinny_matmul:
+    """Whether the exact mode's products (`batch_invariant.matmul`, x [M, K] @ w^T, w [N, K]) run as one skinny_matmul:
     kernels running compiled on the GPU, one dtype (bf16 or f32), K a multiple of 64, nothing partitioned (a Triton
     call has no GSPMD partitioning: `unpartitioned`). Any M: the kernel's order along K does not depend on it. Not
     behind `set_dense_kernel`: the exact mode's other path is a loop of 64-row tiles (decode.md, "Exact mode")."""
@@ -271,9 +271,9 @@ MIN_DENSE_K = 512
 
 
 def dense(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
-    """x [..., K] @ w [K, N] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
+    """x [..., K] @ w^T, w [N, K] -> [..., N] as one `skinny_matmul` (call where `dense_takes`): the RMSNorm of x by
     norm_weight [K] fused, residual [..., N] added in the epilogue, out_dtype default x's."""
-    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[-1]
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     residual = None if residual is None else residual.reshape(-1, n)
     y = _skinny_matmul.skinny_matmul(x.reshape(-1, k), w, norm_weight=norm_weight, eps=eps, residual=residual,
                                      out_dtype=out_dtype)

@@ -1,10 +1,11 @@
-"""Products of a few rows by a weight, y = [rmsnorm](x) @ w [+ residual], as Triton kernels whose tiling is fixed by
-the weight's shape alone: the decode step's dense projections (q_a, kv_a, q_b, o_proj, the shared expert, the router,
-the lm_head slice) at M = 1-64 rows.
+"""Products of a few rows by a weight, y = [rmsnorm](x) @ w^T [+ residual] with w [N, K] (a dense weight as the
+model stores it: [out, in]), as Triton kernels whose tiling is fixed by the weight's shape alone: the decode step's
+dense projections (q_a, kv_a, q_b, o_proj, the shared expert, the router, the lm_head slice) at M = 1-64 rows.
 
 Why: at M = 1 XLA:GPU turns each of these products into a reduction fusion that read its weight at ~25% of the
-H100's bandwidth in the tp=8 share's profile (~80 us a layer for ~74 MB; experiments/notes/k26.md, "Kernels per
-layer of the share"). Here each program streams a [BK, BN] slab of w per step with tl.dot on 16-row tiles of x;
+H100's bandwidth in the tp=8 share's profile (~80 us a layer for ~74 MB, the weights then stored [K, N];
+experiments/notes/k26.md, "Kernels per layer of the share"). Here each program streams a [BN, BK] slab of w per
+step with tl.dot on 16-row tiles of x;
 split-K gives a narrow N enough programs to cover the SMs, and a second kernel adds the splits in split order.
 The row tiles of a column block are neighbours on the grid (its first axis), so with M > 16 they run together and
 read the block's slabs of w from L2: w once from memory, not once per row tile (with the columns first, the grid
@@ -68,7 +69,7 @@ class Tiling(NamedTuple):
 
 def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | None = None,
                    fma: bool = False) -> Tiling:
-    """The tiling of a [K, N] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
+    """The tiling of an [N, K] weight: 64 columns a program (128 once N alone gives TARGET_PROGRAMS), 128-deep steps
     (64 when K is not a multiple of 128; 32 with fma, whose accumulator holds rows x steps x columns floats), and the
     largest split of K into whole steps that keeps programs * splits <= TARGET_PROGRAMS (none below
     MIN_SPLIT_STEPS steps). A function of (K, N) only (the module's row invariance rests on it). block_n / block_k
@@ -84,14 +85,15 @@ def default_tiling(k: int, n: int, block_n: int | None = None, block_k: int | No
 
 
 def skinny_matmul_reference(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtype=None):
-    """x [M, K] (bf16 / f32), w [K, N] (x's dtype), norm_weight [K] or None, residual [M, N] or None -> [M, N] in
-    out_dtype (default x's): (rmsnorm(x) if norm_weight is given) @ w with f32 accumulation, rounded, plus residual."""
+    """x [M, K] (bf16 / f32), w [N, K] (x's dtype), norm_weight [K] or None, residual [M, N] or None -> [M, N] in
+    out_dtype (default x's): (rmsnorm(x) if norm_weight is given) @ w^T with f32 accumulation, rounded, plus
+    residual."""
     out_dtype = out_dtype or x.dtype
     if norm_weight is not None:
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
         x = (x32 * inv * norm_weight.astype(jnp.float32)).astype(x.dtype)
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(out_dtype)
     if residual is not None:
         y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_dtype)
     return y
@@ -106,7 +108,7 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
     x' w with x' = x, or with NORM x' = x * g rounded to x's dtype, and squares[s, rows] = the sum of x^2 (NORM);
     rows past M read as zeros and are not written. SPLITS = 1 finishes in place: out (the caller's dtype) = that sum
     times rsqrt(sum of x^2 / K + EPS) with NORM, rounded, then with RESIDUAL residual + it in f32, rounded again.
-    x [M, K], w [K, N], g [K] (any float dtype), residual [M, N], out [SPLITS, M, N] (f32 when SPLITS > 1), squares
+    x [M, K], w [N, K], g [K] (any float dtype), residual [M, N], out [SPLITS, M, N] (f32 when SPLITS > 1), squares
     [SPLITS, M] f32; g and residual are not read without NORM / RESIDUAL. FMA: the product as f32 multiply-adds
     into a [BM, BK, BN] accumulator, summed over its BK lanes at the end (`Tiling.fma`)."""
     m, n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,7 +130,7 @@ def _product_kernel(x_ptr, w_ptr, g_ptr, residual_ptr, out_ptr, squares_ptr, M: 
             x32 = xk.to(tl.float32)
             squares += tl.sum(x32 * x32, axis=1)
             xk = (x32 * tl.load(g_ptr + k).to(tl.float32)[None, :]).to(dtype)
-        wk = tl.load(w_ptr + k[:, None] * N + cols[None, :], mask=cols_ok[None, :], other=0.0)
+        wk = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cols_ok[None, :], other=0.0)   # [BK, BN]
         if FMA:
             lanes += xk.to(tl.float32)[:, :, None] * wk.to(tl.float32)[None, :, :]
         elif IEEE:
@@ -179,8 +181,8 @@ def _splits_kernel(part_ptr, squares_ptr, residual_ptr, out_ptr, M: tl.constexpr
 
 def check_inputs(x, w, norm_weight, residual, out_dtype):
     """Raises ValueError naming the mismatch and the fix."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"skinny_matmul takes x [M, K] and w [K, N]; got x {x.shape}, w {w.shape}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"skinny_matmul takes x [M, K] and w [N, K]; got x {x.shape}, w {w.shape}")
     if x.dtype not in FLOATS or w.dtype != x.dtype:
         raise ValueError(f"skinny_matmul takes x and w of one dtype, bfloat16 or float32; got {x.dtype}, {w.dtype}: "
                          "cast them first")
@@ -189,9 +191,9 @@ def check_inputs(x, w, norm_weight, residual, out_dtype):
     if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or norm_weight.dtype not in FLOATS):
         raise ValueError(f"skinny_matmul: norm_weight {norm_weight.shape} {norm_weight.dtype} must be [K] = "
                          f"[{x.shape[1]}], bfloat16 or float32")
-    if residual is not None and (residual.shape != (x.shape[0], w.shape[1]) or residual.dtype not in FLOATS):
+    if residual is not None and (residual.shape != (x.shape[0], w.shape[0]) or residual.dtype not in FLOATS):
         raise ValueError(f"skinny_matmul: residual {residual.shape} {residual.dtype} must be [M, N] = "
-                         f"[{x.shape[0]}, {w.shape[1]}], bfloat16 or float32")
+                         f"[{x.shape[0]}, {w.shape[0]}], bfloat16 or float32")
     if jnp.dtype(out_dtype) not in FLOATS:
         raise ValueError(f"skinny_matmul writes bfloat16 or float32, not {out_dtype}")
 
@@ -209,7 +211,7 @@ def run_kernels(call, x, w, *, norm_weight=None, eps: float = 1e-6, residual=Non
     launches a product. Shapes as `skinny_matmul_reference`."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     check_inputs(x, w, norm_weight, residual, out_dtype)
-    (m, k), n = x.shape, w.shape[1]
+    (m, k), n = x.shape, w.shape[0]
     tiling = tiling or default_tiling(k, n)
     norm, add = norm_weight is not None, residual is not None
     g = norm_weight if norm else x                      # unread without NORM / RESIDUAL: any operand will do

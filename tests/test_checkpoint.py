@@ -38,7 +38,8 @@ def _abstract(cfg):
 
 def test_target_round_trip(tmp_path, target):
     path = checkpoint.save(tmp_path / "t", target, step=3)
-    assert checkpoint.read_meta(path) == {"kind": "target", "config": dataclasses.asdict(target.cfg)}
+    assert checkpoint.read_meta(path) == {"kind": "target", "config": dataclasses.asdict(target.cfg),
+                                          "dense_layout": checkpoint.DENSE_LAYOUT}
     restored = checkpoint.restore_target(path)
     assert restored.cfg == target.cfg
     _assert_same_params(restored, target)
@@ -94,7 +95,7 @@ def test_restore_into_a_different_config_names_the_shapes(tmp_path, target):
         checkpoint.restore_params_into(tmp_path / "t", _abstract(target.cfg.replace(moe_intermediate_size=16)))
     msg = str(e.value)
     assert "layers/1/mlp/w_gate: checkpoint (8, 64, 32) vs model (8, 64, 16)" in msg
-    assert "layers/2/mlp/shared/down_proj: checkpoint (32, 64) vs model (16, 64)" in msg
+    assert "layers/2/mlp/shared/down_proj: checkpoint (64, 32) vs model (64, 16)" in msg
     assert "layers/1/self_attn" not in msg
 
     with pytest.raises(ValueError, match=r"layers/2/input_layernorm/weight: not in the model \(checkpoint \(64,\)\)"):
@@ -180,3 +181,30 @@ def test_int4_target_records_its_nibble_encoding(tmp_path):
         checkpoint.restore_target(path)
     with pytest.raises(ValueError, match="q \\+ 8"):
         checkpoint.restore_params_into(path, model)
+
+
+def _in_out(path: tuple, x):
+    """`checkpoint.to_out_in`'s inverse: a param in the layout checkpoints had before they stored [out..., in]."""
+    if path[-1] == "o_proj":
+        return jnp.moveaxis(x, 0, -1)
+    return jnp.moveaxis(x, -1, 0) if path[-1] in checkpoint._INPUT_FIRST else x
+
+
+@pytest.mark.parametrize("kind", ["target", "drafter"])
+def test_a_checkpoint_of_the_old_layout_is_refused_then_upgraded(tmp_path, target, kind):
+    """A checkpoint written with the dense weights [in, out...] (no "dense_layout" in its meta) is refused with the
+    command that converts it; `upgrade` writes one that restores to the same model."""
+    model = target if kind == "target" else Drafter(config.tiny_drafter(target.cfg), target.cfg, nnx.Rngs(2))
+    saved = checkpoint.save(tmp_path / "new", model)
+    meta = checkpoint.read_meta(saved)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    old_params = jax.tree_util.tree_map_with_path(lambda p, x: _in_out(checkpoint._keys(p), x), params)
+    assert any(a.shape != b.shape for a, b in zip(jax.tree.leaves(old_params), jax.tree.leaves(params)))
+    old = checkpoint._write(tmp_path / "old", old_params, {k: v for k, v in meta.items() if k != "dense_layout"}, 0)
+    restore = ((lambda d: checkpoint.restore_target(d)) if kind == "target"
+               else (lambda d: checkpoint.restore_drafter(d, target.cfg)))
+    with pytest.raises(ValueError, match=r"stores its dense weights as 'in_out' .* python -m kdtree_jax.checkpoint "):
+        restore(old)
+    _assert_same_params(restore(checkpoint.upgrade(old, tmp_path / "upgraded")), model)
+    with pytest.raises(ValueError, match="already stores its dense weights"):
+        checkpoint.upgrade(saved, tmp_path / "again")

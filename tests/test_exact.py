@@ -155,7 +155,7 @@ def test_the_exact_kernels_run_wherever_nothing_is_partitioned(monkeypatch):
     > 1 the exact mode's Triton kernels run; under a mesh GSPMD may split, they do not (its references run)."""
     from pallas_kernels import ops
     monkeypatch.setattr(ops, "_compiled_on_gpu", lambda: True)
-    x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 2), jnp.bfloat16)
+    x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((2, 64), jnp.bfloat16)
     assert ops.exact_kernels_take(x)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1), sharding.MESH_AXES)):
         assert ops.exact_kernels_take(x) and ops.exact_dense_takes(x, w)
@@ -193,7 +193,7 @@ def test_matmul_and_row_sum_give_a_row_the_same_bits_at_any_row_count():
     the row sums and the RMSNorm built on them."""
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.normal(size=(70, 300)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(300, 130)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(130, 300)), jnp.bfloat16)
     g = jnp.asarray(1 + 0.1 * rng.normal(size=300), jnp.bfloat16)
     for fn in (jax.jit(lambda x: batch_invariant.matmul(x, w, out_dtype=jnp.float32)),
                jax.jit(batch_invariant.row_sum), jax.jit(lambda x: batch_invariant.rms_norm(x, g, 1e-6))):
@@ -208,7 +208,7 @@ def test_matmul_adds_the_residual_to_the_rounded_product():
     of the add after the product, and a row alone those it has among 37."""
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.normal(size=(37, 320)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(320, 96)) / 16, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(96, 320)) / 16, jnp.bfloat16)
     r = jnp.asarray(rng.normal(size=(37, 96)), jnp.bfloat16)
     fused = jax.jit(lambda x, r: batch_invariant.matmul(x, w, residual=r))
     after = np.asarray(r + batch_invariant.matmul(x, w))

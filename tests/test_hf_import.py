@@ -127,14 +127,14 @@ def test_hf_layouts(tmp_path, model):
     attn, moe = model.layers[1].self_attn, model.layers[1].mlp
     a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
     expected = [  # ours = f(HF), written per tensor from HF's view of it
-        (a + "q_b_proj.weight", attn.q_b_proj, lambda w: w.reshape(h, p + r, -1).transpose(2, 0, 1)),
+        (a + "q_b_proj.weight", attn.q_b_proj, lambda w: w.reshape(h, p + r, -1)),
         (a + "kv_b_proj.weight", attn.kv_b_proj, lambda w: w.reshape(h, p + v, -1).transpose(2, 0, 1)),
-        (a + "o_proj.weight", attn.o_proj, lambda w: w.reshape(d, h, v).transpose(1, 2, 0)),
-        (a + "kv_a_proj_with_mqa.weight", attn.kv_a_proj, lambda w: w.T),
-        (m + "gate.weight", moe.gate, lambda w: w.T),
+        (a + "o_proj.weight", attn.o_proj, lambda w: w.reshape(d, h, v)),
+        (a + "kv_a_proj_with_mqa.weight", attn.kv_a_proj, lambda w: w),
+        (m + "gate.weight", moe.gate, lambda w: w),
         (m + "experts.5.gate_proj.weight", moe.w_gate, lambda w: np.stack([w.T])),
         (m + "experts.5.down_proj.weight", moe.w_down, lambda w: np.stack([w.T])),
-        ("lm_head.weight", model.lm_head, lambda w: w.T),
+        ("lm_head.weight", model.lm_head, lambda w: w),
         ("model.embed_tokens.weight", model.embed_tokens, lambda w: w),
     ]
     for name, param, ours_from_hf in expected:

@@ -332,7 +332,7 @@ def test_skinny_matmul_k26_share(rows, k, n, norm, residual, dtype):
     place in the tile)."""
     rng = np.random.default_rng(rows * n)
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)
+    w = jnp.asarray(rng.standard_normal((n, k)) * k ** -0.5, dtype)
     kw = dict(norm_weight=jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None,
               residual=jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None)
     got = SM.skinny_matmul(x, w, **kw)

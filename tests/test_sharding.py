@@ -85,7 +85,7 @@ def test_forward_equals_single_device(models, tp):
     got, _, hlo, params = sharded_forward(target, sharding.make_mesh(tp=tp), tokens)
     assert rel_err(got, expect) < 1e-5
     attn, moe = params["layers"][1]["self_attn"], params["layers"][1]["mlp"]
-    assert {s.data.shape for s in attn["q_b_proj"][...].addressable_shards} == {(32, 8 // tp, 24)}
+    assert {s.data.shape for s in attn["q_b_proj"][...].addressable_shards} == {(8 // tp, 24, 32)}
     assert {s.data.shape for s in moe["w_down"][...].addressable_shards} == {(16 // tp, 32, 64)}
     assert "all-reduce" in hlo
 

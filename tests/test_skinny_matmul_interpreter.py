@@ -19,7 +19,7 @@ test_in_the_interpreter = interpreter_parent(__file__)
 def _inputs(seed, m, k, n, dtype):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)
+    w = jnp.asarray(rng.standard_normal((n, k)) * k ** -0.5, dtype)
     g = jnp.asarray(1.0 + 0.1 * rng.standard_normal(k), dtype)
     residual = jnp.asarray(rng.standard_normal((m, n)), dtype)
     return x, w, g, residual
@@ -88,14 +88,14 @@ def test_the_tiling_is_a_function_of_the_weight_alone():
 
 def test_bad_inputs_are_refused_with_the_fix_named():
     x = jnp.ones((2, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[K, N\]"):
-        SM.check_inputs(x, jnp.ones((64, 8), jnp.bfloat16), None, None, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        SM.check_inputs(x, jnp.ones((8, 64), jnp.bfloat16), None, None, jnp.bfloat16)
     with pytest.raises(ValueError, match="cast them first"):
-        SM.check_inputs(x, jnp.ones((128, 8), jnp.float32), None, None, jnp.bfloat16)
+        SM.check_inputs(x, jnp.ones((8, 128), jnp.float32), None, None, jnp.bfloat16)
     with pytest.raises(ValueError, match="norm_weight"):
-        SM.check_inputs(x, jnp.ones((128, 8), jnp.bfloat16), jnp.ones(64), None, jnp.bfloat16)
+        SM.check_inputs(x, jnp.ones((8, 128), jnp.bfloat16), jnp.ones(64), None, jnp.bfloat16)
     with pytest.raises(ValueError, match="residual"):
-        SM.check_inputs(x, jnp.ones((128, 8), jnp.bfloat16), None, jnp.ones((2, 9)), jnp.bfloat16)
+        SM.check_inputs(x, jnp.ones((8, 128), jnp.bfloat16), None, jnp.ones((2, 9)), jnp.bfloat16)
     with pytest.raises(ValueError, match="at most 8 rows"):
-        SM.run_kernels(None, jnp.ones((9, 128), jnp.float32), jnp.ones((128, 8), jnp.float32),
+        SM.run_kernels(None, jnp.ones((9, 128), jnp.float32), jnp.ones((8, 128), jnp.float32),
                        tiling=SM.Tiling(64, 32, 1, fma=True))

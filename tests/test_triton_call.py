@@ -111,7 +111,7 @@ def test_skinny_matmul_lowers_to_ffi_launches_of_triton_cubins(rows, k, n, norm,
     nothing else (no padding, slicing or casting around them)."""
     dtype = F32 if n == 384 else BF16
     text = lower_for_h200(lambda x, w, g, r: SM.skinny_matmul(x, w, norm_weight=g, residual=r), spec((rows, k), dtype),
-                          spec((k, n), dtype), spec((k,), dtype) if norm else None,
+                          spec((n, k), dtype), spec((k,), dtype) if norm else None,
                           spec((rows, n), dtype) if residual else None)
     second = SM.default_tiling(k, n).splits > 1
     assert text.count(f"@{triton_ffi.TARGET}(") == 1 + second and text.count('cubin = "\\7FELF') == 1 + second
@@ -125,7 +125,7 @@ def test_skinny_matmul_fma_tiling_lowers_for_sm90(rows):
     loads copied steps ahead (cp.async: the loop's `tl.range(num_stages=)` stages loads that feed no dot)."""
     tiling = SM.default_tiling(D, 1536, fma=True)
     text = lower_for_h200(lambda x, w, g: SM.skinny_matmul(x, w, norm_weight=g, tiling=tiling), spec((rows, D), BF16),
-                          spec((D, 1536), BF16), spec((D,), BF16))
+                          spec((1536, D), BF16), spec((D,), BF16))
     assert text.count('cubin = "\\7FELF') == 1 + (tiling.splits > 1) and 'name = "_product_kernel"' in text
     compiled = compile_for_h200(
         SM._product_kernel, {name: "*bf16" for name in ("x_ptr", "w_ptr", "g_ptr", "residual_ptr")}

@@ -8,9 +8,10 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
     variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
                contiguous runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
                16-row tensor-core tile; 32-deep steps), fma_k64 (the same, 64-deep: twice the bytes a load, twice
-               the accumulator's registers), xla, and xla_nk: XLA's product with the weight stored [N, K] (the
-               reduction runs along contiguous memory: a row reduction for XLA's GEMV at small M, where [K, N] gives
-               it a column reduction). Timed and dropped: wider grids (default_tiling aiming at 528 and 1056
+               the accumulator's registers), xla (XLA's product with the weight as the model stores it, [N, K]:
+               at small M its GEMV reduces along contiguous memory) and xla_kn: the same product with the weight
+               stored [K, N] (the model's layout before 2026-12-08; XLA's GEMV then reduces columns, 28% slower at
+               M = 1 on an H100). Timed and dropped: wider grids (default_tiling aiming at 528 and 1056
                programs: no faster) and no split-K (3.5x slower at M = 1), k26.md
     times      `busy_us` (the sum of the call's device events) is what a product costs inside the decode step, where
                the calls run back to back; `us` (the device span of a call alone) adds the launch gaps between a
@@ -46,7 +47,7 @@ BLOCK_VARIANTS = {"n128": (128, None), "n256_k64": (256, 64)}  # variant: (block
 def product_inputs(seed: int, rows: int, k: int, n: int, dtype, norm: bool, residual: bool):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, dtype)
+    w = jnp.asarray(rng.standard_normal((n, k)) * k ** -0.5, dtype)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None
     r = jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None
     return x, w, g, r
@@ -76,13 +77,13 @@ def run_skinny(ceil: dict, results: list, deadline: float, reps: int, save) -> N
             fns = {**{v: jax.jit(lambda x, w, g, r, t=t: SM.skinny_matmul(x, w, norm_weight=g, residual=r, tiling=t))
                       for v, t in tilings.items()},
                    "xla": jax.jit(lambda x, w, g, r: SM.skinny_matmul_reference(x, w, norm_weight=g, residual=r)),
-                   "xla_nk": jax.jit(lambda x, w_t, g, r: SM.skinny_matmul_reference(x, w_t.T, norm_weight=g,
-                                                                                   residual=r))}
+                   "xla_kn": jax.jit(lambda x, w_kn, g, r: SM.skinny_matmul_reference(x, w_kn.T, norm_weight=g,
+                                                                                    residual=r))}
             try:
                 x32, w32, g32, r32 = (None if a is None else a.astype(jnp.float32) for a in args)
                 want = SM.skinny_matmul_reference(x32, w32, norm_weight=g32, residual=r32)
-                args_of = {v: (args[0], args[1].T.copy() if v == "xla_nk" else args[1], *args[2:]) for v in fns}
-                args_of["xla_nk"] = jax.block_until_ready(args_of["xla_nk"])
+                args_of = {v: (args[0], args[1].T.copy() if v == "xla_kn" else args[1], *args[2:]) for v in fns}
+                args_of["xla_kn"] = jax.block_until_ready(args_of["xla_kn"])
                 errors = {v: rel_err(fn(*args_of[v]), want) for v, fn in fns.items()}
                 t = time_jobs([Job(v, fn, [args_of[v]]) for v, fn in fns.items()], reps)
             except Exception as e:  # noqa: BLE001 - a failure is a result; the section goes on

@@ -1,10 +1,11 @@
 """Multi-head latent attention (DeepSeek-V3 MLA) with a naive and an absorbed path over the latent KV cache.
 
 Per token the cache keeps c_kv [C] (after kv_a_layernorm) and k_rope [R] (after RoPE); C = kv_lora_rank, R =
-qk_rope_head_dim. Weights (stored [in, ..., out]):
-  q_a_proj [D, Q], q_a_norm [Q], q_b_proj [Q, H, P+R]   (or q_proj [D, H, P+R] when q_lora_rank is None)
-  kv_a_proj [D, C+R], kv_a_norm [C], kv_b_proj [C, H, P+V], o_proj [H, V, D]
-with P = qk_nope_head_dim and V = v_head_dim. kv_b_proj splits into W_UK [C, H, P] and W_UV [C, H, V].
+qk_rope_head_dim. Weights (the products' stored [out..., in], HF's Linear layout, `layers.project`):
+  q_a_proj [Q, D], q_a_norm [Q], q_b_proj [H, P+R, Q]   (or q_proj [H, P+R, D] when q_lora_rank is None)
+  kv_a_proj [C+R, D], kv_a_norm [C], o_proj [D, H, V]
+and kv_b_proj [C, H, P+V] (the absorbed path's per-head operand, stored [in, H, out]), with P = qk_nope_head_dim and
+V = v_head_dim. kv_b_proj splits into W_UK [C, H, P] and W_UV [C, H, V].
 Naive: decompress every cached row to per-head K/V. Absorbed (decode, tree verify): q_lat = q_nope . W_UK^T lives in
 the C-wide latent space, scores = q_lat . c_kv + q_rope . k_rope, out_lat = p . c_kv, out = out_lat . W_UV.
 """
@@ -26,7 +27,8 @@ from pallas_kernels import batch_invariant, ops
 from pallas_kernels.tree_verify_attention import block_attention_mask
 
 ON_HEADS = P(STREAMS, None, TP, None)   # [S, T, H, *]: the exact products' per-head activations under a mesh
-ON_HEADS_W = P(None, TP, None)          # q_proj / q_b_proj [*, H, P + R], kv_b_proj [C, H, P + V]: split on heads
+Q_HEADS_W = P(TP, None, None)           # q_proj / q_b_proj [H, P + R, *]: split on heads
+KV_B_W = P(None, TP, None)              # kv_b_proj [C, H, P + V]: split on heads
 
 
 class MLA(nnx.Module):
@@ -34,15 +36,15 @@ class MLA(nnx.Module):
         dt = dtype_of(cfg.dtype)
         d, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            self.q_a_proj = init_weight(rngs, (d, cfg.q_lora_rank), d, dt)
+            self.q_a_proj = init_weight(rngs, (cfg.q_lora_rank, d), d, dt)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dt)
-            self.q_b_proj = init_weight(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), cfg.q_lora_rank, dt)
+            self.q_b_proj = init_weight(rngs, (h, cfg.qk_head_dim, cfg.q_lora_rank), cfg.q_lora_rank, dt)
         else:
-            self.q_proj = init_weight(rngs, (d, h, cfg.qk_head_dim), d, dt)
-        self.kv_a_proj = init_weight(rngs, (d, c + r), d, dt)
+            self.q_proj = init_weight(rngs, (h, cfg.qk_head_dim, d), d, dt)
+        self.kv_a_proj = init_weight(rngs, (c + r, d), d, dt)
         self.kv_a_norm = RMSNorm(c, cfg.latent_norm_eps, dt)
         self.kv_b_proj = init_weight(rngs, (c, h, cfg.qk_nope_head_dim + cfg.v_head_dim), c, dt)
-        self.o_proj = init_weight(rngs, (h, cfg.v_head_dim, d), h * cfg.v_head_dim, dt)
+        self.o_proj = init_weight(rngs, (d, h, cfg.v_head_dim), h * cfg.v_head_dim, dt)
         self.cfg = cfg
 
     def queries(self, x, positions, *, exact: bool = False, input_norm=None):
@@ -62,16 +64,16 @@ class MLA(nnx.Module):
         """`queries`' products in the exact mode -> q [S, T, H, P + R] (`parallel.per_device`; the norms' weights,
         replicated, closed over)."""
         def heads(y, w, **norm):
-            return batch_invariant.matmul(y, w.reshape(w.shape[0], -1), **norm).reshape(*y.shape[:-1], *w.shape[1:])
+            return batch_invariant.matmul(y, w.reshape(-1, w.shape[-1]), **norm).reshape(*y.shape[:-1], *w.shape[:-1])
         if self.cfg.q_lora_rank:      # q_a_norm in q_b's product
             def local(x, q_a, q_b):
                 q = batch_invariant.matmul(x, q_a, **fused_norm(input_norm))
                 return heads(q, q_b, **fused_norm(self.q_a_norm))
-            args, specs = (x, self.q_a_proj[...], self.q_b_proj[...]), (P(STREAMS), P(), ON_HEADS_W)
+            args, specs = (x, self.q_a_proj[...], self.q_b_proj[...]), (P(STREAMS), P(), Q_HEADS_W)
         else:
             def local(x, q_proj):
                 return heads(x, q_proj, **fused_norm(input_norm))
-            args, specs = (x, self.q_proj[...]), (P(STREAMS), ON_HEADS_W)
+            args, specs = (x, self.q_proj[...]), (P(STREAMS), Q_HEADS_W)
         return per_device(local, args, specs, ON_HEADS)
 
     def latents(self, x, positions, *, exact: bool = False, input_norm=None):
@@ -122,8 +124,8 @@ class MLA(nnx.Module):
         else:
             out = naive_attention(q_nope, q_rope, c_cache, r_cache, w_uk, w_uv,
                                   block_attention_mask(prefix_len, visible, c_cache.shape[1]), cfg.softmax_scale)
-        o_proj = self.o_proj[...]                                                       # [H, V, D]
-        out = project(out.astype(x.dtype).reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]))
+        o_proj = self.o_proj[...]                                                       # [D, H, V]
+        out = project(out.astype(x.dtype).reshape(*out.shape[:-2], -1), o_proj.reshape(o_proj.shape[0], -1))
         return out, c_cache, r_cache
 
     def _exact(self, x, positions, c_cache, r_cache, prefix_len, visible, plan, input_norm, residual):
@@ -135,16 +137,16 @@ class MLA(nnx.Module):
         q_nope, q_rope = self.queries(x, positions, exact=True, input_norm=input_norm)
         kv_b, nope = self.kv_b_proj[...], cfg.qk_nope_head_dim                        # [C, H, P + V]
         q_lat = per_device(functools.partial(batch_invariant.absorbed_head_matmul, nope=nope, key=True),
-                           (q_nope, kv_b), (ON_HEADS, ON_HEADS_W), ON_HEADS)                 # [S, T, H, C]
+                           (q_nope, kv_b), (ON_HEADS, KV_B_W), ON_HEADS)                     # [S, T, H, C]
         attention = lambda *args: batch_invariant.attention(*args[:-1], scale=cfg.softmax_scale)  # noqa: E731
         out_lat = head_parallel(attention, q_lat, q_rope.astype(q_lat.dtype), c_cache, r_cache, prefix_len, visible,
                                 plan)
         out = per_device(functools.partial(batch_invariant.absorbed_head_matmul, nope=nope, key=False),
-                         (out_lat, kv_b), (ON_HEADS, ON_HEADS_W), ON_HEADS)                  # [S, T, H, V]
-        o_proj = self.o_proj[...]                                                       # [H, V, D]
+                         (out_lat, kv_b), (ON_HEADS, KV_B_W), ON_HEADS)                      # [S, T, H, V]
+        o_proj = self.o_proj[...]                                                       # [D, H, V]
         if tp_size(jax.sharding.get_abstract_mesh()) == 1:   # the residual in the product's epilogue
             def local(out, o_proj, *residual):
-                return batch_invariant.matmul(out.reshape(*out.shape[:-2], -1), o_proj.reshape(-1, o_proj.shape[-1]),
+                return batch_invariant.matmul(out.reshape(*out.shape[:-2], -1), o_proj.reshape(o_proj.shape[0], -1),
                                               residual=residual[0] if residual else None)
             residual = () if residual is None else (residual,)
             out = per_device(local, (out.astype(x.dtype), o_proj, *residual),

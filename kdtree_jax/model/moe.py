@@ -21,7 +21,7 @@ from pallas_kernels.router_topk import router_topk_reference
 
 
 def route(x, gate_w, bias, cfg: ModelConfig, *, exact: bool = False):
-    """x [M, D], gate_w [D, E], bias [E] -> (ids [M, k] int32, weights [M, k] f32): the product in f32 (exact:
+    """x [M, D], gate_w [E, D], bias [E] -> (ids [M, k] int32, weights [M, k] f32): the product in f32 (exact:
     `batch_invariant.matmul`), then the sigmoid, the top-k and the weights (`router_topk_reference`, or its one-kernel
     form where `ops.router_takes` and no mesh shards the call: `ops.unpartitioned`)."""
     x32, w32 = x.astype(jnp.float32), gate_w.astype(jnp.float32)
@@ -65,7 +65,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = dtype_of(cfg.dtype)
         d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.gate = init_weight(rngs, (d, e), d, jnp.float32)
+        self.gate = init_weight(rngs, (e, d), d, jnp.float32)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
         if cfg.expert_quant == "int4":
             experts = random_int4_experts(rngs, e, d, i, cfg.quant_group_size)

@@ -28,6 +28,7 @@ from pallas_kernels import ops
 DATA, TP = "data", "tp"
 MESH_AXES = (DATA, TP)
 STREAMS = "streams"     # in `per_device`'s specs: the stream axis (data where it divides the streams)
+MLP_SPECS = (P(TP, None), P(TP, None), P(None, TP))  # gate / up [I, D], down [D, I]: the intermediate axis split
 
 
 def tp_size(mesh) -> int:
@@ -42,7 +43,7 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
 
     local_moe(x [M, D], experts, ids [M, k], weights [M, k]) -> [M, D] must give an id outside [0, E_held) zero
     weight. experts: a pytree of arrays whose leading axis is the expert (E_held of them). shared: None, or
-    (mlp, (gate [D, I], up [D, I], down [I, D])) with mlp(x, gate, up, down) -> [M, D]: the shared expert(s), whose I
+    (mlp, (gate [I, D], up [I, D], down [D, I])) with mlp(x, gate, up, down) -> [M, D]: the shared expert(s), whose I
     axis is split over tp like the dense MLP's. routed_experts: the experts the ids are drawn from (default E_held).
 
     Under a mesh with tp > 1 each device holds E / tp experts and I / tp shared columns (the shards the params
@@ -74,7 +75,7 @@ def expert_parallel(local_moe: Callable, x, experts, ids, weights, shared=None, 
         return per_device(lambda *args: local(*args, first).astype(x.dtype), (x, experts, ids, weights, shared_params),
                           (P(STREAMS), P(), P(STREAMS), P(STREAMS), P()), P(STREAMS))
     experts_here = _split_count(held, tp, "experts", "routed experts")
-    shared_specs = () if shared is None else (P(None, TP), P(None, TP), P(TP, None))
+    shared_specs = () if shared is None else MLP_SPECS
 
     def on_device(x, experts, ids, weights, shared_params):
         first = jax.lax.axis_index(TP) * experts_here
@@ -114,22 +115,22 @@ def _sum_of_partials(partial: Callable, x, weights, x_spec: tuple, weight_specs:
 def mlp_parallel(mlp: Callable, x, gate, up, down):
     """The dense MLP with its intermediate columns split over tp, the devices' partial outputs added in device order
     (the exact mode; `sum_in_device_order`). mlp(x, gate, up, down, out_dtype) -> [..., D]; x [S, T, D], gate / up
-    [D, I], down [I, D] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype (on each device's
+    [I, D], down [D, I] -> [S, T, D] in x's dtype. Without a mesh with tp > 1: mlp in x's dtype (on each device's
     streams: `per_device`)."""
     tp = tp_size(jax.sharding.get_abstract_mesh())
     if tp == 1:
         return per_device(lambda *a: mlp(*a, None), (x, gate, up, down), (P(STREAMS), P(), P(), P()), P(STREAMS))
-    _split_count(gate.shape[1], tp, "intermediate", "MLP columns")
+    _split_count(gate.shape[0], tp, "intermediate", "MLP columns")
 
     def partial(x, gate, up, down):
         return mlp(x, gate, up, down, jnp.float32)
-    return _sum_of_partials(partial, x, (gate, up, down), (), (P(None, TP), P(None, TP), P(TP, None))).astype(x.dtype)
+    return _sum_of_partials(partial, x, (gate, up, down), (), MLP_SPECS).astype(x.dtype)
 
 
 def head_parallel_product(product: Callable, x, w):
     """o_proj over heads split on tp, its sum over the heads in an order that depends on tp alone (the exact mode).
 
-    x [S, T, H, V], w [H, V, D], product(a [S, T, K], b [K, D]) -> [S, T, D] f32 with K the (local) heads x V ->
+    x [S, T, H, V], w [D, H, V], product(a [S, T, K], b [D, K]) -> [S, T, D] f32 with K the (local) heads x V ->
     [S, T, D] f32. Under a mesh with tp > 1 (where `MLA._exact` calls it; otherwise o_proj is one product with the
     residual in its epilogue) each device multiplies its H / tp heads (the shards x and w already have) and the
     partials are added in device order (`sum_in_device_order`)."""
@@ -137,8 +138,8 @@ def head_parallel_product(product: Callable, x, w):
     _split_count(x.shape[2], tp, "heads", "attention heads")
 
     def partial(x, w):
-        return product(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
-    return _sum_of_partials(partial, x, (w,), (None, TP, None), (P(TP, None, None),))
+        return product(x.reshape(*x.shape[:-2], -1), w.reshape(w.shape[0], -1))
+    return _sum_of_partials(partial, x, (w,), (None, TP, None), (P(None, TP, None),))
 
 
 def per_device(fn: Callable, args: tuple, in_specs: tuple, out_specs):

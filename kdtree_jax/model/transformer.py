@@ -54,7 +54,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         if not cfg.tie_word_embeddings:
-            self.lm_head = init_weight(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size, dt)
+            self.lm_head = init_weight(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size, dt)
         self.cfg = cfg
 
     def embed(self, tokens):
@@ -64,11 +64,11 @@ class Transformer(nnx.Module):
     def logits(self, hidden, *, exact: bool = False, norm: RMSNorm | None = None):
         """final-normed hidden [S, T, D] -> logits [S, T, V] in f32. norm: applied to hidden first (the forward passes
         its final norm, which the lm_head's kernel fuses: `project`)."""
-        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        w = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]   # [V, D]
         if exact:            # on each device's streams and vocabulary slice under a mesh
             def local(hidden, w):
                 return batch_invariant.matmul(hidden, w, out_dtype=jnp.float32, **fused_norm(norm))
-            return per_device(local, (hidden, w), (P(STREAMS), P(None, TP)), P(STREAMS, None, TP))
+            return per_device(local, (hidden, w), (P(STREAMS), P(TP)), P(STREAMS, None, TP))
         return project(hidden, w, norm=norm, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, visible, *, absorbed: bool = True,
