@@ -723,6 +723,15 @@ def device_profile(trace_dir: str, top: int = 100) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------------- main
+def compiler_options(f) -> dict | None:
+    """The steps' XLA compile options from the flags (--fast_compile, --command_buffers); None: XLA's defaults."""
+    options = dict(FAST_COMPILE) if f.fast_compile else {}
+    if f.command_buffers:
+        options["xla_gpu_enable_command_buffer"] = f.command_buffers
+    return options or None
+
+
+
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     """The script's flags (defined only when run as a script, so tests can import its functions)."""
     flags.DEFINE_string("config", "kimi_k2_6", f"model preset: {sorted(config_lib.PRESETS)}", flag_values=fv)
@@ -750,6 +759,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_bool("compile_only", False, "abstract params and cache (nothing allocated): compile every case and "
                       "report its collectives, memory analysis and floors, no times (e.g. the full model on 8 fake "
                       "CPU devices)", flag_values=fv)
+    flags.DEFINE_string("command_buffers", "", "XLA:GPU's command buffer types for the steps' compiles (the "
+                        "xla_gpu_enable_command_buffer option, e.g. 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                        "CONDITIONAL': the loop's while as a CUDA graph); empty: XLA's default", flag_values=fv)
     flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)",
                       flag_values=fv)
     flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees", flag_values=fv)
@@ -883,14 +895,15 @@ def run(f) -> None:
     ops.set_dense_kernel(f.dense_kernel)
     ops.set_router_kernel(f.router_kernel)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=FAST_COMPILE if f.fast_compile else None, compile_only=f.compile_only,
+               compiler_options=compiler_options(f), compile_only=f.compile_only,
                loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
                collective_table=collective_table(f.collective_table) if share_tp else {})
     axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)
     meta = dict(code=code_version(), jax=jax.__version__, backend=jax.default_backend(),
                 devices=[str(d.device_kind) for d in mesh.devices.flat], mesh=axis_sizes, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), config=dataclasses.asdict(cfg), scale=f.scale,
-                prefix=f.prefix, moe_launcher=f.moe_launcher, reps=f.reps, warmup=f.warmup, loop_steps=f.loop_steps,
+                prefix=f.prefix, moe_launcher=f.moe_launcher, command_buffers=f.command_buffers, reps=f.reps,
+                warmup=f.warmup, loop_steps=f.loop_steps,
                 shard_of=f.shard_of, loop_only=f.loop_only, exact=f.exact, dense_kernel=f.dense_kernel,
                 router_kernel=f.router_kernel, moe_tiling=f.moe_tiling,
                 collective_table=f.collective_table if share_tp else "",
