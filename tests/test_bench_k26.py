@@ -112,15 +112,18 @@ def test_the_tp8_step_takes_two_collectives_a_layer(tmp_path):
 def test_one_devices_share_of_tp8_holds_its_shards(tmp_path):
     """--shard_of=tp=8 on one device: it holds exactly one device's bytes of the tp = 8 layout (every param at its
     shard's shape), computes the most loaded device's experts each layer (never more than a device holds), and
-    reports the deployment's collectives apart. --exact=on,off: every case also with the batch-invariant forward."""
+    reports the deployment's collectives apart. --exact=on,off: every case also with the batch-invariant forward;
+    --command_buffers reaches the compile options."""
     out = tmp_path / "share.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, SCRIPT, "--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4",
                            "--fast_compile", "--streams=1", "--prefill_tokens=0", "--shard_of=tp=8", "--loop_only",
-                           "--loop_steps=2", "--reps=1", "--warmup=0", "--exact=on,off", f"--out={out}"],
+                           "--loop_steps=2", "--reps=1", "--warmup=0", "--exact=on,off", "--command_buffers=FUSION,WHILE",
+                           f"--out={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
+    assert results["meta"]["command_buffers"] == "FUSION,WHILE"   # an XLA:GPU compile option: the CPU ignores it
     cfg = bench.bench_config("kimi_k2_6", "tiny", 2)
     assert results["params"]["per_device_bytes"] == [_param_bytes(cfg)[1]]
     per_device = cfg.num_experts // DEVICES
