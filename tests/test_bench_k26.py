@@ -118,8 +118,8 @@ def test_one_devices_share_of_tp8_holds_its_shards(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, SCRIPT, "--scale=tiny", "--layers=2", "--prefix=64", "--budgets=4",
                            "--fast_compile", "--streams=1", "--prefill_tokens=0", "--shard_of=tp=8", "--loop_only",
-                           "--loop_steps=2", "--reps=1", "--warmup=0", "--exact=on,off", "--command_buffers=FUSION,WHILE",
-                           f"--out={out}"],
+                           "--loop_steps=2", "--reps=1", "--warmup=0", "--exact=on,off",
+                           "--command_buffers=FUSION,WHILE", f"--out={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
