@@ -22,6 +22,10 @@ the check costs (meta.check_finite_cost in the JSON):
 --exact=on,off times it beside the default (meta.exact_cost):
   python experiments/bench_decode.py --exact=on,off --temperatures=0 --budgets=8,32 --batch_sizes=1,8 \
       --out=/tmp/decode_exact.json --plot=
+--device_loop=on,off times every case with the loop as one CUDA graph (DecodeSpec.device_loop: no host round trip
+between rounds) beside the default (meta.device_loop_cost; on the CPU both are the same program):
+  python experiments/bench_decode.py --device_loop=on,off --temperatures=0 --budgets=8,32 --batch_sizes=1,8 \
+      --out=/tmp/decode_device_loop.json --plot=
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from kdtree_jax.decode import DecodeSpec, Decoder, agreeing_prefix, check_spec, 
 from pallas_kernels import ops
 
 FLAGS = flags.FLAGS
-MODES = ("check_finite", "exact")  # DecodeSpec switches timed both ways when a flag lists on,off
+MODES = ("check_finite", "exact", "device_loop")  # DecodeSpec switches timed both ways when a flag lists on,off
 
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
@@ -71,6 +75,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "(DecodeSpec.check_finite): 'on', 'off', or 'on,off' to time every case both ways, one after the other")
     d(flags.DEFINE_list, "exact", ["off"], "the target's batch-invariant forward (DecodeSpec.exact): 'on', 'off', or "
       "'on,off' to time every case both ways")
+    d(flags.DEFINE_list, "device_loop", ["off"], "the decode loop as one CUDA graph on the GPU "
+      "(DecodeSpec.device_loop: XLA's WHILE / CONDITIONAL command buffers): 'on', 'off', or 'on,off' to time every "
+      "case both ways")
     d(flags.DEFINE_bool, "dense_kernel", False, "the target's dense products of few rows through skinny_matmul "
       "(`ops.set_dense_kernel`; one device, the GPU)")
     d(flags.DEFINE_bool, "router_kernel", False, "the target's MoE router (sigmoid, top-k, weights) as one Triton "
@@ -168,7 +175,7 @@ def run(f) -> None:
                 meta["skipped_groups"].append({"temperature": temperature, "batch": batch})
                 continue
             runs = []
-            for policy, budget in cases:  # each case in every mode (--check_finite x --exact), one after the other
+            for policy, budget in cases:  # each case in every mode (--check_finite x --exact x --device_loop), in turn
                 for mode in inputs.mode_sets:
                     spec = make_spec(policy, budget, inputs.auto_budgets, topk=f.topk, block_size=block,
                                      temperature=temperature, max_new_tokens=f.max_new_tokens,
@@ -227,12 +234,12 @@ def write(f, rows, meta: dict) -> None:
 
 
 def print_table(rows) -> None:
-    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'exact':>5} {'tau':>6} {'tok/s':>9} "
-          f"{'speedup':>8} {'same as ar':>10}  rounds by B (auto)")
+    print(f"{'T':>4} {'batch':>5} {'policy':>7} {'B':>5} {'finite':>6} {'exact':>5} {'device':>6} {'tau':>6} "
+          f"{'tok/s':>9} {'speedup':>8} {'same as ar':>10}  rounds by B (auto)")
     for r in rows:
         same = "-" if r["identical_to_ar"] is None else str(r["identical_to_ar"])
         hist = " ".join(f"{b}:{n}" for b, n in r["budget_hist"].items()) if r["budget"] == "auto" else ""
-        modes = " ".join(f"{'on' if r[m] else 'off':>{w}}" for m, w in zip(MODES, (6, 5)))
+        modes = " ".join(f"{'on' if r[m] else 'off':>{w}}" for m, w in zip(MODES, (6, 5, 6)))
         print(f"{r['temperature']:>4g} {r['batch']:>5} {r['policy']:>7} {r['budget']:>5} {modes} {r['tau']:>6.2f} "
               f"{r['tokens_per_s']:>9.1f} "
               f"{r['speedup']:>7.2f}x {same:>10}  {hist}")

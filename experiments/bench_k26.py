@@ -32,7 +32,8 @@ What runs:
   the end, per call (the host may run ahead). Their gap is the per-call dispatch and wait that pipelining hides;
   equal values fit a host-bound step as well as a device-bound one, which the profile's busy time tells apart.
   --profile_dir also writes a profiler trace with one annotation per call ("k26|case|rep") and records each case's
-  device span, busy time and longest kernels per step (`device_profile` in the JSON).
+  device span, busy time and longest kernels per step (`device_profile` in the JSON); the step loops' calls too
+  ("<case> loop": per call of --loop_steps steps), where a span longer than the busy time is the device waiting.
 - Bytes per device: the params and the cache each device actually holds, and `compiled.memory_analysis()`.
 - Collectives: every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in the compiled HLO,
   counted by (op, dtype, elements); each distinct one is timed standalone on the mesh (a chain of 16 inside one
@@ -564,6 +565,7 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
 
     if loop_only:       # the compiled function is the loop: its wall clock per step is the one time
         us = wall_us(call, [()], run["reps"], warmup=run["warmup"])
+        profile_loop_calls(call, f"{case.name} loop", run)
         return _timed_row(row, case, cfg, weights, state, mesh, run, counts, timed_collectives, floors,
                           [us / 1e6 / step_loop.steps], float("nan"), dict(step_ms_in_loop=us / 1e3 / step_loop.steps))
     times = []
@@ -582,7 +584,8 @@ def run_case(case: Case, step, params, cache, mesh, cfg, weights, rng, timed_col
     loop_row = {}
     if step_loop is not None:
         try:
-            state["cache"], loop_row = time_loop(step_loop, params, state["cache"], inputs, mesh, run)
+            state["cache"], loop_row = time_loop(step_loop, params, state["cache"], inputs, mesh, run,
+                                                 f"{case.name} loop")
         except Exception as e:  # noqa: BLE001 - the loop's failure (e.g. out of memory) is a result; the step's stands
             loop_row = dict(loop_error=f"{type(e).__name__}: {str(e)[:2000]}")
             state["cache"] = None  # it may have been donated: the caller makes a new one
@@ -658,9 +661,9 @@ def format_row(r: dict) -> str:
             f"{coll['bytes'] / 1e6:8.2f} MB/dev{timed} | temp {r['memory_per_device'].get('temp', 0) / GB:6.2f} GB")
 
 
-def time_loop(step_loop: StepLoop, params, cache, inputs, mesh, run: dict) -> tuple[KVCache, dict]:
+def time_loop(step_loop: StepLoop, params, cache, inputs, mesh, run: dict, name: str) -> tuple[KVCache, dict]:
     """(the cache handed back, {step_ms_in_loop, loop_compile_s}) of a `make_step_loop` function: median of --reps
-    waited calls after --warmup, each call's wall clock over its steps."""
+    waited calls after --warmup, each call's wall clock over its steps; then, profiling, `profile_loop_calls`."""
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step_loop.fn.lower(params, cache, *inputs).compile(compiler_options=run["compiler_options"])
@@ -673,7 +676,19 @@ def time_loop(step_loop: StepLoop, params, cache, inputs, mesh, run: dict) -> tu
         return outputs
 
     us = wall_us(call, [()], run["reps"], warmup=run["warmup"])
+    profile_loop_calls(call, name, run)
     return state["cache"], dict(step_ms_in_loop=us / 1e3 / step_loop.steps, loop_compile_s=compile_s)
+
+
+def profile_loop_calls(call, name: str, run: dict, calls: int = 3) -> None:
+    """With --profile_dir: `calls` more waited calls of a step loop, each annotated "k26|<name>|<i>", so that
+    `device_profile` reports the loop's own window, device span, busy time and kernels per call (all of its steps):
+    a span longer than the busy time is the device idle inside the loop, between or within its steps."""
+    if not run.get("profile"):
+        return
+    for i in range(calls):
+        with jax.profiler.TraceAnnotation(f"k26|{name}|{i}"):
+            jax.block_until_ready(call())
 
 
 def print_floor(cfg: ModelConfig, axis_sizes: dict, prefix: int, run: dict, label: str) -> dict:
@@ -895,7 +910,7 @@ def run(f) -> None:
     ops.set_dense_kernel(f.dense_kernel)
     ops.set_router_kernel(f.router_kernel)
     run = dict(reps=f.reps, warmup=f.warmup, bandwidth=f.bandwidth_GBps * GB, matmul=f.matmul_TFLOPs * 1e12,
-               compiler_options=compiler_options(f), compile_only=f.compile_only,
+               compiler_options=compiler_options(f), compile_only=f.compile_only, profile=bool(f.profile_dir),
                loop_only=f.loop_only, share_tp=share_tp, full_cfg=cfg,
                collective_table=collective_table(f.collective_table) if share_tp else {})
     axis_sizes = {sharding.DATA: 1, sharding.TP: share_tp} if share_tp else dict(mesh.shape)

@@ -82,6 +82,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_bool, "check_finite", True, "stop with an error at the first round whose logits are not finite")
     d(flags.DEFINE_bool, "exact", False, "the target's batch-invariant forward (DecodeSpec.exact): greedy chain / "
       "ddtree == ar token for token in bfloat16 too; one device or a data-only mesh")
+    d(flags.DEFINE_bool, "device_loop", False, "the decode loop as one CUDA graph on the GPU (DecodeSpec.device_loop: "
+      "no host round trip between rounds; the CPU ignores it)")
     cli.define_overwrite(fv)
     cli.define_process_flags(fv)
 
@@ -151,7 +153,8 @@ def check(f) -> Inputs:
         model_dir.RANDOM_BLOCK_SIZE if f.block_size is None else f.block_size)
     spec = make_spec(f.policy, f.budget, f.auto_budgets, block_size=block, temperature=f.temperature,
                      max_new_tokens=f.max_new_tokens, eos_token_ids=eos_ids,
-                     check_finite=f.check_finite, exact=f.exact)
+                     check_finite=f.check_finite, exact=f.exact,
+                     device_loop=f.device_loop)
     cache_len = f.cache_len or None
     check_spec(spec, target, drafter, prompts, cache_len or Decoder.default_cache_len(spec, prompts), mesh)
     with cli.about(f, "init"):

@@ -55,6 +55,8 @@ class DecodeSpec:
     auto_budgets: tuple[int, ...] = ()  # ddtree: choose B per round among these (0 = AR round); () = fixed `budget`
     check_finite: bool = True  # stop at the first round whose target logits hold NaN / inf (Decoder.generate raises)
     exact: bool = False  # the target's batch-invariant forward: greedy chain / ddtree == ar bitwise in bf16 too
+    device_loop: bool = False  # the loop's while and conditionals as CUDA graph nodes on the GPU (`loop_jit_options`):
+    # no host round trip between rounds; the CPU ignores it
 
     @property
     def auto(self) -> bool:
@@ -437,7 +439,7 @@ class Decoder:
         spec = dataclasses.replace(spec, budget=spec.tree_budget, topk=spec.tree_topk)  # chain ignores the budget
         key = (spec, num_streams, prompt_len, cache_len)
         if key not in self._compiled:
-            options = batch_invariant.jit_options(spec.exact)
+            options = loop_jit_options(spec)
             if self.mesh is None:
                 fn = jax.jit(functools.partial(self._run, spec), donate_argnums=(2, 3), **options)
             else:
@@ -470,6 +472,22 @@ class Decoder:
         else:
             step = functools.partial(decode_round, target, drafter, spec)
         return jax.lax.while_loop(functools.partial(running, spec, limit), step, state)
+
+
+# XLA:GPU's command buffer types with the while loop and conditionals captured too (xla_gpu_enable_command_buffer;
+# XLA's default set leaves WHILE and CONDITIONAL out, so the host reads a while loop's predicate after every iteration
+# and launches the body again).
+DEVICE_LOOP_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
+def loop_jit_options(spec: DecodeSpec) -> dict:
+    """jax.jit's keywords for the decode loop of `spec`: the exact mode's (`batch_invariant.jit_options`) and, with
+    spec.device_loop, DEVICE_LOOP_COMMAND_BUFFERS, so that the whole loop runs as one CUDA graph without the host
+    between rounds (experiments/notes/decode.md, "The loop's round trip per round")."""
+    options = dict(batch_invariant.jit_options(spec.exact).get("compiler_options", {}))
+    if spec.device_loop:
+        options["xla_gpu_enable_command_buffer"] = DEVICE_LOOP_COMMAND_BUFFERS
+    return dict(compiler_options=options) if options else {}
 
 
 def fixed_loop_spec(spec: DecodeSpec, budget: int) -> DecodeSpec:

@@ -1,5 +1,6 @@
 """experiments/bench_k26.py: the whole script at tiny scale on 8 fake CPU devices (a child process), its floors at
 the full Kimi K2.6 shapes, and its reading of collectives from compiled HLO text."""
+import contextlib
 import importlib.util
 import json
 import math
@@ -281,3 +282,15 @@ def test_flag_errors_and_append_guard(tmp_path):
     with pytest.raises(ValueError, match="another moe_launcher"):
         bench.previous_results(str(path), dict(meta, moe_launcher="ffi"))
     assert bench.previous_results(str(tmp_path / "none.json"), meta) is None
+
+
+def test_profiling_also_annotates_the_step_loops_calls(monkeypatch):
+    """With --profile_dir each step loop's calls are annotated "k26|<case> loop|<i>" (device_profile's loop rows);
+    without it nothing more runs."""
+    names, calls = [], []
+    monkeypatch.setattr(bench.jax.profiler, "TraceAnnotation",
+                        lambda name: names.append(name) or contextlib.nullcontext())
+    bench.profile_loop_calls(lambda: calls.append(1), "ar S=1 T=1 loop", {"profile": False})
+    assert not names and not calls
+    bench.profile_loop_calls(lambda: calls.append(1), "ar S=1 T=1 loop", {"profile": True})
+    assert names == [f"k26|ar S=1 T=1 loop|{i}" for i in range(3)] and len(calls) == 3

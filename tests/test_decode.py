@@ -391,3 +391,16 @@ def test_rounds_per_check_changes_nothing_but_the_checks(oracle_decoder):
     np.testing.assert_array_equal(batched.taus, once.taus)
     with pytest.raises(ValueError, match="rounds_per_check"):
         decoder.generate(PROMPTS, dataclasses.replace(spec, rounds_per_check=0))
+
+
+def test_the_device_loop_is_a_compile_option_of_the_same_loop(draft_decoder):
+    """DecodeSpec.device_loop adds XLA:GPU's WHILE / CONDITIONAL command buffers to the loop's compile options (beside
+    the exact mode's) and nothing else: on the CPU, which ignores them, the tokens are the default loop's."""
+    from kdtree_jax.decode import DEVICE_LOOP_COMMAND_BUFFERS, loop_jit_options
+    assert loop_jit_options(DecodeSpec()) == {}
+    options = loop_jit_options(DecodeSpec(device_loop=True, exact=True))["compiler_options"]
+    assert options["xla_gpu_enable_command_buffer"] == DEVICE_LOOP_COMMAND_BUFFERS
+    assert options["xla_allow_excess_precision"] is False
+    spec = DecodeSpec(policy="ddtree", budget=6, block_size=BLOCK, max_new_tokens=12)
+    want = draft_decoder.generate(PROMPTS, spec).tokens
+    assert draft_decoder.generate(PROMPTS, dataclasses.replace(spec, device_loop=True)).tokens == want
