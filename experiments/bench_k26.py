@@ -308,12 +308,13 @@ def _share_init(name: str, full_shape: tuple, shape: tuple, dtype):
     """A jitted key -> random param of the share's `shape`, drawn as the model draws the whole param `full_shape`:
     norms ones, the router's correction bias zeros, the embedding N(0, 0.02), every other weight a truncated
     normal over the whole param's fan-in (the dense weights' last axis, [out..., in]; o_proj [D, H, V]: heads x head
-    dim; kv_b_proj [C, H, P + V]: its first axis)."""
+    dim; kv_b_proj [C, H, P + V]: its first axis; the bf16 expert stacks [E, in, out]: their second)."""
     if name == "weight":
         return jax.jit(lambda key: jnp.ones(shape, dtype))
     if name == "e_score_correction_bias":
         return jax.jit(lambda key: jnp.zeros(shape, dtype))
-    fan_in = {"o_proj": math.prod(full_shape[1:]), "kv_b_proj": full_shape[0]}.get(name, full_shape[-1])
+    fan_in = {"o_proj": math.prod(full_shape[1:]), "kv_b_proj": full_shape[0], "w_gate": full_shape[1],
+              "w_up": full_shape[1], "w_down": full_shape[1]}.get(name, full_shape[-1])
     scale = 0.02 if name == "embed_tokens" else fan_in ** -0.5
     return jax.jit(lambda key: (jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) * scale).astype(dtype))
 

@@ -54,11 +54,14 @@ def save(directory: str, model: Transformer | Drafter, step: int = 0) -> str:
 def upgrade(old: str, new: str) -> str:
     """Convert OLD's latest step, whose dense weights are stored [in, out...] (saved before the model stored them
     [out..., in]), into a new checkpoint NEW in the current layout (`to_out_in`); returns NEW's absolute path. The
-    config and every value are kept: the converted model computes the same function. Raises ValueError when OLD is
-    already current or NEW exists. Command line: python -m kdtree_jax.checkpoint OLD NEW."""
+    config and every value are kept: the converted model computes the same function. Raises ValueError when OLD
+    records a layout (current or unknown) or NEW exists. The whole checkpoint passes through this process's first
+    device (the shipped checkpoints' size; a K2.6-sized model comes from its HF directory instead). Command line:
+    python -m kdtree_jax.checkpoint OLD NEW."""
     meta = read_meta(old, any_layout=True)
-    if meta.get("dense_layout") == DENSE_LAYOUT:
-        raise ValueError(f"checkpoint {old} already stores its dense weights {DENSE_LAYOUT!r}; use it as it is")
+    if "dense_layout" in meta:
+        raise ValueError(f"checkpoint {old} stores its dense weights {meta['dense_layout']!r}, not the old layout "
+                         f"(no \"dense_layout\" in its meta); there is nothing to convert")
     if os.path.exists(new):
         raise ValueError(f"{new} exists; pass a new directory for the converted checkpoint")
     old = os.path.abspath(old)

@@ -10,12 +10,12 @@ A published drafter directory holds a Qwen3-style `config.json` (architectures [
              layers.{i}.mlp.gate_proj / up_proj .weight [I, D], down_proj.weight [D, I]
              fc.weight [D, K*D] (K = len(target_layer_ids)), hidden_norm.weight [D], norm.weight [D]
   (names may carry a `model.` prefix; there is no embedding or lm_head: the drafter uses the target's).
-The math is ours (kdtree_jax/drafter.py): the context feature hidden_norm(fc(concat of the target layers' outputs))
-is projected into every layer's K/V, the block attends non-causally to context + block, q/k are RMS-normed per head
-then rotated. Torch Linear weights are [out, in], as ours (ours split `out` into heads: q_proj [H, hd, D], o_proj's
-`in` into [H, hd]); one layout difference is converted here: the published RoPE turns dims (i, i + hd/2) together where ours turns (2i, 2i+1); q_proj / k_proj columns and the
-q_norm / k_norm weights are permuted per head on the way in and back on the way out, which leaves every attention
-score unchanged.
+The math is ours (kdtree_jax/drafter.py): the context feature hidden_norm(fc(concat of the target layers' outputs)) is
+projected into every layer's K/V, the block attends non-causally to context + block, q/k are RMS-normed per head then
+rotated. Torch Linear weights are [out, in], as ours (ours split `out` into heads: q_proj [H, hd, D], o_proj's `in`
+into [H, hd]); one layout difference is converted here: the published RoPE turns dims (i, i + hd/2) together where
+ours turns (2i, 2i+1); q_proj / k_proj head-dim rows and the q_norm / k_norm weights are permuted per head on the way
+in and back on the way out, which leaves every attention score unchanged.
 
 `target_layer_ids` name the hidden state after target layer i (HF `output_hidden_states[i + 1]`, SGLang's capture
 before layer i + 1), which is the residual stream our Transformer returns, for every layer but the last: there HF

@@ -3,10 +3,11 @@
 Import streams tensor by tensor: each of our params is read, converted and placed before the next is touched, and the
 routed experts are stacked into one host array [E, ...] filled expert by expert, so the host never holds more than one
 param. HF Linear weights are [out, in], and so are our dense weights, their axes split (q_b_proj [H, P+R, Q], o_proj
-[D, H, V]): a reshape, the HF head-major order kept; kv_b_proj [C, H, P+V] and the bf16 expert stacks (w_gate
-[E, D, I], ...) are ours [in, ...out]: a transpose then a reshape. Routed experts in INT4 (`weight_packed`, `weight_scale`, `weight_shape`) are dequantized into the model dtype. Tensor names may carry the
-`language_model.` prefix of K2.5/K2.6; tensors of other towers and MTP layers (index >= num_layers) are ignored.
-Export writes the same layout (config.json + safetensors, INT4 experts packed on request).
+[D, H, V]): a reshape, the HF head-major order kept; kv_b_proj [C, H, P+V] and the bf16 expert stacks (w_gate [E, D,
+I], ...) are ours [in, ...out]: a transpose then a reshape. Routed experts in INT4 (`weight_packed`, `weight_scale`,
+`weight_shape`) are dequantized into the model dtype. Tensor names may carry the `language_model.` prefix of
+K2.5/K2.6; tensors of other towers and MTP layers (index >= num_layers) are ignored. Export writes the same layout
+(config.json + safetensors, INT4 experts packed on request).
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def matmul(x, w, *, norm_weight=None, eps: float = 1e-6, residual=None, out_dtyp
     `skinny_matmul` where `ops.exact_dense_takes` (kernels compiled on the GPU), else fixed-shape tiles.
     norm_weight [K]: the RMSNorm of x by it first, in the kernel's prologue (no launch of its own) or as `rms_norm`
     before the tiles; the two round differently, and a given shape always takes the same one. residual [..., N]:
-    added to the product rounded to out_dtype (residual + round(x @ w), in f32, rounded), in the kernel's epilogue
+    added to the product rounded to out_dtype (residual + round(x @ w^T), in f32, rounded), in the kernel's epilogue
     or after the tiles: the same numbers either way."""
     lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
     rows = x.reshape(-1, k)

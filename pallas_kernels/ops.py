@@ -226,10 +226,10 @@ def set_dense_kernel(on: bool = False) -> None:
 
 
 def dense_takes(x, w) -> bool:
-    """Whether `dense` runs the kernel for x [..., K] @ w^T, w [N, K]: set_dense_kernel(True), kernels running on the GPU,
-    one dtype, and the shapes the kernel is built for (`bench_kernels --sections=skinny`, the tp=8 share's products):
-    at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the caller keeps
-    sharded products on XLA.)"""
+    """Whether `dense` runs the kernel for x [..., K] @ w^T, w [N, K]: set_dense_kernel(True), kernels running on the
+    GPU, one dtype, and the shapes the kernel is built for (`bench_kernels --sections=skinny`, the tp=8 share's
+    products): at most MAX_DENSE_ROWS rows and K >= MIN_DENSE_K. (A Triton call has no GSPMD partitioning: the
+    caller keeps sharded products on XLA.)"""
     rows = x.size // x.shape[-1]
     return (_dense["kernel"] and _compiled_on_gpu() and 0 < rows <= MAX_DENSE_ROWS and x.shape[-1] >= MIN_DENSE_K
             and x.shape[-1] % 64 == 0 and x.dtype == w.dtype)

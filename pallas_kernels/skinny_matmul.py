@@ -16,7 +16,7 @@ Fusions: `norm_weight` applies the RMSNorm that feeds the product: rmsnorm(x) w 
 per row, so a program multiplies its slab of x by g on the way into the product and sums the slab's squares on the
 same pass, and the row's scale is applied to the f32 sum at the end (after the splits are added). x g is rounded to
 x's dtype where the reference rounds x * scale * g: the results differ by that rounding. `residual` adds the
-layer's residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w)`
+layer's residual stream in the epilogue, rounding the product to the output dtype first, as `residual + (x @ w^T)`
 does.
 
 Row invariance: the tiling is `default_tiling(K, N)`, never a function of M, and every program multiplies a whole

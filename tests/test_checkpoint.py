@@ -206,5 +206,5 @@ def test_a_checkpoint_of_the_old_layout_is_refused_then_upgraded(tmp_path, targe
     with pytest.raises(ValueError, match=r"stores its dense weights as 'in_out' .* python -m kdtree_jax.checkpoint "):
         restore(old)
     _assert_same_params(restore(checkpoint.upgrade(old, tmp_path / "upgraded")), model)
-    with pytest.raises(ValueError, match="already stores its dense weights"):
+    with pytest.raises(ValueError, match="there is nothing to convert"):
         checkpoint.upgrade(saved, tmp_path / "again")

@@ -330,3 +330,16 @@ def test_training_scripts_write_checkpoints_that_restore(tmp_path):
     drafter = checkpoint.restore_drafter(drafter_run.out, restored.cfg)
     assert drafter.cfg == _small_drafter(cfg) and drafter.fc[...].dtype == jnp.bfloat16
     assert os.path.getsize(os.path.join(run.results_dir, "train_drafter_loss.png")) > 0
+
+
+def test_a_train_state_of_the_old_dense_layout_is_not_resumed(tmp_path, monkeypatch):
+    """A train state saved before the dense weights were stored [out..., in] (its meta without the layout) is refused
+    by name, not restored transposed (a square weight would fit) nor failed with orbax's shape error."""
+    from kdtree_jax import checkpoint
+    like = TrainState({"w": jnp.ones((4, 4))}, {"m": jnp.zeros((4, 4))})
+    store = StateCheckpointer(str(tmp_path / "state"), {"config": "x"})
+    monkeypatch.setattr(checkpoint, "DENSE_LAYOUT", None)          # as saved before the layout was recorded
+    store.save(1, like, {"step": 1}, BestParams(keep=False))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"dense weights and their optimizer moments \[in, out...\]"):
+        store.restore(like, keep_best=False)

@@ -5,8 +5,8 @@ for M = 1, 8, 33 and 64 rows (AR at 1 and 8 streams, a B=32 verify at one stream
 
     cases      PRODUCTS: q_a (with input_layernorm), kv_a, q_b (with q_a_norm), o_proj (with the residual add), the
                shared expert's gate and up (with post_attention_layernorm) and down, the router (f32); x and w random
-    variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: longer
-               contiguous runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
+    variants   kernel (default_tiling), n128 (128 columns a program), n256_k64 (256 columns, 64-deep steps: with the
+               weight [N, K], 128-byte runs of each weight row per load), fma (M <= 8: multiply-adds on the CUDA cores, no
                16-row tensor-core tile; 32-deep steps), fma_k64 (the same, 64-deep: twice the bytes a load, twice
                the accumulator's registers), xla (XLA's product with the weight as the model stores it, [N, K]:
                at small M its GEMV reduces along contiguous memory) and xla_kn: the same product with the weight

@@ -150,7 +150,7 @@ def save_model(directory: str, module: nnx.Module) -> int:
     kind already in `directory`; returns the checkpoint's size in bytes."""
     if os.path.isdir(directory) and os.listdir(directory):
         try:
-            kind = checkpoint.read_meta(directory)["kind"]
+            kind = checkpoint.read_meta(directory, any_layout=True)["kind"]
         except ValueError as e:
             raise ValueError(f"{directory} exists and holds no checkpoint ({e}); choose another --out") from e
         want = checkpoint.TARGET if isinstance(module, Transformer) else checkpoint.DRAFTER

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from kdtree_jax import checkpoint
+
 
 class TrainState(NamedTuple):
     """What a train step updates (and donates): the float32 master params and the optimizer's state."""
@@ -70,7 +72,8 @@ class StateCheckpointer:
         tree = state._asdict()
         if best.params is not None:
             tree["best_params"] = best.params
-        meta = {**meta, "identity": self.identity, "best": best.summary(), "best_params": best.params is not None}
+        meta = {**meta, "identity": self.identity, "best": best.summary(), "best_params": best.params is not None,
+                "dense_layout": checkpoint.DENSE_LAYOUT}
         with self._manager() as mngr:
             mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
                       force=True)
@@ -89,6 +92,10 @@ class StateCheckpointer:
             if meta.get("identity") != self.identity:
                 raise ValueError(f"the train state in {self.directory} belongs to another run (config or target "
                                  f"differ); drop --resume or use another --state_dir")
+            if meta.get("dense_layout") != checkpoint.DENSE_LAYOUT:
+                raise ValueError(f"the train state in {self.directory} holds its dense weights and their optimizer "
+                                 f"moments [in, out...] (saved before the model stored them [out..., in]); it cannot "
+                                 f"be resumed: drop --resume or use another --state_dir")
             tree = like._asdict()
             if meta["best_params"]:
                 tree["best_params"] = like.params
