@@ -80,7 +80,7 @@ from kdtree_jax import config as config_lib
 from kdtree_jax import model_dir, sharding
 from kdtree_jax.cache import KVCache
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.decode import pick_tokens
+from kdtree_jax.decode import DEVICE_LOOP_COMMAND_BUFFERS, pick_tokens
 from kdtree_jax.model.layers import dtype_of
 from kdtree_jax.model.moe import random_int4_experts
 from kdtree_jax.model.transformer import Transformer
@@ -776,8 +776,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       "report its collectives, memory analysis and floors, no times (e.g. the full model on 8 fake "
                       "CPU devices)", flag_values=fv)
     flags.DEFINE_string("command_buffers", "", "XLA:GPU's command buffer types for the steps' compiles (the "
-                        "xla_gpu_enable_command_buffer option, e.g. 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
-                        "CONDITIONAL': the loop's while as a CUDA graph); empty: XLA's default", flag_values=fv)
+                        f"xla_gpu_enable_command_buffer option, e.g. {DEVICE_LOOP_COMMAND_BUFFERS!r}, the decode "
+                        "loop's `DecodeSpec.device_loop` set: the loop's while as a CUDA graph); empty: XLA's default",
+                        flag_values=fv)
     flags.DEFINE_bool("fast_compile", False, "compile the steps with XLA's cheap CPU passes (smoke runs only)",
                       flag_values=fv)
     flags.DEFINE_integer("seed", 0, "seed of params, cache, tokens and trees", flag_values=fv)
